@@ -1,0 +1,115 @@
+"""v41graph's custom ops (`torch.ops.v41graph.*`): schema + fake impl + reference impl.
+
+These are the operations that later get fast kernels, fusions or stream placement. The model
+calls them through `torch.ops.v41graph`, so the compiler sees one node per op. Cache writes
+mutate their cache arguments in place (`mutates_args`). Fast implementations register for
+their device key on top of the CPU/reference registration here.
+"""
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from . import reference as ref
+
+_NS = "v41graph"
+
+
+# ----------------------------------------------------------------------------- cache writes
+@custom_op(f"{_NS}::window_kv_write", mutates_args=("cache", "scale"))
+def window_kv_write(cache: torch.Tensor, scale: torch.Tensor, kv: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    ref.window_kv_write(cache, scale, kv, slot_mapping)
+
+
+@custom_op(f"{_NS}::global_kv_write", mutates_args=("cache", "scale"))
+def global_kv_write(cache: torch.Tensor, scale: torch.Tensor, kv: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    ref.global_kv_write(cache, scale, kv, slot_mapping)
+
+
+@custom_op(f"{_NS}::index_k_write", mutates_args=("cache", "scale"))
+def index_k_write(cache: torch.Tensor, scale: torch.Tensor, k: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    ref.index_k_write(cache, scale, k, slot_mapping)
+
+
+# ----------------------------------------------------------------------------- attention
+@custom_op(f"{_NS}::sparse_attention", mutates_args=())
+def sparse_attention(q: torch.Tensor, window_pool: torch.Tensor, window_rows: torch.Tensor,
+                     global_cache: torch.Tensor, global_scale: torch.Tensor,
+                     global_rows: torch.Tensor, sink: torch.Tensor,
+                     softmax_scale: float) -> torch.Tensor:
+    """q [N,H,D]; window_pool [P,D] (dequantized window rows: ring + this call's rows);
+    window_rows [N,W] into the pool; global cache FP4 [R,D/2] + E4M3 scales [R,D/16];
+    global_rows [N,K] (may have K = 0). -1 = empty. Window rows come first in the list."""
+    win = window_pool.index_select(0, window_rows.clamp_min(0).flatten()).view(
+        *window_rows.shape, window_pool.shape[-1])
+    parts, valid = [win.to(q.dtype)], [window_rows >= 0]
+    if global_rows.shape[-1] > 0:
+        parts.append(ref.gather_global_kv(global_cache, global_scale, global_rows, q.dtype))
+        valid.append(global_rows >= 0)
+    return ref.sparse_attention(q, torch.cat(parts, 1), torch.cat(valid, 1), sink, softmax_scale)
+
+
+@sparse_attention.register_fake
+def _(q, window_pool, window_rows, global_cache, global_scale, global_rows, sink, softmax_scale):
+    return torch.empty_like(q)
+
+
+# ----------------------------------------------------------------------------- indexer
+@custom_op(f"{_NS}::indexer_topk", mutates_args=())
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
+                 key_scale: torch.Tensor, key_rows: torch.Tensor, visible: torch.Tensor,
+                 topk: int, candidate_block_size: int,
+                 candidate_keep_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score every visible compressed position, take the top-k (ascending, -1 padded).
+
+    key_rows [N, C]: cache row of compressed position c for each query (-1 = none);
+    visible [N, C]: positions this query may select (causal, and for Reindex layers the
+    candidate mask). Returns (topk_ids [N, topk] compressed positions, candidates [N, C] bool):
+    when candidate_keep_blocks > 0 the candidate-block mask of this layer's scores, else
+    `visible` unchanged.
+    """
+    keys = ref.gather_index_k(key_cache, key_scale, key_rows, q.dtype)
+    scores = ref.indexer_scores(q, weights, keys, visible)
+    ids = ref.topk_ascending(scores, topk)
+    if candidate_keep_blocks > 0:
+        cand = ref.candidate_block_mask(scores, visible.sum(-1), candidate_block_size,
+                                        candidate_keep_blocks) & visible
+    else:
+        cand = visible.clone()
+    return ids, cand
+
+
+@indexer_topk.register_fake
+def _(q, weights, key_cache, key_scale, key_rows, visible, topk, candidate_block_size,
+      candidate_keep_blocks):
+    n = q.shape[0]
+    return q.new_empty((n, topk), dtype=torch.int64), torch.empty_like(visible)
+
+
+# ----------------------------------------------------------------------------- Engram
+@custom_op(f"{_NS}::engram_hash", mutates_args=())
+def engram_hash(compressed_ids: torch.Tensor, history: torch.Tensor, multipliers: torch.Tensor,
+                primes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Row ids [N, L, (n-1)*heads] of every Engram table for each token (see engram_hash.py)."""
+    from v41graph.engram_hash import engram_hash_ids
+    return engram_hash_ids(compressed_ids, history, multipliers, primes, offsets)
+
+
+@engram_hash.register_fake
+def _(compressed_ids, history, multipliers, primes, offsets):
+    return compressed_ids.new_empty((*compressed_ids.shape, *offsets.shape))
+
+
+@custom_op(f"{_NS}::engram_gather", mutates_args=())
+def engram_gather(table: torch.Tensor, scale: torch.Tensor, row_ids: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 table rows (+E8M0/32 scales) gathered and dequantized: [N, M] -> [N, M*Dh]."""
+    return ref.engram_gather(table, scale, row_ids, out_dtype)
+
+
+@engram_gather.register_fake
+def _(table, scale, row_ids, out_dtype):
+    return table.new_empty((*row_ids.shape[:-1], row_ids.shape[-1] * table.shape[-1]), dtype=out_dtype)

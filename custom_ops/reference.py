@@ -1,0 +1,177 @@
+"""Pure-torch reference implementations of v41graph's custom ops: the specification.
+
+Every function here is static-shape (no `.item()`, no data-dependent shapes) so the same code
+runs inside a captured graph. Fast implementations (Triton / NPU) are checked against these.
+
+Index conventions: a row index of -1 means "empty" (skipped on write, score -inf on read).
+"""
+from __future__ import annotations
+
+import torch
+
+from .codecs import (dequant_fp4_e4m3, dequant_fp4_ue8m0, dequant_fp8_ue8m0, e8m0_to_float,
+                     quant_fp4_e4m3, quant_fp4_ue8m0, quant_fp8_ue8m0)
+
+
+# ----------------------------------------------------------------------------- cache writes
+def _masked_row_write(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """dst.view(-1, last)[rows] = values, skipping rows == -1, with static shapes.
+
+    Skipped rows are redirected to the target of the last valid row with that row's value (or,
+    when nothing is valid, to row 0 with its own contents), so duplicate targets always carry
+    identical values and the write is deterministic on every backend.
+    """
+    flat = dst.view(-1, dst.shape[-1])
+    values = values.reshape(-1, dst.shape[-1]).view(flat.dtype)
+    valid = rows >= 0
+    n = rows.shape[0]
+    last_valid = (valid.to(torch.int64) * torch.arange(1, n + 1, device=rows.device)).argmax()
+    any_valid = valid.any()
+    fallback_row = torch.where(any_valid, rows[last_valid], torch.zeros_like(rows[0]))
+    fallback_val = torch.where(any_valid, values[last_valid], flat[0])
+    targets = torch.where(valid, rows, fallback_row)
+    vals = torch.where(valid.unsqueeze(-1), values, fallback_val.unsqueeze(0))
+    flat.index_copy_(0, targets, vals)
+
+
+def window_kv_write(cache: torch.Tensor, scale: torch.Tensor, kv: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """Window KV: FP8 E4M3 with one UE8M0 scale per 32 channels (all channels, RoPE included).
+    cache [..., D] uint8 (E4M3 bits), scale [..., D/32] uint8, kv [N, D], slot_mapping [N]."""
+    q, s = quant_fp8_ue8m0(kv, 32)
+    _masked_row_write(cache, slot_mapping, q.view(torch.uint8))
+    _masked_row_write(scale, slot_mapping, s)
+
+
+def global_kv_write(cache: torch.Tensor, scale: torch.Tensor, kv: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """Main (global) KV: FP4 E2M1 packed + one E4M3 scale per 16 channels (288 B per 512-d row).
+    cache [..., D/2] uint8, scale [..., D/16] uint8 (E4M3 bits)."""
+    q, s = quant_fp4_e4m3(kv, 16)
+    _masked_row_write(cache, slot_mapping, q)
+    _masked_row_write(scale, slot_mapping, s.view(torch.uint8))
+
+
+def index_k_write(cache: torch.Tensor, scale: torch.Tensor, k: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Index keys: FP4 E2M1 packed + one UE8M0 scale per 32 channels (68 B per 128-d row)."""
+    q, s = quant_fp4_ue8m0(k, 32)
+    _masked_row_write(cache, slot_mapping, q)
+    _masked_row_write(scale, slot_mapping, s)
+
+
+# ----------------------------------------------------------------------------- cache reads
+def _gather_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    flat = cache.view(-1, *cache.shape[-1:])
+    return flat.index_select(0, rows.clamp_min(0).flatten()).view(*rows.shape, cache.shape[-1])
+
+
+def gather_window_kv(cache: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    q = _gather_rows(cache, rows).view(torch.float8_e4m3fn)
+    return dequant_fp8_ue8m0(q, _gather_rows(scale, rows), 32).to(dtype)
+
+
+def gather_global_kv(cache: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    s = _gather_rows(scale, rows).view(torch.float8_e4m3fn)
+    return dequant_fp4_e4m3(_gather_rows(cache, rows), s, 16).to(dtype)
+
+
+def gather_index_k(cache: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    return dequant_fp4_ue8m0(_gather_rows(cache, rows), _gather_rows(scale, rows), 32).to(dtype)
+
+
+# ----------------------------------------------------------------------------- attention
+SPARSE_ATTN_BLOCK = 64
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                     softmax_scale: float) -> torch.Tensor:
+    """Attention of each query over its own list of KV rows, with a per-head sink.
+
+    q [N, H, D]; kv [N, S, D] (the gathered rows, K = V); valid [N, S] bool; sink [H] fp32.
+    Online softmax over blocks of 64 rows in list order (as the kernels do): logits in fp32,
+    running max starting at -1e30, P cast to q's dtype before P.V with fp32 accumulation, and the
+    sink exp(sink - m) added to the denominator only. Returns [N, H, D] in q's dtype.
+    """
+    n, h, d = q.shape
+    qf = q.float()
+    m = torch.full((n, h), -1e30, dtype=torch.float32, device=q.device)
+    denom = torch.zeros((n, h), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((n, h, d), dtype=torch.float32, device=q.device)
+    for start in range(0, kv.shape[1], SPARSE_ATTN_BLOCK):
+        k_blk = kv[:, start:start + SPARSE_ATTN_BLOCK]
+        s = torch.einsum("nhd,nsd->nhs", qf, k_blk.float()) * softmax_scale
+        s = s.masked_fill(~valid[:, None, start:start + SPARSE_ATTN_BLOCK], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new.unsqueeze(-1))
+        denom = denom * alpha + p.sum(-1)
+        pv = torch.einsum("nhs,nsd->nhd", p.to(q.dtype).float(), k_blk.float())
+        acc = acc * alpha.unsqueeze(-1) + pv
+        m = m_new
+    denom = denom + torch.exp(sink.float().unsqueeze(0) - m)
+    return (acc / denom.unsqueeze(-1)).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- indexer
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                   visible: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer score I[n, c] = sum_h w[n, h] * relu(q[n, h] . k[n, c]).
+
+    q [N, Hi, Di], weights [N, Hi], keys [N, C, Di] (each query's gathered keys), visible [N, C].
+    Computed in q's dtype like the reference (bf16 there); invisible entries are -inf.
+    """
+    logits = torch.einsum("nhd,ncd->nhc", q, keys.to(q.dtype))
+    score = (logits.relu() * weights.unsqueeze(-1)).sum(dim=1)
+    return score.masked_fill(~visible, float("-inf"))
+
+
+def candidate_block_mask(scores: torch.Tensor, visible_count: torch.Tensor, block_size: int,
+                         keep_blocks: int) -> torch.Tensor:
+    """Hierarchical candidates: block score = max over `block_size` consecutive compressed
+    positions; the block holding the newest visible position is pinned to +inf; keep the
+    top-`keep_blocks` blocks with a finite (or pinned) score. Returns a [N, C] bool mask."""
+    n, c = scores.shape
+    n_blocks = (c + block_size - 1) // block_size
+    padded = torch.nn.functional.pad(scores.float(), (0, n_blocks * block_size - c), value=float("-inf"))
+    block_score = padded.view(n, n_blocks, block_size).amax(-1)
+    newest = ((visible_count - 1).clamp_min(0) // block_size).unsqueeze(-1)
+    has_visible = (visible_count > 0).unsqueeze(-1)
+    block_ids = torch.arange(n_blocks, device=scores.device).unsqueeze(0)
+    block_score = torch.where((block_ids == newest) & has_visible, float("inf"), block_score)
+    k = min(keep_blocks, n_blocks)
+    order = torch.sort(block_score, dim=-1, descending=True, stable=True).indices[:, :k]
+    chosen_score = block_score.gather(1, order)
+    keep = torch.zeros((n, n_blocks), dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, order, chosen_score > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=1)[:, :c]
+
+
+def topk_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k column ids per row, ties to the lower id, re-sorted ascending; entries whose score
+    is -inf become -1 and go to the end. Fixed width k (padded with -1)."""
+    n, c = scores.shape
+    width = min(k, c)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :width]
+    finite = scores.gather(1, order) > float("-inf")
+    big = torch.iinfo(torch.int64).max
+    ids = torch.where(finite, order, torch.full_like(order, big)).sort(dim=-1).values
+    ids = torch.where(ids == big, torch.full_like(ids, -1), ids)
+    if width < k:
+        ids = torch.nn.functional.pad(ids, (0, k - width), value=-1)
+    return ids
+
+
+# ----------------------------------------------------------------------------- Engram
+def engram_gather(table: torch.Tensor, scale: torch.Tensor, row_ids: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Rows of an FP8 E4M3 table with one E8M0 scale per 32, dequantized and concatenated:
+    table [R, Dh], scale [R, Dh/32], row_ids [N, M] -> [N, M*Dh]."""
+    rows = table.index_select(0, row_ids.flatten())
+    rows = (rows.view(torch.float8_e4m3fn) if rows.dtype == torch.uint8 else rows).float()
+    s = e8m0_to_float(scale.index_select(0, row_ids.flatten()))
+    vals = (rows.unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2)
+    return vals.to(dtype).view(*row_ids.shape[:-1], -1)

@@ -1,0 +1,1 @@
+"""FX passes of the v41graph backend (installed as v41graph.passes)."""

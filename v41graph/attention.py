@@ -1,0 +1,250 @@
+"""CSA2 attention (MODEL.md §4): sliding window + compressed global sparse attention with sinks.
+
+One module per layer; what it does depends on its LayerRole:
+  window   attend to the last W positions only
+  full     also compress (ratio 1: Linear + RMSNorm; ratio 2: fp32 pairwise softmax pooling),
+           write global KV + index keys, score with the lightning indexer, take the top-k
+  reindex  own indexer query, scored only inside the candidate source's candidate blocks
+  reuse    attend with the index source's top-k over the kv source's cache
+
+Everything works on a flat batch of N tokens (see cache.AttentionMetadata) with static shapes.
+Freshly computed rows are used exactly as the cache stores them (quantized), so a prefill and
+the equivalent token-by-token decode see the same numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from v41graph.custom_ops import codecs, reference
+from .cache import COMPRESSOR_RING, AttentionMetadata, ModelCaches
+from .config import V41Config
+from .layer_plan import LayerRole
+from .layers import Linear, RMSNorm, weight_fmt, apply_rope, rope_inv_freqs, rope_rotation
+
+ops = torch.ops.v41graph
+
+
+@dataclass
+class StepContext:
+    """Per-forward tensors derived once from the metadata and shared by all layers."""
+    meta: AttentionMetadata
+    caches: ModelCaches
+    positions: torch.Tensor      # [N]
+    tok_seq: torch.Tensor        # [N] batch index
+    tok_slot: torch.Tensor       # [N] cache slot
+    tok_chunk_start: torch.Tensor
+    tok_seq_len: torch.Tensor
+    tok_qstart: torch.Tensor     # [N] first token of this token's sequence in the batch
+    topk: dict = field(default_factory=dict)        # index source layer -> [N, K] positions
+    candidates: dict = field(default_factory=dict)  # candidate source -> [N, C] bool
+    debug: dict | None = None
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, caches: ModelCaches, positions: torch.Tensor,
+              debug: dict | None = None) -> "StepContext":
+        s = meta.token_seq
+        return cls(meta, caches, positions, s, meta.seq_slot[s], meta.chunk_start[s],
+                   meta.seq_len[s], meta.query_start[s], debug=debug)
+
+    def fresh_or_ring_rows(self, pos: torch.Tensor, ring: int) -> torch.Tensor:
+        """Rows of a (ring state ++ this call's tokens) pool for positions `pos` [N, M] of each
+        token's own sequence: this call's tokens after the slot*ring ring rows."""
+        n_ring_rows = self.caches.num_slots * ring
+        in_chunk = pos >= self.tok_chunk_start.unsqueeze(-1)
+        fresh = n_ring_rows + self.tok_qstart.unsqueeze(-1) + (pos - self.tok_chunk_start.unsqueeze(-1))
+        ring_row = self.tok_slot.unsqueeze(-1) * ring + pos.remainder(ring)
+        return torch.where(in_chunk, fresh, ring_row)
+
+    def compressed_rows(self, ratio: int, capacity: int) -> torch.Tensor:
+        """Paged cache rows [N, capacity] of compressed positions 0..capacity-1 (-1 = no block)."""
+        rows_per_block = self.caches.block_size // ratio
+        j = torch.arange(capacity, device=self.positions.device)
+        block = self.meta.block_table[self.tok_seq][:, j // rows_per_block]
+        return torch.where(block >= 0, block * rows_per_block + j % rows_per_block, -1)
+
+
+class Compressor(nn.Module):
+    """Compressed (global) KV of a Full layer: one latent per group of `ratio` tokens."""
+
+    def __init__(self, config: V41Config, ratio: int):
+        super().__init__()
+        d, self.ratio = config.head_dim, ratio
+        if ratio == 1:
+            self.wkv = Linear(config.hidden_size, d)            # Linear -> RMSNorm: P1's target
+        else:
+            self.wkv = Linear(config.hidden_size, d, dtype=torch.float32)
+            self.wgate = Linear(config.hidden_size, d, dtype=torch.float32)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, layer_id: int):
+        """Latents [N, D] (pre-RoPE) and the group index of each token that completes a group
+        (-1 for tokens that do not)."""
+        pos = ctx.positions
+        completes = (pos + 1).remainder(self.ratio) == 0
+        group = torch.where(completes, (pos + 1) // self.ratio - 1, -1)
+        if self.ratio == 1:
+            return self.norm(self.wkv(x)), group
+        xf = x.float()
+        rows = torch.cat([self.wkv(xf), self.wgate(xf)], dim=-1)            # [N, 2D] fp32
+        state = ctx.caches.compressor_state[layer_id]
+        pool = torch.cat([state.view(-1, state.shape[-1]), rows], dim=0)
+        member_pos = pos.unsqueeze(-1) - torch.arange(self.ratio - 1, -1, -1, device=pos.device)
+        member = pool.index_select(0, ctx.fresh_or_ring_rows(member_pos.clamp_min(0), COMPRESSOR_RING)
+                                   .flatten()).view(pos.shape[0], self.ratio, -1)
+        kv, score = member.chunk(2, dim=-1)
+        latent = (kv * score.softmax(dim=1)).sum(dim=1)
+        # Keep the last ring-size rows of each sequence (the partial group lives there).
+        keep = pos >= ctx.tok_seq_len - COMPRESSOR_RING
+        state_rows = torch.where(keep, ctx.tok_slot * COMPRESSOR_RING + pos.remainder(COMPRESSOR_RING), -1)
+        reference._masked_row_write(state, state_rows, rows)
+        return self.norm(latent.to(x.dtype)), group
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores compressed positions, returns each query's top-k."""
+
+    def __init__(self, config: V41Config, role: LayerRole):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.topk = config.index_topk
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, fmt=weight_fmt(config, "fp8"))
+        self.weights_proj = Linear(config.hidden_size, self.n_heads)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        if role.mode == "full":   # index keys are derived from the compressor's latent
+            self.wk = Linear(config.head_dim, self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.fake_quant = config.fake_quant
+
+    def query(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor):
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, rotation)
+        if self.fake_quant:
+            q = codecs.qdq_fp4_ue8m0(q, 32)
+        weights = self.weights_proj(x) * self.weight_scale
+        return q, weights
+
+
+class Attention(nn.Module):
+    def __init__(self, config: V41Config, role: LayerRole):
+        super().__init__()
+        self.role, self.config = role, config
+        d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.n_heads, self.head_dim = h, hd
+        self.rope_dim = config.qk_rope_head_dim
+        self.window = config.sliding_window
+        self.softmax_scale = hd ** -0.5
+        self.o_groups, self.o_rank = config.o_groups, config.o_lora_rank
+        self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.wq_a = Linear(d, config.q_lora_rank, fmt=weight_fmt(config, "fp8"))
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = Linear(config.q_lora_rank, h * hd, fmt=weight_fmt(config, "fp8"))
+        self.wkv = Linear(d, hd, fmt=weight_fmt(config, "fp8"))
+        self.kv_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.wo_a = Linear(h * hd // self.o_groups, self.o_groups * self.o_rank)
+        self.wo_b = Linear(self.o_groups * self.o_rank, d, fmt=weight_fmt(config, "fp8"))
+        if role.mode == "full":
+            self.compressor = Compressor(config, role.ratio)
+        if role.scores:
+            self.indexer = Indexer(config, role)
+        if role.ratio:   # long-context layers use YaRN frequencies, window-only plain RoPE
+            inv = rope_inv_freqs(self.rope_dim, config.compress_rope_theta, config.original_seq_len,
+                                 config.rope_factor, config.beta_fast, config.beta_slow)
+        else:
+            inv = rope_inv_freqs(self.rope_dim, config.rope_theta)
+        self.register_buffer("inv_freqs", inv, persistent=False)
+
+    # ------------------------------------------------------------------ pieces
+    def _window_rows(self, ctx: StepContext) -> torch.Tensor:
+        """[N, W] pool rows of the window, oldest first, left-aligned, -1 padded."""
+        pos = ctx.positions.unsqueeze(-1)
+        lo = (pos - self.window + 1).clamp_min(0)
+        wpos = lo + torch.arange(self.window, device=pos.device)
+        rows = ctx.fresh_or_ring_rows(wpos, self.window)
+        return torch.where(wpos <= pos, rows, -1)
+
+    def _compress(self, x: torch.Tensor, ctx: StepContext) -> None:
+        """Full layers: emit latents for completed groups, write global KV and index keys."""
+        latent, group = self.compressor(x, ctx, self.role.layer_id)
+        caches, lid, r = ctx.caches, self.role.layer_id, self.role.ratio
+        rows_per_block = caches.block_size // r
+        block = ctx.meta.block_table[ctx.tok_seq, group.clamp_min(0) // rows_per_block]
+        slot = torch.where((group >= 0) & (block >= 0), block * rows_per_block + group.remainder(rows_per_block), -1)
+        rotation = rope_rotation(group.clamp_min(0) * r, self.inv_freqs)
+        idx = self.indexer
+        k = apply_rope(idx.k_norm(idx.wk(latent)), rotation)
+        ops.index_k_write(caches.index_k[lid], caches.index_scale[lid], k, slot)
+        ops.global_kv_write(caches.global_kv[lid], caches.global_scale[lid], apply_rope(latent, rotation), slot)
+
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, ctx: StepContext):
+        """Full / reindex layers: the indexer's top-k compressed positions [N, K]."""
+        role, caches = self.role, ctx.caches
+        src = role.kv_source
+        capacity = caches.global_kv[src].shape[0] * caches.global_kv[src].shape[1]
+        capacity = min(capacity, ctx.meta.block_table.shape[1] * caches.block_size // role.ratio)
+        rows = ctx.compressed_rows(role.ratio, capacity)
+        visible_count = (ctx.positions + 1) // role.ratio
+        visible = (torch.arange(capacity, device=rows.device) < visible_count.unsqueeze(-1)) & (rows >= 0)
+        keep_blocks = 0
+        if role.mode == "reindex":
+            visible = visible & ctx.candidates[role.candidate_source]
+        elif role.is_candidate_source:
+            keep_blocks = self.config.candidate_topk_blocks
+        q, weights = self.indexer.query(x, qr, rotation)
+        ids, cand = ops.indexer_topk(q, weights, caches.index_k[src], caches.index_scale[src], rows,
+                                     visible, self.config.index_topk,
+                                     self.config.candidate_block_size, keep_blocks)
+        if role.is_candidate_source:
+            ctx.candidates[role.layer_id] = cand
+        return ids
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        role, caches = self.role, ctx.caches
+        n = x.shape[0]
+        rotation = rope_rotation(ctx.positions, self.inv_freqs)
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation)
+
+        kv = apply_rope(self.kv_norm(self.wkv(x)), rotation)
+        kv = codecs.qdq_fp8_ue8m0(kv, 32)     # exactly what the window cache will hold
+        lid = role.layer_id
+        ring_kv, ring_scale = caches.window_kv[lid], caches.window_scale[lid]
+        pool = torch.cat([reference.gather_window_kv(
+            ring_kv, ring_scale, torch.arange(caches.num_slots * self.window, device=x.device), kv.dtype), kv])
+        window_rows = self._window_rows(ctx)
+
+        if role.mode == "full":
+            self._compress(x, ctx)
+        if role.scores:
+            ctx.topk[lid] = self._select(x, qr, rotation, ctx)
+        if role.ratio:
+            topk = ctx.topk[role.index_source]
+            capacity = ctx.meta.block_table.shape[1] * caches.block_size // role.ratio
+            rows = ctx.compressed_rows(role.ratio, capacity)
+            global_rows = torch.where(topk >= 0, rows.gather(1, topk.clamp_min(0)), -1)
+            gkv, gsc = caches.global_kv[role.kv_source], caches.global_scale[role.kv_source]
+        else:
+            topk = global_rows = torch.empty((n, 0), dtype=torch.int64, device=x.device)
+            gkv = gsc = torch.empty((0, 1), dtype=torch.uint8, device=x.device)
+        if ctx.debug is not None:
+            ctx.debug[f"window_positions.layer{lid}"] = torch.where(
+                window_rows >= 0, (ctx.positions.unsqueeze(-1) - self.window + 1).clamp_min(0)
+                + torch.arange(self.window, device=x.device), -1)
+            ctx.debug[f"topk_positions.layer{lid}"] = topk
+
+        o = ops.sparse_attention(q, pool, window_rows, gkv, gsc, global_rows, self.attn_sink,
+                                 self.softmax_scale)
+        # Window write after the read: keep the last W tokens of each sequence in the ring.
+        keep = ctx.positions >= ctx.tok_seq_len - self.window
+        ring_rows = torch.where(keep, ctx.tok_slot * self.window + ctx.positions.remainder(self.window), -1)
+        ops.window_kv_write(ring_kv, ring_scale, kv, ring_rows)
+
+        o = apply_rope(o, rotation, inverse=True)
+        o = o.reshape(n, self.o_groups, -1)
+        wo_a = self.wo_a.weight.view(self.o_groups, self.o_rank, -1).to(o.dtype)
+        o = torch.einsum("ngd,grd->ngr", o, wo_a)
+        return self.wo_b(o.flatten(1))

@@ -1,0 +1,339 @@
+"""Engram n-gram hashing for DeepSeek-V4.1-Flash (MODEL.md section 7).
+
+Everything here depends only on token ids and the config, never on activations,
+which is why the hash (and the table gather it feeds) can be hoisted to the
+start of a step.  The pieces:
+
+* host side, once per model build:
+    - ``engram_primes``      one prime modulus per (layer, n-gram order, head)
+    - ``engram_offsets``     where each head's slice starts in the layer table
+    - ``engram_table_rows``  rows of a layer's table (= engram_num_embeddings)
+    - ``engram_multipliers`` odd int64 multipliers per layer, from numpy's RNG
+    - ``build_compressed_token_map``  tokenizer id -> compressed (normalised) id
+* device side, every step (plain torch int64 ops, static shapes):
+    - ``engram_prefill_history`` / ``engram_roll_history``  the previous N-1
+      compressed ids of each token, padded at the sequence start
+    - ``engram_hash_ids``    table row ids [..., n_layers, (N-1)*heads]
+
+All conventions below were checked bit-for-bit against the golden vectors in
+shared/golden/golden_v41_tiny (see tests/test_engram_hash.py).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "is_prime",
+    "engram_primes",
+    "engram_offsets",
+    "engram_table_rows",
+    "engram_multipliers",
+    "engram_hash_params",
+    "normalize_token_text",
+    "build_compressed_token_map",
+    "engram_prefill_history",
+    "engram_roll_history",
+    "engram_hash_ids",
+]
+
+
+# --------------------------------------------------------------------------
+# Primes
+# --------------------------------------------------------------------------
+
+# With these 12 bases Miller-Rabin is exact for every n < 3.3e24 (far beyond
+# any table size), so no probabilistic caveat and no sympy dependency.
+_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic primality test (exact for n < 3.3e24)."""
+    if n < 2:
+        return False
+    for p in _MR_BASES:
+        if n % p == 0:
+            return n == p
+    # n - 1 = d * 2^s with d odd
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        s += 1
+    for a in _MR_BASES:
+        x = pow(a, d, n)
+        if x == 1 or x == n - 1:
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def engram_primes(
+    vocab_size_start: int, layer_ids: Sequence[int], max_ngram: int, n_heads: int
+) -> list[list[list[int]]]:
+    """Prime moduli, indexed [engram layer][order n-2][head].
+
+    The reference's "search start" is ``vocab_size_start - 1`` and it returns
+    the first prime STRICTLY above the start, i.e. the search effectively
+    begins at ``vocab_size_start`` itself (37 -> 37 in the tiny golden).  Each
+    order restarts the search from that same point, but a single "seen" set
+    shared by all layers and orders forbids reuse, so in practice the result is
+    just the consecutive primes >= vocab_size_start handed out in
+    (layer, order, head) order.  We keep the literal restart-and-skip
+    procedure anyway so that it stays right should the per-order start ever
+    differ.
+    """
+    seen: set[int] = set()
+    out: list[list[list[int]]] = []
+    for _layer in layer_ids:
+        per_order: list[list[int]] = []
+        for _n in range(2, max_ngram + 1):
+            start = vocab_size_start - 1
+            heads: list[int] = []
+            for _h in range(n_heads):
+                cand = start + 1
+                while cand in seen or not is_prime(cand):
+                    cand += 1
+                seen.add(cand)
+                heads.append(cand)
+                start = cand
+            per_order.append(heads)
+        out.append(per_order)
+    return out
+
+
+def _flatten(primes_of_layer) -> list[int]:
+    # Accept [order][head] nested lists (what engram_primes gives per layer)
+    # or an already-flat list.
+    flat: list[int] = []
+    for item in primes_of_layer:
+        if isinstance(item, (list, tuple)):
+            flat.extend(int(p) for p in item)
+        else:
+            flat.append(int(item))
+    return flat
+
+
+def engram_offsets(primes_of_layer) -> list[int]:
+    """Exclusive cumsum of the layer's primes, flattened order-major (n=2 heads
+    first): head j of the flattened list owns rows [off[j], off[j] + p[j])."""
+    offsets, acc = [], 0
+    for p in _flatten(primes_of_layer):
+        offsets.append(acc)
+        acc += p
+    return offsets
+
+
+def engram_table_rows(primes_of_layer) -> int:
+    """Number of rows in the layer's table (= config engram_num_embeddings[l])."""
+    return sum(_flatten(primes_of_layer))
+
+
+# --------------------------------------------------------------------------
+# Multipliers
+# --------------------------------------------------------------------------
+
+_LAYER_SEED_PRIME = 10007
+
+
+def engram_multipliers(layer_id: int, compressed_vocab_size: int, max_ngram: int) -> list[int]:
+    """Odd multipliers m_k, k = 0..max_ngram-1, for one Engram layer.
+
+    The bound keeps id * m inside int64 (ids < compressed_vocab_size and
+    m <= int64max // compressed_vocab_size), so the products never wrap.
+    Exact draw (one vectorised call, reproduces io.safetensors bit for bit):
+    ``default_rng(10007 * layer_id).integers(0, half, size=(max_ngram,), dtype=np.int64)``
+    then ``2 * r + 1``.  The reference adds a base seed of 0.
+    """
+    int64_max = np.iinfo(np.int64).max
+    half = max(1, (int64_max // int(compressed_vocab_size)) // 2)
+    rng = np.random.default_rng(_LAYER_SEED_PRIME * int(layer_id))
+    r = rng.integers(low=0, high=half, size=(max_ngram,), dtype=np.int64)
+    return [int(v) for v in (r * 2 + 1)]
+
+
+def engram_hash_params(
+    layer_ids: Sequence[int],
+    max_ngram: int,
+    n_heads: int,
+    vocab_size_start: int,
+    compressed_vocab_size: int,
+) -> dict[str, torch.Tensor]:
+    """All host-side constants as int64 tensors, shaped like io.safetensors:
+    multipliers [L, N], primes [L, N-1, H], offsets [L, (N-1)*H],
+    table_rows [L]."""
+    primes = engram_primes(vocab_size_start, layer_ids, max_ngram, n_heads)
+    return {
+        "multipliers": torch.tensor(
+            [engram_multipliers(l, compressed_vocab_size, max_ngram) for l in layer_ids],
+            dtype=torch.int64,
+        ),
+        "primes": torch.tensor(primes, dtype=torch.int64),
+        "offsets": torch.tensor([engram_offsets(p) for p in primes], dtype=torch.int64),
+        "table_rows": torch.tensor([engram_table_rows(p) for p in primes], dtype=torch.int64),
+    }
+
+
+# --------------------------------------------------------------------------
+# Compressed token map
+# --------------------------------------------------------------------------
+
+# Characters Rust's char::is_whitespace accepts (Unicode White_Space), which is
+# what the tokenizers Strip normalizer trims.  Python's str.strip() differs
+# (it also trims U+001C..U+001F), so we spell the set out.
+_WHITE_SPACE = frozenset(
+    "\t\n\x0b\x0c\r \x85\xa0\u1680"
+    + "".join(chr(c) for c in range(0x2000, 0x200B))
+    + "\u2028\u2029\u202f\u205f\u3000"
+)
+# Only these four characters are collapsed (the reference regex is [ \t\r\n]+).
+_COLLAPSE = frozenset(" \t\r\n")
+# Private-use char the reference uses to protect a lone " " from Strip.
+_SENTINEL = "\ue000"
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def normalize_token_text(text: str) -> str:
+    """The reference normalizer chain, step by step, with Python's unicodedata:
+    NFKC -> NFD -> drop marks -> lowercase -> collapse [ \\t\\r\\n]+ to " " ->
+    a string that is exactly " " becomes the sentinel -> strip White_Space at
+    both ends -> sentinel back to " ".  Net effect: a whitespace-only token
+    like "  " or "\\n" normalises to " " (not to ""), while " the" -> "the"."""
+    s = unicodedata.normalize("NFKC", text)
+    s = unicodedata.normalize("NFD", s)
+    # StripAccents removes every General_Category=Mark char (Mn, Mc, Me).
+    s = "".join(c for c in s if not unicodedata.category(c).startswith("M"))
+    # Lowercase char by char (no context-sensitive final sigma), as tokenizers does.
+    s = "".join(c.lower() for c in s)
+    # Collapse runs of the four ASCII whitespace chars.
+    out, prev_ws = [], False
+    for c in s:
+        if c in _COLLAPSE:
+            if not prev_ws:
+                out.append(" ")
+            prev_ws = True
+        else:
+            out.append(c)
+            prev_ws = False
+    s = "".join(out)
+    if s == " ":  # the "^ $" rule: no newline can survive the collapse above
+        s = _SENTINEL
+    i, j = 0, len(s)
+    while i < j and s[i] in _WHITE_SPACE:
+        i += 1
+    while j > i and s[j - 1] in _WHITE_SPACE:
+        j -= 1
+    return s[i:j].replace(_SENTINEL, " ")
+
+
+def build_compressed_token_map(
+    texts: Sequence[str], raw_tokens: Optional[Sequence[str]] = None
+) -> tuple[torch.Tensor, int]:
+    """Map tokenizer id -> compressed id; returns (map LongTensor[V], size).
+
+    texts[i] is the decoded text of token i (skip_special_tokens=False);
+    raw_tokens[i] its raw vocabulary string.  Key per token:
+      * decoded text contains U+FFFD (a partial UTF-8 byte token): the raw
+        token string, so distinct byte tokens stay distinct;
+      * otherwise the normalised text, or the original text if normalising
+        leaves nothing (e.g. a lone combining mark).
+    Equal keys share an id; ids are assigned in first-appearance order over
+    token ids 0..V-1.  The pad's compressed id is simply map[pad_id].
+    """
+    key_to_id: dict[str, int] = {}
+    ids: list[int] = []
+    for i, text in enumerate(texts):
+        if _REPLACEMENT_CHAR in text:
+            if raw_tokens is None:
+                raise ValueError(
+                    f"token {i} decodes to U+FFFD; its raw token string is needed (raw_tokens)"
+                )
+            key = raw_tokens[i]
+        else:
+            key = normalize_token_text(text) or text
+        ids.append(key_to_id.setdefault(key, len(key_to_id)))
+    return torch.tensor(ids, dtype=torch.int64), len(key_to_id)
+
+
+# --------------------------------------------------------------------------
+# Device-side hash
+# --------------------------------------------------------------------------
+# History convention: history[..., j] is the compressed id of the token j+1
+# positions back (j = 0: the previous token), with the pad's compressed id
+# where that position is before the sequence start.  One row per token, so a
+# flat decode batch of tokens from different sequences is just
+# compressed_ids [num_tokens] + history [num_tokens, N-1].
+
+
+def engram_prefill_history(
+    compressed_ids: torch.Tensor, pad_compressed_id: int, max_ngram: int
+) -> torch.Tensor:
+    """History [..., T, N-1] for sequences [..., T] that start at position 0."""
+    t = compressed_ids.shape[-1]
+    lead = compressed_ids.shape[:-1]
+    pad = compressed_ids.new_full((*lead, max_ngram - 1), int(pad_compressed_id))
+    padded = torch.cat([pad, compressed_ids], dim=-1)  # [..., N-1+T]
+    # back k (k = 1..N-1) of token t sits at padded index (N-1) + t - k.
+    cols = [padded[..., max_ngram - 1 - k : max_ngram - 1 - k + t] for k in range(1, max_ngram)]
+    return torch.stack(cols, dim=-1)
+
+
+def engram_roll_history(
+    history: torch.Tensor, compressed_ids: torch.Tensor
+) -> torch.Tensor:
+    """History of the NEXT token, given this token's id and history:
+    shift by one and put the current token in slot 0."""
+    return torch.cat([compressed_ids.unsqueeze(-1), history[..., :-1]], dim=-1)
+
+
+def engram_hash_ids(
+    compressed_ids: torch.Tensor,
+    history: torch.Tensor,
+    multipliers: torch.Tensor,
+    primes: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Table row ids for every token and Engram layer.
+
+    compressed_ids [...]            current tokens (already through the map)
+    history        [..., N-1]       previous ids, see the convention above
+    multipliers    [L, N] or [N]    int64
+    primes         [L, N-1, H] or [N-1, H]
+    offsets        [L, (N-1)*H] or [(N-1)*H]
+    returns        [..., L, (N-1)*H] (or [..., (N-1)*H] for 1-D multipliers)
+
+    For order n: h_n = XOR_{k<n} x_{t-k} * m_k, then for each head prime p:
+    row = (h_n mod p) + offset.  Column order is order-major, head-minor.
+    Note h_n >= 0 always (ids >= 0, m > 0 and m * id < 2^63 by construction),
+    so floor-mod vs truncating mod cannot differ; torch.remainder is used to
+    match the reference's numpy ``%`` regardless.
+    """
+    single = multipliers.dim() == 1
+    if single:
+        multipliers, primes, offsets = multipliers[None], primes[None], offsets[None]
+    n_layers, n_max = multipliers.shape
+    _, n_orders, n_heads = primes.shape
+    assert n_orders == n_max - 1 and history.shape[-1] == n_max - 1
+
+    # x[..., k] = id of the token k back (k = 0 is the current token).
+    x = torch.cat([compressed_ids.unsqueeze(-1), history], dim=-1).to(torch.int64)
+    # prod[..., l, k] = x_{t-k} * m_{l,k}
+    prod = x.unsqueeze(-2) * multipliers.to(x.device)
+    # Rolling XOR: order n uses products k = 0..n-1.
+    h = prod[..., 0]
+    hashes = []
+    for k in range(1, n_max):  # static loop over orders, not over tokens
+        h = torch.bitwise_xor(h, prod[..., k])
+        hashes.append(h)
+    h = torch.stack(hashes, dim=-1)  # [..., L, N-1]
+    rows = torch.remainder(h.unsqueeze(-1), primes.to(x.device))  # [..., L, N-1, H]
+    rows = rows.flatten(-2) + offsets.to(x.device)  # [..., L, (N-1)*H]
+    return rows[..., 0, :] if single else rows

@@ -1,0 +1,159 @@
+"""Building blocks shared by the model: RMSNorm, the quantization-aware Linear, RoPE.
+
+Numerics modes (set per model, see `V41Model.set_numerics`):
+  "reference"  DeepSeek's reference arithmetic: FP8/FP4 weights stay quantized, activations are
+               fake-quantized to FP8 per 32 along K (pow2 scales), and the GEMM sums fp32
+               partials per 32-wide K block times both scales, cast to the activation dtype.
+  "fast"       weights are dequantized once to the compute dtype and F.linear does the rest.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from v41graph.custom_ops import codecs
+
+QUANT_BLOCK = 32  # K-block of activation quantization and of the blockwise GEMM
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x * rsqrt(mean(x^2) + eps)), in fp32, cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(dtype)
+
+
+def blockwise_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
+                   w_scale: torch.Tensor) -> torch.Tensor:
+    """sum_k fp32(A_k . W_k^T) * a_scale_k * w_scale_k over 32-wide K blocks, in block order.
+
+    a_q [M, K] and w_q [N, K] hold the quantized values as fp32; a_scale [M, K/32];
+    w_scale [N, K/32] (already expanded to rows). Scales are powers of two, so only the
+    partial sums and the running fp32 add round.
+    """
+    m, k = a_q.shape
+    nk = k // QUANT_BLOCK
+    a_blocks = a_q.view(m, nk, QUANT_BLOCK).transpose(0, 1)
+    w_blocks = w_q.view(w_q.shape[0], nk, QUANT_BLOCK).transpose(0, 1)
+    partials = torch.bmm(a_blocks, w_blocks.transpose(1, 2))        # [nk, M, N]
+    scales = a_scale.t().unsqueeze(-1) * w_scale.t().unsqueeze(1)   # [nk, M, N]
+    acc = torch.zeros((m, w_q.shape[0]), dtype=torch.float32, device=a_q.device)
+    for i in range(nk):
+        acc = acc + partials[i] * scales[i]
+    return acc
+
+
+def weight_fmt(config, fmt: str) -> str:
+    """The released format of a weight ("fp8"/"fp4"), or "dense" when the config asks for it."""
+    return fmt if config.weight_format == "checkpoint" else "dense"
+
+
+class Linear(nn.Module):
+    """A bias-free Linear whose weight is dense (bf16/fp32), FP8 E4M3 with one E8M0 scale per
+    32x32 block, or FP4 E2M1 packed [out, in/2] with one E8M0 scale per 32 along K."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str = "dense",
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.numerics = "fast"
+        if fmt == "dense":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+            self.register_parameter("scale", None)
+        elif fmt == "fp8":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.uint8),
+                                       requires_grad=False)
+            self.scale = nn.Parameter(torch.empty(math.ceil(out_features / 32), math.ceil(in_features / 32),
+                                                  dtype=torch.uint8), requires_grad=False)
+        elif fmt == "fp4":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.uint8),
+                                       requires_grad=False)
+            self.scale = nn.Parameter(torch.empty(out_features, in_features // 32, dtype=torch.uint8),
+                                      requires_grad=False)
+        else:
+            raise ValueError(f"Linear: unknown weight format {fmt!r}")
+        self._dense_cache: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.fmt}"
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as fp32 values (exact for FP8/FP4 times power-of-two scales)."""
+        if self.fmt == "dense":
+            return self.weight.float()
+        if self.fmt == "fp8":
+            return codecs.dequant_fp8_weight(self.weight.view(torch.float8_e4m3fn), self.scale)
+        return codecs.dequant_fp4_weight(self.weight, self.scale)
+
+    def _weight_q_and_row_scales(self):
+        """Quantized values as fp32 and the E8M0 scales expanded to one row per output."""
+        if self.fmt == "fp8":
+            w_q = self.weight.view(torch.float8_e4m3fn).float()
+            s = codecs.e8m0_to_float(self.scale).repeat_interleave(32, 0)[: self.out_features]
+        else:
+            w_q = codecs.e2m1_decode(codecs.unpack_fp4(self.weight))
+            s = codecs.e8m0_to_float(self.scale)
+        return w_q, s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "dense":
+            return F.linear(x, self.weight.to(x.dtype) if self.weight.dtype != x.dtype else self.weight)
+        if self.numerics == "reference":
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])
+            a_q, a_s = codecs.quant_fp8_ue8m0(x2, QUANT_BLOCK)
+            w_q, w_s = self._weight_q_and_row_scales()
+            y = blockwise_gemm(a_q.float(), codecs.e8m0_to_float(a_s), w_q, w_s)
+            return y.to(x.dtype).view(*shape[:-1], self.out_features)
+        if self._dense_cache is None or self._dense_cache.dtype != x.dtype:
+            self._dense_cache = self.dequantized_weight().to(x.dtype)
+        return F.linear(x, self._dense_cache)
+
+
+# ----------------------------------------------------------------------------- RoPE
+def rope_inv_freqs(rope_dim: int, base: float, original_seq_len: int = 0, factor: float = 1.0,
+                   beta_fast: float = 32, beta_slow: float = 1) -> torch.Tensor:
+    """Per-pair inverse frequencies [rope_dim/2], with YaRN interpolation when
+    original_seq_len > 0 (a linear ramp between the beta_fast and beta_slow correction dims)."""
+    freqs = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if original_seq_len > 0:
+        def correction_dim(n_rot: float) -> float:
+            return rope_dim * math.log(original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+def rope_rotation(positions: torch.Tensor, inv_freqs: torch.Tensor) -> torch.Tensor:
+    """Complex rotations [*, rope_dim/2] for the given integer positions."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freqs
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs of the LAST dims of x (x[..., -2*pairs:]); returns a new tensor.
+    rotation [N, pairs] broadcasts over any head dims between N and the channels."""
+    pairs = rotation.shape[-1]
+    head, tail = x[..., : -2 * pairs], x[..., -2 * pairs:]
+    xc = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
+    rot = rotation.conj() if inverse else rotation
+    while rot.dim() < xc.dim():
+        rot = rot.unsqueeze(-2)
+    rotated = torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
+    return torch.cat([head, rotated], dim=-1)

@@ -1,0 +1,188 @@
+"""DeepSeek-V4.1-Flash as plain torch modules.
+
+    embed -> copy to hc streams -> [Engram?] -> Block x num_hidden_layers -> collapse -> norm -> head
+
+`V41Model.forward(input_ids, positions, caches, metadata)` takes a flat batch of tokens from
+several sequences (vLLM style); everything it needs about the batch is in tensors, so a
+captured decode graph replays with new contents. Caches are updated in place.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, StepContext
+from .cache import AttentionMetadata, ModelCaches
+from .config import V41Config
+from .engram import Engram
+from .engram_hash import engram_hash_params
+from .layer_plan import LayerRole, build_layer_plan
+from .layers import Linear, RMSNorm
+from .mhc import HyperConnection, collapse, expand
+from .moe import MoE
+
+ops = torch.ops.v41graph
+
+
+class Block(nn.Module):
+    """Attention + MoE, each wrapped in a single-pass mHC residual."""
+
+    def __init__(self, config: V41Config, role: LayerRole):
+        super().__init__()
+        self.role = role
+        d, hc = config.hidden_size, config.hc_mult
+        args = (hc, d, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        self.hc_attn, self.hc_ffn = HyperConnection(*args), HyperConnection(*args)
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.attn = Attention(config, role)
+        self.ffn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ffn = MoE(config)
+
+    def attn_input(self, streams: torch.Tensor, pre_prev: torch.Tensor) -> torch.Tensor:
+        """The normalized attention input: collapse with the previous sub-layer's `pre`."""
+        return self.attn_norm(collapse(streams, pre_prev))
+
+    def forward(self, streams: torch.Tensor, pre_prev: torch.Tensor, ctx: StepContext):
+        """streams [N, hc, d]; pre_prev [N, hc] -> (streams, this block's FFN `pre`)."""
+        pre_attn, post, comb = self.hc_attn(streams)
+        out = self.attn(self.attn_input(streams, pre_prev), ctx)
+        streams = expand(out, streams, post, comb)
+        pre_ffn, post, comb = self.hc_ffn(streams)
+        out = self.ffn(self.ffn_norm(collapse(streams, pre_attn)))
+        return expand(out, streams, post, comb), pre_ffn
+
+
+class V41Model(nn.Module):
+    def __init__(self, config: V41Config):
+        super().__init__()
+        self.config = config
+        self.plan = build_layer_plan(config)
+        d, hc = config.hidden_size, config.hc_mult
+        self.embed = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(Block(config, role) for role in self.plan)
+        self.engram = nn.ModuleList(Engram(config, rows) for rows in config.engram_num_embeddings)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.head = nn.Parameter(torch.zeros(config.vocab_size, d, dtype=torch.float32))
+        # Engram hashing constants and the token -> compressed-id map (identity until a
+        # tokenizer-derived map is loaded).
+        params = engram_hash_params(config.engram_layer_ids, config.engram_max_ngram_size,
+                                    config.engram_n_heads, config.engram_vocab_size,
+                                    config.engram_compressed_vocab_size)
+        for name in ("multipliers", "primes", "offsets"):
+            self.register_buffer(f"engram_{name}", params[name], persistent=False)
+        tables = [int(r) for r in params["table_rows"]]
+        if tables != list(config.engram_num_embeddings):
+            raise ValueError(f"engram_num_embeddings {list(config.engram_num_embeddings)} does not match "
+                             f"the prime schedule's table sizes {tables}")
+        token_map = torch.arange(config.vocab_size) % config.engram_compressed_vocab_size
+        self.register_buffer("engram_token_map", token_map, persistent=False)
+        self.numerics = "fast"
+        self.debug: dict | None = None
+
+    # ------------------------------------------------------------------ numerics
+    def set_numerics(self, numerics: str) -> "V41Model":
+        """"reference" (DeepSeek's blockwise FP8 GEMM arithmetic) or "fast"."""
+        if numerics not in ("reference", "fast"):
+            raise ValueError(f"numerics must be 'reference' or 'fast', got {numerics!r}")
+        self.numerics = numerics
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.numerics = numerics
+                m._dense_cache = None
+        return self
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    # ------------------------------------------------------------------ Engram ids
+    def _engram_rows(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Row ids [N, n_engram_layers, (n-1)*heads]; also rolls each sequence's history."""
+        cfg, caches, meta = self.config, ctx.caches, ctx.meta
+        lags = cfg.engram_max_ngram_size - 1
+        compressed = self.engram_token_map[input_ids]
+        pad = self.engram_token_map[cfg.engram_pad_token_id]
+        state = caches.engram_history                                # [slots, lags]
+        pool = torch.cat([state.flatten(), compressed])
+
+        def ids_at(pos, seq):   # compressed id at positions pos [M, k] of sequences seq [M]
+            chunk_start = meta.chunk_start[seq].unsqueeze(-1)
+            fresh = state.numel() + meta.query_start[seq].unsqueeze(-1) + pos - chunk_start
+            old = meta.seq_slot[seq].unsqueeze(-1) * lags + (chunk_start - 1 - pos).clamp(0, lags - 1)
+            ids = pool[torch.where(pos >= chunk_start, fresh, old).clamp_min(0)]
+            return torch.where(pos >= 0, ids, pad)
+
+        back = torch.arange(1, lags + 1, device=input_ids.device)
+        history = ids_at(ctx.positions.unsqueeze(-1) - back, ctx.tok_seq)
+        rows = ops.engram_hash(compressed, history, self.engram_multipliers, self.engram_primes,
+                               self.engram_offsets)
+        seqs = torch.arange(meta.num_seqs, device=input_ids.device)
+        new_state = ids_at(meta.seq_len.unsqueeze(-1) - back, seqs)
+        state.index_copy_(0, meta.seq_slot, new_state)
+        return rows
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
+                metadata: AttentionMetadata, all_logits: bool = False) -> torch.Tensor:
+        """Logits (fp32) of the last token of each sequence [B, V], or of every token [N, V]."""
+        ctx = StepContext.build(metadata, caches, positions, self.debug)
+        cfg = self.config
+        engram_rows = self._engram_rows(input_ids, ctx) if len(self.engram) else None
+        h = self.embed(input_ids)
+        streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
+        pre[:, 0] = 1.0     # block 0 collapses with the one-hot pre
+        for block in self.layers:
+            role = block.role
+            if role.engram_slot is not None:
+                streams = self.engram[role.engram_slot](streams, engram_rows[:, role.engram_slot])
+                if self.debug is not None:
+                    self.debug[f"engram_out.layer{role.layer_id}"] = streams
+            streams, pre = block(streams, pre, ctx)
+            if self.debug is not None:
+                self.debug[f"block_out.layer{role.layer_id}"] = streams
+                self.debug[f"block_pre_mix.layer{role.layer_id}"] = pre
+                self.debug[f"moe_gate_indices.layer{role.layer_id}"] = block.ffn.last_routing[0]
+        if not all_logits:
+            streams, pre = streams[metadata.logits_index], pre[metadata.logits_index]
+        x = self.norm(collapse(streams, pre))
+        if self.debug is not None:
+            self.debug["final_norm"] = x
+        return F.linear(x.float(), self.head.float())
+
+
+def init_random_(model: V41Model, seed: int = 0) -> V41Model:
+    """Deterministic random weights that keep activations in a sensible range (tests, demo,
+    benchmarks). Quantized weights get random codes with power-of-two scales of about
+    in_features^-0.5."""
+    import math
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dtype == torch.uint8:
+                continue      # quantized weights and tables: below
+            if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("attn_sink"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(".fn"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            elif name.endswith((".base", "gate.bias")):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".scale"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        for m in model.modules():
+            if isinstance(m, Linear) and m.fmt != "dense":
+                exponent = round(math.log2(m.in_features ** -0.5))
+                # FP8: clear bits 6 and 3 so no code is NaN and |value| < 1; FP4: any nibble.
+                codes = torch.randint(0, 256, m.weight.shape, generator=g, dtype=torch.uint8)
+                m.weight.copy_(codes & 0xB7 if m.fmt == "fp8" else codes)
+                m.scale.fill_(127 + exponent + (1 if m.fmt == "fp8" else -1))
+        for e in model.engram:
+            e.embed_weight.copy_(torch.randint(0, 256, e.embed_weight.shape, generator=g,
+                                               dtype=torch.uint8) & 0xB7)
+            e.embed_scale.fill_(127)
+    return model
