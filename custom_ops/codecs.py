@@ -123,7 +123,7 @@ def qdq_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 # FP4 E2M1 with one UE8M0 scale per `block` (index keys, indexer queries, expert weights)
-FP4_AMAX_FLOOR = 1e-4
+FP4_AMAX_FLOOR = 6.0 * 2.0 ** -126   # smallest normal amax the pow2 scale can express
 
 
 def quant_fp4_ue8m0(x: torch.Tensor, block: int = 32):

@@ -1,0 +1,121 @@
+"""Conformance with DeepSeek's released reference code: shared/golden/golden_v41_tiny.
+
+The checkpoint goes through our official-name loader into V41Model in reference numerics
+(bf16 activations, FP8 activation QDQ per 32, blockwise fp32 GEMM partials, FP4 QDQ points,
+P cast to bf16 before P.V, top-k ties to the lower index).
+
+What is reached (and asserted):
+  prefill  logits bit-exact; every sparse-attention index list and every MoE routing decision
+           identical; every per-layer capture bit-exact or off by at most one bf16 ulp in at
+           most a handful of elements.
+  decode   layers 0-1 bit-exact at every step and the argmax token identical at every step;
+           from layer 2 (the first compressed layer) on, the indexer's top-k differs from the
+           reference's, so logits differ by up to ~0.3 (std ~1). The strict xfail below keeps
+           that first difference visible until it is found.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+GOLDEN = Path(os.environ.get("V41_GOLDEN_DIR",
+                             Path(__file__).resolve().parents[2] / "shared/golden/golden_v41_tiny"))
+pytestmark = pytest.mark.skipif(not (GOLDEN / "model.safetensors").is_file(),
+                                reason=f"golden vectors not found at {GOLDEN}")
+N_LAYERS, WINDOW, PROMPT = 10, 32, 40
+
+
+@pytest.fixture(scope="module")
+def golden():
+    from safetensors.torch import load_file
+    from v41graph.loader import from_pretrained
+    from v41graph.session import Session
+    io = load_file(str(GOLDEN / "io.safetensors"))
+    model = from_pretrained(GOLDEN, numerics="reference")
+    session = Session(model, max_batch_size=1, max_seq_len=64, block_size=64)
+    model.debug = {}
+    prefill = session.prefill(io["prompt_ids"])
+    prefill_debug = model.debug
+    steps = []
+    for s in range(io["decode_ids"].shape[1]):
+        model.debug = {}
+        logits = session.decode(io["decode_ids"][:, s:s + 1])
+        steps.append((logits, model.debug))
+    model.debug = None
+    return io, model, prefill, prefill_debug, steps
+
+
+def reference_index_list(debug: dict, layer: int, decode: bool) -> torch.Tensor:
+    """Our captured positions in the reference's convention: window entries are positions
+    (prefill) or ring slots (decode); compressed entries are offset by the KV length."""
+    win, topk = debug[f"window_positions.layer{layer}"], debug[f"topk_positions.layer{layer}"]
+    offset = WINDOW if decode else PROMPT
+    if decode:
+        win = torch.where(win >= 0, win % WINDOW, -1)
+    comp = torch.where(topk >= 0, topk + offset, -1)
+    return torch.cat([win, comp], -1)
+
+
+def ulp_bf16(x: torch.Tensor) -> torch.Tensor:
+    e = torch.floor(torch.log2(x.float().abs().clamp_min(2.0 ** -126)))
+    return torch.ldexp(torch.ones_like(e), (e - 7).int())
+
+
+def test_engram_token_map_from_tokenizer_matches(golden):
+    io, model, *_ = golden
+    assert torch.equal(model.engram_token_map, io["engram_token_map"])
+
+
+def test_prefill_logits_bit_exact(golden):
+    io, _, prefill, _, _ = golden
+    assert torch.equal(prefill, io["prefill_logits"])
+    assert torch.equal(prefill.argmax(-1), io["prefill_argmax"])
+
+
+def test_prefill_index_lists_and_routing_identical(golden):
+    io, _, _, dbg, _ = golden
+    for i in range(N_LAYERS):
+        ref = io[f"debug.sparse_attn_topk_idxs.prefill.layer{i}"][0].long()
+        assert torch.equal(reference_index_list(dbg, i, decode=False), ref), f"layer {i}"
+        gate = io[f"debug.moe_gate_indices.prefill.layers.{i}.ffn.gate"]
+        assert torch.equal(dbg[f"moe_gate_indices.layer{i}"].sort(-1).values, gate.sort(-1).values), f"layer {i}"
+
+
+def test_prefill_layer_captures_within_one_ulp(golden):
+    io, _, _, dbg, _ = golden
+    exact = 0
+    for i in range(N_LAYERS):
+        ref = io[f"debug.block_out.prefill.layer{i}"][0]
+        ours = dbg[f"block_out.layer{i}"].view(ref.shape)
+        diff = (ours.float() - ref.float()).abs()
+        assert bool((diff <= ulp_bf16(ref)).all()), f"layer {i}: max diff {diff.max()}"
+        assert int((diff > 0).sum()) <= 4, f"layer {i}: {(diff > 0).sum()} elements differ"
+        exact += torch.equal(ours, ref)
+        assert torch.allclose(dbg[f"block_pre_mix.layer{i}"].view(-1, 4),
+                              io[f"debug.block_pre_mix.prefill.layer{i}"].view(-1, 4), rtol=0, atol=1e-5)
+    assert exact >= 4
+    assert torch.equal(dbg["final_norm"], io["debug.final_norm.prefill"][0, -1:])
+
+
+def test_decode_argmax_and_first_layers_identical(golden):
+    io, _, _, _, steps = golden
+    for s, (logits, dbg) in enumerate(steps):
+        assert torch.equal(logits.argmax(-1), io["decode_argmax"][s]), f"step {s}"
+        for i in (0, 1):
+            ref = io[f"debug.block_out.decode{s}.layer{i}"].view(1, 4, -1)
+            assert torch.equal(dbg[f"block_out.layer{i}"].view(ref.shape), ref), f"step {s} layer {i}"
+        # Bounded: the decode difference stays a small perturbation of the logits.
+        assert (logits - io["decode_logits"][s]).abs().max() < 1.0
+
+
+@pytest.mark.xfail(strict=True, reason="decode: layer 2's indexer top-k differs from the reference "
+                   "(prefill matches exactly); first difference of the decode path, under investigation")
+def test_decode_index_lists_identical(golden):
+    io, _, _, _, steps = golden
+    for s, (_, dbg) in enumerate(steps):
+        for i in range(N_LAYERS):
+            ref = io[f"debug.sparse_attn_topk_idxs.decode{s}.layer{i}"][0].long()
+            assert torch.equal(reference_index_list(dbg, i, decode=True), ref), f"step {s} layer {i}"
