@@ -41,6 +41,7 @@ class StepContext:
     tok_qstart: torch.Tensor     # [N] first token of this token's sequence in the batch
     topk: dict = field(default_factory=dict)        # index source layer -> [N, K] positions
     candidates: dict = field(default_factory=dict)  # candidate source -> [N, C] bool
+    precompressed: set = field(default_factory=set)  # full layers whose KV this step already wrote
     debug: dict | None = None
 
     @classmethod
@@ -65,6 +66,12 @@ class StepContext:
         j = torch.arange(capacity, device=self.positions.device)
         block = self.meta.block_table[self.tok_seq][:, j // rows_per_block]
         return torch.where(block >= 0, block * rows_per_block + j % rows_per_block, -1)
+
+
+def _left_align(rows: torch.Tensor) -> torch.Tensor:
+    """Move the -1 entries of each row to the end, keeping the order of the others."""
+    order = torch.argsort((rows < 0).to(torch.int8), dim=-1, stable=True)
+    return rows.gather(-1, order)
 
 
 class Compressor(nn.Module):
@@ -158,15 +165,22 @@ class Attention(nn.Module):
         self.register_buffer("inv_freqs", inv, persistent=False)
 
     # ------------------------------------------------------------------ pieces
-    def _window_rows(self, ctx: StepContext) -> torch.Tensor:
-        """[N, W] pool rows of the window, oldest first, left-aligned, -1 padded."""
+    def _window_positions(self, ctx: StepContext) -> torch.Tensor:
+        """[N, W] positions each query sees in its window: oldest first, left-aligned, -1 padded
+        (the order DeepSeek's reference lists them in)."""
         pos = ctx.positions.unsqueeze(-1)
-        lo = (pos - self.window + 1).clamp_min(0)
-        wpos = lo + torch.arange(self.window, device=pos.device)
-        rows = ctx.fresh_or_ring_rows(wpos, self.window)
-        return torch.where(wpos <= pos, rows, -1)
+        wpos = (pos - self.window + 1).clamp_min(0) + torch.arange(self.window, device=pos.device)
+        visible = wpos <= pos
+        if ctx.meta.window_floor is not None:   # bounded replay: nothing before the segment
+            visible = visible & (wpos >= ctx.meta.window_floor[ctx.tok_seq].unsqueeze(-1))
+        return _left_align(torch.where(visible, wpos, -1))
 
-    def _compress(self, x: torch.Tensor, ctx: StepContext) -> None:
+    def _window_rows(self, ctx: StepContext) -> torch.Tensor:
+        """Pool rows (ring ++ this call's rows) of _window_positions, -1 where empty."""
+        wpos = self._window_positions(ctx)
+        return torch.where(wpos >= 0, ctx.fresh_or_ring_rows(wpos.clamp_min(0), self.window), -1)
+
+    def compress(self, x: torch.Tensor, ctx: StepContext) -> None:
         """Full layers: emit latents for completed groups, write global KV and index keys."""
         latent, group = self.compressor(x, ctx, self.role.layer_id)
         caches, lid, r = ctx.caches, self.role.layer_id, self.role.ratio
@@ -217,8 +231,8 @@ class Attention(nn.Module):
             ring_kv, ring_scale, torch.arange(caches.num_slots * self.window, device=x.device), kv.dtype), kv])
         window_rows = self._window_rows(ctx)
 
-        if role.mode == "full":
-            self._compress(x, ctx)
+        if role.mode == "full" and lid not in ctx.precompressed:
+            self.compress(x, ctx)
         if role.scores:
             ctx.topk[lid] = self._select(x, qr, rotation, ctx)
         if role.ratio:
@@ -231,9 +245,7 @@ class Attention(nn.Module):
             topk = global_rows = torch.empty((n, 0), dtype=torch.int64, device=x.device)
             gkv = gsc = torch.empty((0, 1), dtype=torch.uint8, device=x.device)
         if ctx.debug is not None:
-            ctx.debug[f"window_positions.layer{lid}"] = torch.where(
-                window_rows >= 0, (ctx.positions.unsqueeze(-1) - self.window + 1).clamp_min(0)
-                + torch.arange(self.window, device=x.device), -1)
+            ctx.debug[f"window_positions.layer{lid}"] = self._window_positions(ctx)
             ctx.debug[f"topk_positions.layer{lid}"] = topk
 
         o = ops.sparse_attention(q, pool, window_rows, gkv, gsc, global_rows, self.attn_sink,

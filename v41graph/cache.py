@@ -16,7 +16,7 @@ so a captured graph can be replayed with new contents.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -118,7 +118,7 @@ class AttentionMetadata:
     query_start: torch.Tensor   # [B+1] offsets into the token batch
     block_table: torch.Tensor   # [B, max_blocks] cache block ids, -1 = none
     logits_index: torch.Tensor  # [B] token whose logits are returned (the last of each seq)
-    extras: dict = field(default_factory=dict)
+    window_floor: torch.Tensor | None = None  # [B] first position the window may see (replay)
 
     @property
     def num_seqs(self) -> int:
@@ -159,3 +159,18 @@ def positions_of(meta: AttentionMetadata) -> torch.Tensor:
     """Token positions implied by the metadata (chunk_start + offset within the chunk)."""
     tok = torch.arange(meta.token_seq.shape[0], device=meta.token_seq.device)
     return meta.chunk_start[meta.token_seq] + tok - meta.query_start[meta.token_seq]
+
+
+def replay_metadata(meta: AttentionMetadata, replay: int):
+    """Metadata for decoder bounded replay (MODEL.md §9): only the last `replay` tokens of each
+    sequence, with the window truncated to that segment. Returns (metadata, token indices of
+    the kept tokens in the full batch). Used for prefill only (data-dependent shapes)."""
+    start = torch.maximum(meta.chunk_start, meta.seq_len - replay)
+    pos = positions_of(meta)
+    keep = torch.nonzero(pos >= start[meta.token_seq]).flatten()
+    qlens = meta.seq_len - start
+    qstart = torch.zeros_like(meta.query_start)
+    qstart[1:] = qlens.cumsum(0)
+    sub = replace(meta, token_seq=meta.token_seq[keep], chunk_start=start, query_start=qstart,
+                  logits_index=qstart[1:] - 1, window_floor=start)
+    return sub, keep

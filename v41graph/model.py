@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, StepContext
-from .cache import AttentionMetadata, ModelCaches
+from .cache import AttentionMetadata, ModelCaches, replay_metadata
 from .config import V41Config
 from .engram import Engram
 from .engram_hash import engram_hash_params
@@ -123,9 +123,22 @@ class V41Model(nn.Module):
         return rows
 
     # ------------------------------------------------------------------ forward
+    @property
+    def decoder_start(self) -> int:
+        """First decoder layer of the CED split: the candidate source, whose ratio-1 projection
+        of the encoder output is the decoder's only global KV (MODEL.md §2, §9)."""
+        return self.config.candidate_source_layer_id
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
-                metadata: AttentionMetadata, all_logits: bool = False) -> torch.Tensor:
-        """Logits (fp32) of the last token of each sequence [B, V], or of every token [N, V]."""
+                metadata: AttentionMetadata, all_logits: bool = False,
+                decoder_replay: int | None = None) -> torch.Tensor:
+        """Logits (fp32) of the last token of each sequence [B, V], or of every token [N, V].
+
+        decoder_replay=R (prefill only): CED "decoder bounded replay" (MODEL.md §9). The
+        encoder runs over every token, the first decoder layer compresses every token's encoder
+        output into the global KV, and the decoder layers then run only on the last R tokens of
+        each sequence with their window truncated to that segment.
+        """
         ctx = StepContext.build(metadata, caches, positions, self.debug)
         cfg = self.config
         engram_rows = self._engram_rows(input_ids, ctx) if len(self.engram) else None
@@ -135,6 +148,14 @@ class V41Model(nn.Module):
         pre[:, 0] = 1.0     # block 0 collapses with the one-hot pre
         for block in self.layers:
             role = block.role
+            if decoder_replay is not None and role.layer_id == self.decoder_start:
+                # Global KV of the decoder from every token, then continue on the replay segment.
+                block.attn.compress(block.attn_input(streams, pre), ctx)
+                metadata, keep = replay_metadata(metadata, decoder_replay)
+                ctx = StepContext.build(metadata, caches, positions[keep], self.debug)
+                ctx.precompressed.add(role.layer_id)
+                streams, pre = streams[keep], pre[keep]
+                engram_rows = engram_rows[keep] if engram_rows is not None else None
             if role.engram_slot is not None:
                 streams = self.engram[role.engram_slot](streams, engram_rows[:, role.engram_slot])
                 if self.debug is not None:

@@ -35,14 +35,21 @@ class Session:
         self.blocks: list[list[int]] = [[] for _ in range(max_batch_size)]
 
     # ------------------------------------------------------------------ public
-    def prefill(self, prompt_ids) -> torch.Tensor:
-        """Start sequences 0..B-1 afresh with these prompts; logits of each last token."""
+    def prefill(self, prompt_ids, mode: str = "full") -> torch.Tensor:
+        """Start sequences 0..B-1 afresh with these prompts; logits of each last token.
+
+        mode="full" runs every layer over every token (as DeepSeek's reference does);
+        mode="replay" is CED decoder bounded replay: decoder layers only over the last
+        `sliding_window` tokens (MODEL.md §9). Both agree for prompts <= the window."""
+        if mode not in ("full", "replay"):
+            raise ValueError(f"prefill mode must be 'full' or 'replay', got {mode!r}")
         prompts = self._as_lists(prompt_ids, "prompt_ids")
         if len(prompts) > self.max_batch_size:
             raise ValueError(f"batch of {len(prompts)} prompts > max_batch_size {self.max_batch_size}")
         for b in range(len(prompts)):      # a new prompt replaces whatever the slot held
             self.release(b)
-        return self._step(list(range(len(prompts))), prompts)
+        replay = self.config.sliding_window if mode == "replay" else None
+        return self._step(list(range(len(prompts))), prompts, replay)
 
     def decode(self, ids) -> torch.Tensor:
         """One token per running sequence (ids [B, 1] or [B]); logits [B, V]."""
@@ -76,7 +83,7 @@ class Session:
             return ids.tolist()
         return [list(map(int, row)) for row in ids]
 
-    def _step(self, seqs: list[int], chunks: list[list[int]]) -> torch.Tensor:
+    def _step(self, seqs: list[int], chunks: list[list[int]], replay: int | None = None) -> torch.Tensor:
         cfg = self.config
         # --- validate everything before touching any state
         if len(set(seqs)) != len(seqs):
@@ -111,7 +118,7 @@ class Session:
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64,
                            device=self.caches.engram_history.device)
         with torch.no_grad():
-            logits = self.model(ids, positions_of(meta), self.caches, meta)
+            logits = self.model(ids, positions_of(meta), self.caches, meta, decoder_replay=replay)
         for s, c in zip(seqs, chunks):
             self.seq_lens[s] += len(c)
         return logits
