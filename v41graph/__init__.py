@@ -1,5 +1,12 @@
 """v41graph: DeepSeek-V4.1-Flash as plain torch modules, compiled through our own backend."""
 from .config import V41Config
 from .layer_plan import LayerRole, build_layer_plan, format_layer_plan
+from .accounting import accounting
+from .cache import AttentionMetadata, BlockAllocator, CacheCapacityError, ModelCaches, build_metadata
+from .model import V41Model, init_random_
+from .session import Session
+from .loader import from_pretrained
 
-__all__ = ["V41Config", "LayerRole", "build_layer_plan", "format_layer_plan"]
+__all__ = ["V41Config", "LayerRole", "build_layer_plan", "format_layer_plan", "accounting",
+           "AttentionMetadata", "BlockAllocator", "CacheCapacityError", "ModelCaches",
+           "build_metadata", "V41Model", "init_random_", "Session", "from_pretrained"]
