@@ -16,7 +16,7 @@ from v41graph.accounting import (Accounting, accounting, activated_params,
                                  window_kv_bytes_formula)
 from v41graph.config import V41Config
 
-GOLDEN = Path("/work/shared/golden/golden_v41_tiny")
+from golden_path import GOLDEN_DIR as GOLDEN
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,7 @@ from v41graph.engram_hash import (
     normalize_token_text,
 )
 
-GOLDEN_DIR = Path(
-    os.environ.get(
-        "V41_GOLDEN_DIR",
-        Path(__file__).resolve().parents[2] / "shared/golden/golden_v41_tiny",
-    )
-)
+from golden_path import GOLDEN_DIR
 
 # Released config (MODEL.md section 1; HF config.json engram_* fields).
 RELEASED_VOCAB_START = 16_000_000

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-GOLDEN = Path(os.environ.get("V41_GOLDEN_DIR",
-                             Path(__file__).resolve().parents[2] / "shared/golden/golden_v41_tiny"))
+from golden_path import GOLDEN_DIR as GOLDEN
 pytestmark = pytest.mark.skipif(not (GOLDEN / "model.safetensors").is_file(),
                                 reason=f"golden vectors not found at {GOLDEN}")
 N_LAYERS, WINDOW, PROMPT = 10, 32, 40
