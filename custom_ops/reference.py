@@ -14,7 +14,7 @@ from .codecs import (dequant_fp4_e4m3, dequant_fp4_ue8m0, dequant_fp8_ue8m0, e8m
 
 
 # ----------------------------------------------------------------------------- cache writes
-def _masked_row_write(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+def masked_row_write(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """dst.view(-1, last)[rows] = values, skipping rows == -1, with static shapes.
 
     Skipped rows are redirected to the target of the last valid row with that row's value (or,
@@ -39,8 +39,8 @@ def window_kv_write(cache: torch.Tensor, scale: torch.Tensor, kv: torch.Tensor,
     """Window KV: FP8 E4M3 with one UE8M0 scale per 32 channels (all channels, RoPE included).
     cache [..., D] uint8 (E4M3 bits), scale [..., D/32] uint8, kv [N, D], slot_mapping [N]."""
     q, s = quant_fp8_ue8m0(kv, 32)
-    _masked_row_write(cache, slot_mapping, q.view(torch.uint8))
-    _masked_row_write(scale, slot_mapping, s)
+    masked_row_write(cache, slot_mapping, q.view(torch.uint8))
+    masked_row_write(scale, slot_mapping, s)
 
 
 def global_kv_write(cache: torch.Tensor, scale: torch.Tensor, kv: torch.Tensor,
@@ -48,16 +48,16 @@ def global_kv_write(cache: torch.Tensor, scale: torch.Tensor, kv: torch.Tensor,
     """Main (global) KV: FP4 E2M1 packed + one E4M3 scale per 16 channels (288 B per 512-d row).
     cache [..., D/2] uint8, scale [..., D/16] uint8 (E4M3 bits)."""
     q, s = quant_fp4_e4m3(kv, 16)
-    _masked_row_write(cache, slot_mapping, q)
-    _masked_row_write(scale, slot_mapping, s.view(torch.uint8))
+    masked_row_write(cache, slot_mapping, q)
+    masked_row_write(scale, slot_mapping, s.view(torch.uint8))
 
 
 def index_k_write(cache: torch.Tensor, scale: torch.Tensor, k: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """Index keys: FP4 E2M1 packed + one UE8M0 scale per 32 channels (68 B per 128-d row)."""
     q, s = quant_fp4_ue8m0(k, 32)
-    _masked_row_write(cache, slot_mapping, q)
-    _masked_row_write(scale, slot_mapping, s)
+    masked_row_write(cache, slot_mapping, q)
+    masked_row_write(scale, slot_mapping, s)
 
 
 # ----------------------------------------------------------------------------- cache reads

@@ -5,7 +5,6 @@ import json
 import math
 import struct
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 import sympy as sp

@@ -4,7 +4,6 @@ and the released table sizes (MODEL.md section 1 / 7)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 

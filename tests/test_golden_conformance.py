@@ -15,8 +15,6 @@ What is reached (and asserted):
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
 import torch

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from v41graph.custom_ops import codecs, reference
@@ -107,7 +106,7 @@ class Compressor(nn.Module):
         # Keep the last ring-size rows of each sequence (the partial group lives there).
         keep = pos >= ctx.tok_seq_len - COMPRESSOR_RING
         state_rows = torch.where(keep, ctx.tok_slot * COMPRESSOR_RING + pos.remainder(COMPRESSOR_RING), -1)
-        reference._masked_row_write(state, state_rows, rows)
+        reference.masked_row_write(state, state_rows, rows)
         return self.norm(latent.to(x.dtype)), group
 
 

@@ -58,7 +58,7 @@ class V41Model(nn.Module):
         super().__init__()
         self.config = config
         self.plan = build_layer_plan(config)
-        d, hc = config.hidden_size, config.hc_mult
+        d = config.hidden_size
         self.embed = nn.Embedding(config.vocab_size, d)
         self.layers = nn.ModuleList(Block(config, role) for role in self.plan)
         self.engram = nn.ModuleList(Engram(config, rows) for rows in config.engram_num_embeddings)
