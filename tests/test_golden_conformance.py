@@ -8,10 +8,13 @@ What is reached (and asserted):
   prefill  logits bit-exact; every sparse-attention index list and every MoE routing decision
            identical; every per-layer capture bit-exact or off by at most one bf16 ulp in at
            most a handful of elements.
-  decode   layers 0-1 bit-exact at every step and the argmax token identical at every step;
-           from layer 2 (the first compressed layer) on, the indexer's top-k differs from the
-           reference's, so logits differ by up to ~0.3 (std ~1). The strict xfail below keeps
-           that first difference visible until it is found.
+  decode   layers 0-1 bit-exact at every step and the argmax token identical at every step.
+           First difference: the top-k of the ratio-2 Full layers' indexer (layers 2 and 4) at
+           even positions, i.e. while a ratio-2 group is incomplete; at odd positions it matches.
+           With the reference's top-k for those two layers substituted, every layer's output and
+           the logits of all 6 decode steps are bit-exact (test below), so the gap is confined
+           to that one selection. Our own decode agrees with our own prefill of the same tokens.
+           The strict xfail keeps the difference visible until it is found.
 """
 from __future__ import annotations
 
@@ -108,8 +111,34 @@ def test_decode_argmax_and_first_layers_identical(golden):
         assert (logits - io["decode_logits"][s]).abs().max() < 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="decode: layer 2's indexer top-k differs from the reference "
-                   "(prefill matches exactly); first difference of the decode path, under investigation")
+def test_decode_bit_exact_given_reference_ratio2_selection():
+    """Everything but the ratio-2 indexer selection at even decode positions is bit-exact."""
+    from safetensors.torch import load_file
+    from v41graph.loader import from_pretrained
+    from v41graph.session import Session
+    io = load_file(str(GOLDEN / "io.safetensors"))
+    model = from_pretrained(GOLDEN, numerics="reference")
+    session = Session(model, max_batch_size=1, max_seq_len=64, block_size=64)
+    session.prefill(io["prompt_ids"])
+    step = {"s": 0}
+    for layer in (2, 4):   # the ratio-2 Full layers
+        attn = model.layers[layer].attn
+        attn._select = lambda *a, layer=layer: io[
+            f"debug.sparse_attn_topk_idxs.decode{step['s']}.layer{layer}"][0, :, WINDOW:].long() - WINDOW
+    for s in range(io["decode_ids"].shape[1]):
+        step["s"] = s
+        model.debug = {}
+        logits = session.decode(io["decode_ids"][:, s:s + 1])
+        assert torch.equal(logits, io["decode_logits"][s]), f"step {s}"
+        for i in range(N_LAYERS):
+            ref = io[f"debug.block_out.decode{s}.layer{i}"].view(1, 4, -1)
+            assert torch.equal(model.debug[f"block_out.layer{i}"].view(ref.shape), ref), f"step {s} layer {i}"
+            ref_idx = io[f"debug.sparse_attn_topk_idxs.decode{s}.layer{i}"][0].long()
+            assert torch.equal(reference_index_list(model.debug, i, decode=True), ref_idx), f"step {s} layer {i}"
+
+
+@pytest.mark.xfail(strict=True, reason="decode: the ratio-2 indexer top-k (layers 2, 4) differs from the "
+                   "reference at even positions (incomplete group); everything else is bit-exact")
 def test_decode_index_lists_identical(golden):
     io, _, _, _, steps = golden
     for s, (_, dbg) in enumerate(steps):
