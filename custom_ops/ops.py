@@ -113,3 +113,20 @@ def engram_gather(table: torch.Tensor, scale: torch.Tensor, row_ids: torch.Tenso
 @engram_gather.register_fake
 def _(table, scale, row_ids, out_dtype):
     return table.new_empty((*row_ids.shape[:-1], row_ids.shape[-1] * table.shape[-1]), dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------- fusions
+@custom_op(f"{_NS}::fused_wkv_rmsnorm", mutates_args=())
+def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    """RMSNorm(x @ wkv^T) in one op: the ratio-1 compressor (the seed's P1). x [..., K] and
+    wkv [N, K] of one float dtype; the norm runs in fp32 and the result has x's dtype.
+    P1 (passes/fuse_wkv_rmsnorm.py) rewrites every matching Linear -> RMSNorm into this op."""
+    y = torch.nn.functional.linear(x, wkv).float()
+    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
+    return (norm_weight.float() * y).to(x.dtype)
+
+
+@fused_wkv_rmsnorm.register_fake
+def _(x, wkv, norm_weight, eps):
+    return x.new_empty((*x.shape[:-1], wkv.shape[0]))
