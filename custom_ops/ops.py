@@ -34,6 +34,13 @@ def index_k_write(cache: torch.Tensor, scale: torch.Tensor, k: torch.Tensor,
     ref.index_k_write(cache, scale, k, slot_mapping)
 
 
+@custom_op(f"{_NS}::state_write", mutates_args=("dst",))
+def state_write(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """dst.view(-1, last)[rows] = values, skipping rows == -1 (per-sequence state rings:
+    compressor state, Engram history)."""
+    ref.masked_row_write(dst, rows, values)
+
+
 # ----------------------------------------------------------------------------- attention
 @custom_op(f"{_NS}::sparse_attention", mutates_args=())
 def sparse_attention(q: torch.Tensor, window_pool: torch.Tensor, window_rows: torch.Tensor,

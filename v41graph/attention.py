@@ -106,7 +106,7 @@ class Compressor(nn.Module):
         # Keep the last ring-size rows of each sequence (the partial group lives there).
         keep = pos >= ctx.tok_seq_len - COMPRESSOR_RING
         state_rows = torch.where(keep, ctx.tok_slot * COMPRESSOR_RING + pos.remainder(COMPRESSOR_RING), -1)
-        reference.masked_row_write(state, state_rows, rows)
+        ops.state_write(state, state_rows, rows)
         return self.norm(latent.to(x.dtype)), group
 
 

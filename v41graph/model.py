@@ -49,7 +49,9 @@ class Block(nn.Module):
         out = self.attn(self.attn_input(streams, pre_prev), ctx)
         streams = expand(out, streams, post, comb)
         pre_ffn, post, comb = self.hc_ffn(streams)
-        out = self.ffn(self.ffn_norm(collapse(streams, pre_attn)))
+        out, chosen = self.ffn(self.ffn_norm(collapse(streams, pre_attn)))
+        if ctx.debug is not None:
+            ctx.debug[f"moe_gate_indices.layer{self.role.layer_id}"] = chosen
         return expand(out, streams, post, comb), pre_ffn
 
 
@@ -119,7 +121,7 @@ class V41Model(nn.Module):
                                self.engram_offsets)
         seqs = torch.arange(meta.num_seqs, device=input_ids.device)
         new_state = ids_at(meta.seq_len.unsqueeze(-1) - back, seqs)
-        state.index_copy_(0, meta.seq_slot, new_state)
+        ops.state_write(state, meta.seq_slot, new_state)
         return rows
 
     # ------------------------------------------------------------------ forward
@@ -164,7 +166,6 @@ class V41Model(nn.Module):
             if self.debug is not None:
                 self.debug[f"block_out.layer{role.layer_id}"] = streams
                 self.debug[f"block_pre_mix.layer{role.layer_id}"] = pre
-                self.debug[f"moe_gate_indices.layer{role.layer_id}"] = block.ffn.last_routing[0]
         if not all_logits:
             streams, pre = streams[metadata.logits_index], pre[metadata.logits_index]
         x = self.norm(collapse(streams, pre))

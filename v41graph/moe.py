@@ -63,15 +63,14 @@ class MoE(nn.Module):
         if config.n_shared_experts != 1:
             raise ValueError(f"n_shared_experts={config.n_shared_experts}: V4.1 has exactly one")
         self.shared_experts = Expert(d, inter, lim, weight_fmt(config, "fp8"))
-        self.last_routing = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """-> (output [N, d], chosen expert ids [N, topk])."""
         weights, chosen = self.gate(x)
-        self.last_routing = (chosen, weights)
         dense_w = torch.zeros(x.shape[0], self.n_experts, dtype=torch.float32, device=x.device)
         dense_w.scatter_(1, chosen, weights)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, expert in enumerate(self.experts):   # expert-index order, fp32 sum
             y = y + expert(x, dense_w[:, e:e + 1])
         y = y + self.shared_experts(x)
-        return y.to(x.dtype)
+        return y.to(x.dtype), chosen
