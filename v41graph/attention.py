@@ -220,7 +220,6 @@ class Attention(nn.Module):
         n = x.shape[0]
         rotation = rope_rotation(ctx.positions, self.inv_freqs)
         qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation)
 
         kv = apply_rope(self.kv_norm(self.wkv(x)), rotation)
         kv = codecs.qdq_fp8_ue8m0(kv, 32)     # exactly what the window cache will hold
@@ -234,6 +233,9 @@ class Attention(nn.Module):
             self.compress(x, ctx)
         if role.scores:
             ctx.topk[lid] = self._select(x, qr, rotation, ctx)
+        # The query comes after the indexer and cache writes in program order so that, once
+        # P6 moves those to the side stream, this projection overlaps them.
+        q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation)
         if role.ratio:
             topk = ctx.topk[role.index_source]
             capacity = ctx.meta.block_table.shape[1] * caches.block_size // role.ratio

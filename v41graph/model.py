@@ -99,8 +99,8 @@ class V41Model(nn.Module):
         return self.embed.weight.dtype
 
     # ------------------------------------------------------------------ Engram ids
-    def _engram_rows(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Row ids [N, n_engram_layers, (n-1)*heads]; also rolls each sequence's history."""
+    def _engram_rows(self, input_ids: torch.Tensor, ctx: StepContext):
+        """Row ids [N, n_engram_layers, (n-1)*heads] and each sequence's next history."""
         cfg, caches, meta = self.config, ctx.caches, ctx.meta
         lags = cfg.engram_max_ngram_size - 1
         compressed = self.engram_token_map[input_ids]
@@ -120,9 +120,7 @@ class V41Model(nn.Module):
         rows = ops.engram_hash(compressed, history, self.engram_multipliers, self.engram_primes,
                                self.engram_offsets)
         seqs = torch.arange(meta.num_seqs, device=input_ids.device)
-        new_state = ids_at(meta.seq_len.unsqueeze(-1) - back, seqs)
-        ops.state_write(state, meta.seq_slot, new_state)
-        return rows
+        return rows, ids_at(meta.seq_len.unsqueeze(-1) - back, seqs)
 
     # ------------------------------------------------------------------ forward
     @property
@@ -143,7 +141,9 @@ class V41Model(nn.Module):
         """
         ctx = StepContext.build(metadata, caches, positions, self.debug)
         cfg = self.config
-        engram_rows = self._engram_rows(input_ids, ctx) if len(self.engram) else None
+        engram_rows = history = None
+        if len(self.engram):
+            engram_rows, history = self._engram_rows(input_ids, ctx)
         h = self.embed(input_ids)
         streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
@@ -166,6 +166,8 @@ class V41Model(nn.Module):
             if self.debug is not None:
                 self.debug[f"block_out.layer{role.layer_id}"] = streams
                 self.debug[f"block_pre_mix.layer{role.layer_id}"] = pre
+        if history is not None:   # roll the Engram history last (P4 hoists the gathers before)
+            ops.state_write(caches.engram_history, metadata.seq_slot, history)
         if not all_logits:
             streams, pre = streams[metadata.logits_index], pre[metadata.logits_index]
         x = self.norm(collapse(streams, pre))

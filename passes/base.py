@@ -1,0 +1,49 @@
+"""What every v41graph pass is: a named graph rewrite with a stable uuid and a match count.
+
+A pass is one class in one file. `__call__(gm)` rewrites `gm.graph` in place and returns how
+many places it changed (`matched_count`); the pass manager dumps the graph before and after.
+`uuid()` hashes the pass's source, so caches keyed on the pass list notice any edit.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+import torch.fx as fx
+
+STREAM_KEY = "stream"          # node.meta key: the stream a node runs on
+MAIN_STREAM = "main"
+
+
+class GraphPass:
+    name: str = "unnamed"
+
+    def __init__(self):
+        self.matched_count = 0
+
+    def uuid(self) -> str:
+        src = inspect.getsource(type(self))
+        return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+    def __call__(self, gm: fx.GraphModule) -> int:
+        self.matched_count = self.run(gm)
+        gm.graph.lint()
+        gm.recompile()
+        return self.matched_count
+
+    def run(self, gm: fx.GraphModule) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def is_call(node: fx.Node, *targets) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost nn.Module path the node was traced from ("" if unknown), e.g.
+    "layers.6.attn.indexer"."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.replace("L['self'].", "").replace("L['self']", "")

@@ -1,0 +1,130 @@
+"""P1: Linear -> RMSNorm  ==>  torch.ops.v41graph.fused_wkv_rmsnorm (the seed's P1).
+
+The ratio-1 compressor is `RMSNorm(W_kv x)`; one fused kernel reads x and W_kv once and
+normalises the 512-wide row in registers. The pass matches the pair structurally, as the
+decomposed (aot_autograd + select_decomp_table) graph spells it, so it fuses ANY bias-free
+Linear followed by an RMSNorm over its output's last dim, whatever the shapes, dtypes or eps:
+
+    x2   = x | view(x, [-1, K])
+    y    = mm(x2, permute(w, [1, 0]))            (no bias: addmm is not matched)
+    y    = y | view(y, [..., N])
+    yf   = y | convert_element_type(y, f32)
+    ms   = mean(pow(yf, 2) | mul(yf, yf), [-1], keepdim=True)
+    nrm  = mul(yf, rsqrt(add(ms, eps)))
+    out  = mul(g, nrm) | mul(nrm, g)              (g: the norm weight, maybe converted to f32)
+    out  = out | convert_element_type(out, x.dtype)
+
+It refuses near misses: a bias, a norm over another dim or without keepdim, and any extra user
+of an intermediate (the Linear output or the normalised value used elsewhere), since fusing
+would then change what that user sees.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .base import GraphPass, is_call
+
+aten, prims = torch.ops.aten, torch.ops.prims
+CONVERT = prims.convert_element_type.default
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _strip_convert(node, dtype=None):
+    """(inner, convert_node_or_None) for an optional convert_element_type."""
+    if isinstance(node, fx.Node) and is_call(node, CONVERT) and (dtype is None or node.args[1] == dtype):
+        return node.args[0], node
+    return node, None
+
+
+def _single_user(node: fx.Node, user: fx.Node) -> bool:
+    return list(node.users) == [user]
+
+
+class FuseWkvRMSNorm(GraphPass):
+    name = "fuse_wkv_rmsnorm"
+
+    def run(self, gm: fx.GraphModule) -> int:
+        count = 0
+        for rsqrt in [n for n in gm.graph.nodes if is_call(n, aten.rsqrt.default)]:
+            match = self._match(rsqrt)
+            if match is None:
+                continue
+            out, x, w, g, eps = match
+            with gm.graph.inserting_before(out):
+                fused = gm.graph.call_function(torch.ops.v41graph.fused_wkv_rmsnorm.default, (x, w, g, eps))
+            fused.meta.update({k: v for k, v in out.meta.items() if k != "val"})
+            fused.meta["val"] = out.meta.get("val")
+            fused.meta["fused_from"] = "linear+rmsnorm"
+            out.replace_all_uses_with(fused)
+            gm.graph.eliminate_dead_code()
+            count += 1
+        return count
+
+    # ------------------------------------------------------------------ matching
+    def _match(self, rsqrt: fx.Node):
+        add = rsqrt.args[0]
+        if not (is_call(add, aten.add.Tensor, aten.add.Scalar) and isinstance(add.args[1], (int, float))):
+            return None
+        eps, mean = float(add.args[1]), add.args[0]
+        if not (is_call(mean, aten.mean.dim) and _single_user(mean, add) and _single_user(add, rsqrt)):
+            return None
+        square = mean.args[0]
+        dims = list(mean.args[1]) if len(mean.args) > 1 else []
+        keepdim = (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))
+        if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2:
+            yf = square.args[0]
+        elif is_call(square, aten.mul.Tensor) and square.args[0] is square.args[1]:
+            yf = square.args[0]
+        else:
+            return None
+        yv = _val(yf)
+        if yv is None or not keepdim or dims not in ([-1], [yv.dim() - 1]) or not _single_user(square, mean):
+            return None
+        # normalised value: mul(yf, rsqrt), used only by the weight multiply
+        if len(rsqrt.users) != 1:
+            return None
+        norm = next(iter(rsqrt.users))
+        if not (is_call(norm, aten.mul.Tensor) and set(norm.args) == {yf, rsqrt}):
+            return None
+        if set(yf.users) != {square, norm} or len(norm.users) != 1:
+            return None
+        scaled = next(iter(norm.users))
+        if not is_call(scaled, aten.mul.Tensor) or len(scaled.args) != 2:
+            return None
+        g = scaled.args[0] if scaled.args[1] is norm else scaled.args[1]
+        g_inner, _ = _strip_convert(g)
+        if not (isinstance(g_inner, fx.Node) and g_inner.op in ("placeholder", "get_attr")):
+            return None
+        out = scaled
+        if len(scaled.users) == 1:
+            (only,) = scaled.users
+            if is_call(only, CONVERT):
+                out = only
+        # the Linear: (view) <- mm(x2, permute(w)) (<- view)
+        y, convert_in = _strip_convert(yf, torch.float32)
+        if convert_in is not None and not _single_user(y, convert_in):
+            return None
+        mm = y
+        if is_call(y, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            if not _single_user(y.args[0], y):
+                return None
+            mm = y.args[0]
+        if not is_call(mm, aten.mm.default):
+            return None
+        x2, wt = mm.args
+        if not (is_call(wt, aten.permute.default, aten.t.default) and len(wt.users) == 1):
+            return None
+        if is_call(wt, aten.permute.default) and list(wt.args[1]) != [1, 0]:
+            return None
+        w = wt.args[0]
+        x = x2.args[0] if is_call(x2, aten.view.default, aten.reshape.default) else x2
+        xv, ov, wv = _val(x), _val(out), _val(w)
+        if xv is None or ov is None or wv is None or xv.dtype != ov.dtype or wv.dtype != xv.dtype:
+            return None
+        if tuple(ov.shape) != (*xv.shape[:-1], wv.shape[0]):
+            return None
+        return out, x, w, g_inner, eps

@@ -1,0 +1,97 @@
+"""Shared mechanics of the stream passes (P4 hoist_engram, P6 dual_stream).
+
+`exclusive_ancestors` grows a set of target nodes by every producer used only by the set, and
+`move_to_side_stream` moves such a group to the earliest point where its inputs are ready and
+wraps it in a fork/join closure of stream and event ops:
+
+    event_record(fork:T); stream_enter(aux:T); event_wait(fork:T)
+    <group, in its original relative order>
+    event_record(join:T); stream_exit()
+    ... main-stream nodes (these overlap the group) ...
+    event_wait(join:T)     before the first main node that uses the group's results or
+                           touches a cache the group writes (else before the output)
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from custom_ops.streams import STREAM_OPS  # noqa: F401  (registers the ops)
+from .base import MAIN_STREAM, STREAM_KEY
+
+ops = torch.ops.v41graph
+
+
+def mutated_bases(node: fx.Node) -> list:
+    """Graph inputs an in-place custom op call writes (after defunctionalize)."""
+    if node.op != "call_function" or not hasattr(node.target, "_schema"):
+        return []
+    out = []
+    for arg in node.target._schema.arguments:
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            v = node.kwargs.get(arg.name)
+            if isinstance(v, fx.Node):
+                out.append(v)
+    return out
+
+
+def exclusive_ancestors(targets: list) -> set:
+    """targets plus every call_function producer whose users all lie in the set."""
+    group = set(targets)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(group):
+            for inp in node.all_input_nodes:
+                if inp in group or inp.op != "call_function" or inp.target in STREAM_OPS:
+                    continue
+                if all(u in group for u in inp.users):
+                    group.add(inp)
+                    changed = True
+    return group
+
+
+def move_to_side_stream(gm: fx.GraphModule, group: set, tag: str) -> None:
+    graph = gm.graph
+    nodes = [n for n in graph.nodes if n in group]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    written = {b for n in nodes for b in mutated_bases(n)}
+    # Dependencies: inputs from outside the group, and earlier readers of caches it writes.
+    deps = [i for n in nodes for i in n.all_input_nodes if i not in group]
+    first = order[nodes[0]]
+    deps += [u for b in written for u in b.users if u not in group and order[u] < first]
+    anchor = max(deps, key=lambda d: order[d]) if deps else None
+    # Place the group right after its last dependency (never before the placeholders).
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if anchor is None or order[anchor] < order[placeholders[-1]]:
+        anchor = placeholders[-1]
+    cursor = anchor
+
+    def emit(target, *args):
+        nonlocal cursor
+        with graph.inserting_after(cursor):
+            node = graph.call_function(target, args)
+        cursor = node
+        return node
+
+    fork = emit(ops.event_record.default, f"fork:{tag}")
+    fork.meta[STREAM_KEY] = MAIN_STREAM
+    enter = emit(ops.stream_enter.default, f"aux:{tag}")
+    enter.meta[STREAM_KEY] = f"aux:{tag}"
+    emit(ops.event_wait.default, f"fork:{tag}").meta[STREAM_KEY] = f"aux:{tag}"
+    for n in nodes:
+        cursor.append(n)
+        cursor = n
+        n.meta[STREAM_KEY] = f"aux:{tag}"
+    emit(ops.event_record.default, f"join:{tag}").meta[STREAM_KEY] = f"aux:{tag}"
+    emit(ops.stream_exit.default).meta[STREAM_KEY] = MAIN_STREAM
+    # Join before the first main-stream consumer of the group's results or caches.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    consumers = [u for n in nodes for u in n.users if u not in group]
+    consumers += [u for b in written for u in b.users if u not in group and order[u] > order[cursor]]
+    consumers = [c for c in consumers if order[c] > order[cursor]]
+    join_at = min(consumers, key=lambda c: order[c]) if consumers else next(
+        n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(join_at):
+        wait = graph.call_function(ops.event_wait.default, (f"join:{tag}",))
+    wait.meta[STREAM_KEY] = MAIN_STREAM
