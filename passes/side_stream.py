@@ -4,7 +4,7 @@
 `move_to_side_stream` moves such a group to the earliest point where its inputs are ready and
 wraps it in a fork/join closure of stream and event ops:
 
-    event_record(fork:T); stream_enter(aux:T); event_wait(fork:T)
+    event_record(fork:T); stream_enter(aux:S); event_wait(fork:T)
     <group, in its original relative order>
     event_record(join:T); stream_exit()
     ... main-stream nodes (these overlap the group) ...
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from custom_ops.streams import STREAM_OPS  # noqa: F401  (registers the ops)
+from v41graph.custom_ops.streams import STREAM_OPS
 from .base import MAIN_STREAM, STREAM_KEY
 
 ops = torch.ops.v41graph
@@ -51,7 +51,8 @@ def exclusive_ancestors(targets: list) -> set:
     return group
 
 
-def move_to_side_stream(gm: fx.GraphModule, group: set, tag: str) -> None:
+def move_to_side_stream(gm: fx.GraphModule, group: set, stream: str, tag: str) -> None:
+    """Move `group` onto side stream `stream` with fork/join events named after `tag`."""
     graph = gm.graph
     nodes = [n for n in graph.nodes if n in group]
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -65,6 +66,16 @@ def move_to_side_stream(gm: fx.GraphModule, group: set, tag: str) -> None:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if anchor is None or order[anchor] < order[placeholders[-1]]:
         anchor = placeholders[-1]
+    # A dependency inside another side-stream region: start after that region closes, and
+    # wait for its join event (it may run on another stream).
+    waits = []
+    for d in deps:
+        label = d.meta.get(STREAM_KEY, MAIN_STREAM)
+        if label != MAIN_STREAM and d.meta.get("side_tag") not in waits:
+            waits.append(d.meta["side_tag"])
+    if anchor.meta.get(STREAM_KEY, MAIN_STREAM) != MAIN_STREAM:
+        while not (anchor.op == "call_function" and anchor.target == ops.stream_exit.default):
+            anchor = anchor.next
     cursor = anchor
 
     def emit(target, *args):
@@ -76,14 +87,17 @@ def move_to_side_stream(gm: fx.GraphModule, group: set, tag: str) -> None:
 
     fork = emit(ops.event_record.default, f"fork:{tag}")
     fork.meta[STREAM_KEY] = MAIN_STREAM
-    enter = emit(ops.stream_enter.default, f"aux:{tag}")
-    enter.meta[STREAM_KEY] = f"aux:{tag}"
-    emit(ops.event_wait.default, f"fork:{tag}").meta[STREAM_KEY] = f"aux:{tag}"
+    label = f"aux:{stream}"
+    emit(ops.stream_enter.default, label).meta[STREAM_KEY] = label
+    for wait_tag in [tag] + waits:
+        prefix = "fork" if wait_tag == tag else "join"
+        emit(ops.event_wait.default, f"{prefix}:{wait_tag}").meta[STREAM_KEY] = label
     for n in nodes:
         cursor.append(n)
         cursor = n
-        n.meta[STREAM_KEY] = f"aux:{tag}"
-    emit(ops.event_record.default, f"join:{tag}").meta[STREAM_KEY] = f"aux:{tag}"
+        n.meta[STREAM_KEY] = label
+        n.meta["side_tag"] = tag
+    emit(ops.event_record.default, f"join:{tag}").meta[STREAM_KEY] = label
     emit(ops.stream_exit.default).meta[STREAM_KEY] = MAIN_STREAM
     # Join before the first main-stream consumer of the group's results or caches.
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -26,11 +26,13 @@ class StreamCheck(GraphPass):
             if is_call(node, ops.stream_enter.default):
                 depth += 1
                 current.append(node.args[0])
+                node.meta[STREAM_KEY] = node.args[0]
             elif is_call(node, ops.stream_exit.default):
                 depth -= 1
                 if depth < 0:
                     raise ValueError(f"{node.name}: stream_exit without stream_enter")
                 current.pop()
+                node.meta[STREAM_KEY] = current[-1]
             elif is_call(node, ops.event_record.default):
                 recorded.add(node.args[0])
             elif is_call(node, ops.event_wait.default):

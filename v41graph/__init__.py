@@ -6,7 +6,8 @@ from .cache import AttentionMetadata, BlockAllocator, CacheCapacityError, ModelC
 from .model import V41Model, init_random_
 from .session import Session
 from .loader import from_pretrained
+from .compiler import CompiledModel, compile  # noqa: A004  (v41graph.compile is the API)
 
 __all__ = ["V41Config", "LayerRole", "build_layer_plan", "format_layer_plan", "accounting",
            "AttentionMetadata", "BlockAllocator", "CacheCapacityError", "ModelCaches",
-           "build_metadata", "V41Model", "init_random_", "Session", "from_pretrained"]
+           "build_metadata", "V41Model", "init_random_", "Session", "from_pretrained", "compile", "CompiledModel"]

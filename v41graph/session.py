@@ -19,17 +19,22 @@ from .model import V41Model
 
 
 class Session:
-    def __init__(self, model: V41Model, max_batch_size: int, max_seq_len: int,
+    def __init__(self, model, max_batch_size: int, max_seq_len: int,
                  block_size: int = 128, num_blocks: int | None = None):
-        self.model, self.config = model, model.config
+        """model: a V41Model or a v41graph.compile()d one (same call signature)."""
+        self.model = model
+        base: V41Model = getattr(model, "model", model)
+        self.config = base.config
         if max_seq_len > self.config.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} > max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         self.max_batch_size, self.max_seq_len, self.block_size = max_batch_size, max_seq_len, block_size
         self.max_blocks = math.ceil(max_seq_len / block_size)
         num_blocks = num_blocks if num_blocks is not None else max_batch_size * self.max_blocks
-        device = model.embed.weight.device
-        self.caches = ModelCaches.allocate(self.config, max_batch_size, num_blocks, block_size, device)
+        device = base.embed.weight.device
+        # One slot more than the batch: the last is the scratch slot that padded decode
+        # batches of a compiled model write into.
+        self.caches = ModelCaches.allocate(self.config, max_batch_size + 1, num_blocks, block_size, device)
         self.allocator = BlockAllocator(num_blocks)
         self.seq_lens = [0] * max_batch_size
         self.blocks: list[list[int]] = [[] for _ in range(max_batch_size)]

@@ -1,0 +1,311 @@
+"""The v41graph backend: pass counts, stream placement, and compiled vs eager numerics.
+
+Dynamo + aot_autograd of the tiny model costs tens of seconds on CPU, so the tests trace it
+once per shape and apply pass combinations to copies of the post-AOT graph (VariantBackend);
+the real `v41graph.compile` path is exercised end to end in a few tests as well.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.decomposition import select_decomp_table
+
+import v41graph
+from v41graph.model import V41Model, init_random_
+from v41graph.passes.base import STREAM_KEY, module_path
+from v41graph.passes.pass_manager import PassManager, resolve_passes
+from v41graph.session import Session
+
+ops = torch.ops.v41graph
+ALL = ("cleanup", "fuse_wkv_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream", "stream_check")
+# fp32 CPU: the fused op and the unfused pair compute the same expression; only BLAS
+# blocking may differ, so logits (|logit| ~ 1-5) agree to ~1e-5.
+ATOL = 1e-4
+
+
+class VariantBackend:
+    """Traces once; runs the post-AOT graph through the pass list selected in `self.passes`."""
+
+    def __init__(self):
+        self.passes = ALL
+        self.graphs: list[fx.GraphModule] = []     # untouched post-AOT graphs
+        self.variants: dict = {}
+        self.managers: dict = {}
+
+    def fw_compiler(self, gm, example_inputs):
+        index = len(self.graphs)
+        self.graphs.append(copy.deepcopy(gm))
+
+        def run(*args):
+            key = (index, tuple(self.passes))
+            if key not in self.variants:
+                g = copy.deepcopy(self.graphs[index])
+                manager = PassManager(list(self.passes))
+                manager(g)
+                self.variants[key], self.managers[key] = g, manager
+            return self.variants[key](*args)
+        return make_boxed_func(run)
+
+    def backend(self):
+        return aot_autograd(fw_compiler=self.fw_compiler, decompositions=select_decomp_table(),
+                            keep_inference_input_mutations=True)
+
+    def passed(self, graph_index: int, passes=ALL) -> fx.GraphModule:
+        key = (graph_index, tuple(passes))
+        if key not in self.variants:
+            g = copy.deepcopy(self.graphs[graph_index])
+            PassManager(list(passes))(g)
+            self.variants[key] = g
+        return self.variants[key]
+
+
+class CompiledSession(Session):
+    """A Session whose forward goes through a torch.compile'd model (prefill / decode)."""
+
+    def __init__(self, model, fn, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        self.fn = fn
+        self.model = lambda *a, **k: self.fn(*a[:4])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return init_random_(V41Model(v41graph.V41Config.tiny()), seed=11).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def traced(tiny):
+    vb = VariantBackend()
+    fn = torch.compile(tiny, backend=vb.backend(), fullgraph=True, dynamic=False)
+    prompt = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(5))
+    s = CompiledSession(tiny, fn, 2, 64, block_size=16)
+    s.prefill(prompt)                                   # graph 0: prefill of 2 x 21 tokens
+    s.decode(torch.tensor([[3], [4]]))                  # graph 1: decode of 2 tokens
+    assert len(vb.graphs) == 2
+    return vb, fn, prompt
+
+
+def _run(model, fn, prompt, steps=16):
+    """Prefill + `steps` greedy decode steps: logits of every step, eager and compiled."""
+    eager = Session(model, 2, 64, block_size=16)
+    comp = CompiledSession(model, fn, 2, 64, block_size=16)
+    a, b = eager.prefill(prompt), comp.prefill(prompt)
+    out = [(a, b)]
+    for _ in range(steps):
+        nxt = a.argmax(-1, keepdim=True)
+        a, b = eager.decode(nxt), comp.decode(nxt)
+        out.append((a, b))
+    return out
+
+
+# ---------------------------------------------------------------------------- numerics
+@pytest.mark.parametrize("disabled", [(), ("fuse_wkv_rmsnorm",), ("hoist_engram",), ("dual_stream",),
+                                      ("defunctionalize", "hoist_engram", "dual_stream"),
+                                      ("fuse_wkv_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream")])
+def test_compiled_matches_eager_prefill_and_16_decode_steps(tiny, traced, disabled):
+    vb, fn, prompt = traced
+    vb.passes = tuple(p for p in ALL if p not in disabled)
+    for step, (a, b) in enumerate(_run(tiny, fn, prompt)):
+        assert torch.allclose(a, b, atol=ATOL, rtol=0), f"step {step}: {(a - b).abs().max()}"
+    vb.passes = ALL
+
+
+# ---------------------------------------------------------------------------- pass counts
+def _count(gm, *targets):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+
+def _expected_linear_rmsnorm_pairs(model) -> int:
+    """Counted from the module structure: every dense Linear whose output goes straight into
+    an RMSNorm (tiny() is all-dense): wkv->kv_norm and wq_a->q_norm in every layer, the ratio-1
+    compressor's wkv->norm, and the indexer's wk->k_norm in every Full layer."""
+    n = 0
+    for block in model.layers:
+        n += 2
+        role = block.role
+        if role.mode == "full":
+            n += 1                                 # indexer wk -> k_norm
+            n += 1 if role.ratio == 1 else 0       # ratio-1 compressor (ratio 2 pools first)
+    return n
+
+
+def test_p1_fuses_every_linear_rmsnorm_pair(tiny, traced):
+    vb, *_ = traced
+    for idx in (0, 1):
+        before = vb.graphs[idx]
+        after = vb.passed(idx)
+        expected = _expected_linear_rmsnorm_pairs(tiny)
+        assert _count(after, ops.fused_wkv_rmsnorm.default) == expected == 24
+        # every rsqrt left belongs to an RMSNorm that is not fed by a Linear (mHC, attn/ffn norms...)
+        assert _count(before, torch.ops.aten.rsqrt.default) - _count(after, torch.ops.aten.rsqrt.default) == expected
+
+
+def test_p1_count_matches_ratio1_compressors_in_checkpoint_format():
+    """With the released formats (FP8 wkv / wq_a), the pairs left are the bf16/fp32 dense ones:
+    the ratio-1 compressor and the indexer's wk -> k_norm in each Full layer."""
+    cfg = v41graph.V41Config.tiny(weight_format="checkpoint")
+    model = init_random_(V41Model(cfg), seed=2).eval().requires_grad_(False)
+    vb = VariantBackend()
+    fn = torch.compile(model, backend=vb.backend(), fullgraph=True, dynamic=False)
+    s = CompiledSession(model, fn, 1, 32, block_size=16)
+    s.prefill(torch.randint(0, 256, (1, 5)))
+    g = vb.passed(0, ("cleanup", "fuse_wkv_rmsnorm", "stream_check"))
+    plan = v41graph.build_layer_plan(cfg)
+    ratio1 = sum(1 for r in plan if r.mode == "full" and r.ratio == 1)
+    full = sum(1 for r in plan if r.mode == "full")
+    assert _count(g, ops.fused_wkv_rmsnorm.default) == ratio1 + full
+
+
+def test_defunctionalize_leaves_no_cache_copies(tiny, traced):
+    vb, *_ = traced
+    for idx in (0, 1):
+        g = vb.passed(idx)
+        assert _count(g, torch.ops.higher_order.auto_functionalized_v2) == 0
+        writes = _count(g, ops.window_kv_write.default, ops.global_kv_write.default,
+                        ops.index_k_write.default, ops.state_write.default)
+        assert writes == 10 + 3 + 3 + 2 + 1   # window x10, global x3, index x3, r2 state x2, Engram history
+        caches = {n for n in g.graph.nodes if n.op == "placeholder" and n.meta["val"].dtype == torch.uint8
+                  and n.meta["val"].dim() == 3}
+        for n in g.graph.nodes:
+            if n.op == "call_function" and n.target in (torch.ops.aten.copy_.default, torch.ops.aten.clone.default):
+                assert not set(n.all_input_nodes) & caches, f"{n.name} copies a cache"
+
+
+def test_p4_gathers_before_block0_on_aux_stream(traced):
+    vb, *_ = traced
+    g = vb.passed(1)
+    nodes = list(g.graph.nodes)
+    gathers = [i for i, n in enumerate(nodes) if n.target == ops.engram_gather.default]
+    assert len(gathers) == 2
+    first_block0 = min(i for i, n in enumerate(nodes)
+                       if n.op == "call_function" and module_path(n).startswith("layers.0.")
+                       and n.target == torch.ops.aten.mm.default)
+    assert max(gathers) < first_block0
+    assert all(nodes[i].meta[STREAM_KEY] == "aux:engram" for i in gathers)
+
+
+def test_p6_indexer_and_window_writes_on_aux_stream(traced):
+    vb, *_ = traced
+    g = vb.passed(1)
+    labelled = {n.target: [] for n in g.graph.nodes if n.op == "call_function"}
+    for n in g.graph.nodes:
+        if n.op == "call_function":
+            labelled[n.target].append(n.meta[STREAM_KEY])
+    assert labelled[ops.indexer_topk.default] and set(labelled[ops.indexer_topk.default]) == {"aux:select"}
+    assert set(labelled[ops.index_k_write.default]) == {"aux:select"}
+    assert len(labelled[ops.window_kv_write.default]) == 10
+    assert set(labelled[ops.window_kv_write.default]) == {"aux:window"}
+    assert set(labelled[ops.sparse_attention.default]) == {"main"}
+    assert set(labelled[ops.global_kv_write.default]) == {"main"}
+    # the indexer's own query projection moved with it: some mm runs on the side stream
+    assert "aux:select" in labelled[torch.ops.aten.mm.default]
+    # every join is waited on by the main stream
+    records = [n.args[0] for n in g.graph.nodes if n.target == ops.event_record.default]
+    waits = [n.args[0] for n in g.graph.nodes if n.target == ops.event_wait.default]
+    joins = [t for t in records if t.startswith("join:")]
+    assert len(joins) == 4 + 10 + 1     # select (3 Full + 1 Reindex), window x10, Engram
+    assert set(joins) <= set(waits)
+
+
+def test_stream_check_rejects_unjoined_work(traced):
+    from v41graph.passes.stream_check import StreamCheck
+    vb, *_ = traced
+    g = copy.deepcopy(vb.passed(1))
+    wait = next(n for n in g.graph.nodes if n.target == ops.event_wait.default and n.args[0].startswith("join:"))
+    g.graph.erase_node(wait)
+    with pytest.raises(ValueError, match="never joined"):
+        StreamCheck()(g)
+
+
+# ---------------------------------------------------------------------------- API
+def test_unknown_pass_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown pass 'fuse_everything'"):
+        resolve_passes(disable=["fuse_everything"])
+    with pytest.raises(ValueError, match="cannot be switched off"):
+        resolve_passes(disable=["stream_check"])
+    assert resolve_passes(disable=["P1", "P6"]) == ["cleanup", "defunctionalize", "hoist_engram", "stream_check"]
+
+
+def test_compile_api_end_to_end_with_padding_and_errors(tiny):
+    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(4,))
+    eager, comp = Session(tiny, 3, 48, block_size=16), Session(compiled, 3, 48, block_size=16)
+    prompt = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(9))
+    a, b = eager.prefill(prompt), comp.prefill(prompt)
+    assert torch.allclose(a, b, atol=ATOL, rtol=0)
+    for _ in range(3):                       # 3 sequences padded into the bucket of 4
+        nxt = a.argmax(-1, keepdim=True)
+        a, b = eager.decode(nxt), comp.decode(nxt)
+        assert torch.allclose(a, b, atol=ATOL, rtol=0)
+    records = compiled.pass_manager.records[-1]
+    assert [r["pass"] for r in records] == list(ALL)
+    with pytest.raises(ValueError, match="larger than the largest captured bucket 4"):
+        compiled.bucket_for(5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        v41graph.compile(tiny, backend="tpu")
+    with pytest.raises(ValueError, match="is on meta"):
+        compiled(torch.zeros(1, dtype=torch.long, device="meta"), torch.zeros(1, dtype=torch.long),
+                 comp.caches, None)
+
+
+def test_npu_backend_missing_stack_is_a_clear_error(tiny):
+    pytest.importorskip("torch")
+    try:
+        import torch_npu  # noqa: F401
+        pytest.skip("torch_npu is installed")
+    except ImportError:
+        pass
+    with pytest.raises(RuntimeError, match="npu backend needs the Ascend stack"):
+        v41graph.compile(tiny, backend="npu")
+
+
+# ---------------------------------------------------------------------------- generality
+class _Pairs(torch.nn.Module):
+    """Not V4.1: a few Linear+RMSNorm pairs of other shapes/eps, and near misses."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(24, 40, bias=False)
+        self.na = torch.nn.RMSNorm(40, eps=1e-3)   # torch's own RMSNorm: different spelling
+        self.b = torch.nn.Linear(40, 16, bias=False)
+        self.wb = torch.nn.Parameter(torch.rand(16) + 0.5)
+        self.c = torch.nn.Linear(16, 16, bias=True)            # near miss: bias
+        self.d = torch.nn.Linear(16, 8, bias=False)            # near miss: second user
+        self.e = torch.nn.Linear(16, 16, bias=False)           # near miss: norm over dim -2
+
+    @staticmethod
+    def rms(x, w, eps, dim=-1):
+        xf = x.float()
+        return (w * (xf * torch.rsqrt(xf.square().mean(dim, keepdim=True) + eps))).to(x.dtype)
+
+    def forward(self, x):
+        h = self.rms(self.b(torch.relu(self.na(self.a(x)))), self.wb, 1e-5)   # fused (3-D input)
+        h = h + self.rms(self.c(h), self.wb, 1e-6)                   # bias: refused
+        h = h + self.rms(self.e(h), self.wb, 1e-6, dim=-2)           # other dim: refused
+        y = self.d(h)
+        return self.rms(y, torch.ones(8), 1e-6) + y.sum(-1, keepdim=True)   # second user: refused
+
+
+def test_p1_generality_and_near_misses():
+    torch.manual_seed(0)
+    m = _Pairs().eval().requires_grad_(False)
+    x = torch.randn(2, 5, 24)
+    graphs = []
+
+    def fw(gm, ex):
+        PassManager(["cleanup", "fuse_wkv_rmsnorm"])(gm)
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+    be = aot_autograd(fw_compiler=fw, decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+    out = torch.compile(m, backend=be, fullgraph=True)(x)
+    assert torch.allclose(out, m(x), atol=1e-5)
+    # fused: a -> torch.nn.RMSNorm (torch's own spelling) and b -> our spelling (3-D input)
+    assert _count(graphs[0], ops.fused_wkv_rmsnorm.default) == 2
+    # refused: the biased Linear (addmm), the norm over dim -2, the Linear output used twice
+    assert _count(graphs[0], torch.ops.aten.addmm.default) == 1
+    assert _count(graphs[0], torch.ops.aten.rsqrt.default) == 3

@@ -1,0 +1,228 @@
+"""The v41graph torch.compile backend and the compile-and-run API.
+
+    compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
+                                batch_sizes=(1, 2, 4, 8), dump_dir=None)
+    logits = compiled(input_ids, positions, caches, metadata)     # same call as the model
+
+    torch.compile(model, backend="v41graph")                      # also registered
+
+Flow (DESIGN.md): Dynamo graph -> aot_autograd(select_decomp_table(),
+keep_inference_input_mutations=True) -> our pass manager (cleanup, P1, defunctionalize, P4,
+P6, stream check) -> platform lowering -> our executor (the FX graph's own forward; stream ops
+are real on CUDA, no-ops on CPU) -> static capture of decode steps per batch bucket (CUDA
+graphs on NVIDIA; ACL graphs through torchair on Ascend).
+
+Decode batches are padded up to the nearest bucket: padding tokens belong to a scratch cache
+slot (the caches' last slot, which Session keeps free) and have no cache blocks, so they
+write nothing any real sequence reads.
+"""
+from __future__ import annotations
+
+import bisect
+import sys
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+from v41graph.passes.pass_manager import PassManager
+from .cache import AttentionMetadata, ModelCaches
+
+BACKENDS = ("auto", "cuda", "npu", "cpu")
+
+
+def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu"):
+    """A torch.compile backend running our pass manager; returns (backend, pass_manager)."""
+    from functorch.compile import make_boxed_func
+    from torch._inductor.decomposition import select_decomp_table
+
+    manager = PassManager(passes, disable, dump_dir)
+
+    def fw_compiler(gm, example_inputs):
+        manager(gm)
+        if platform == "npu":
+            from v41graph.passes.lower_npu import lower_stream_ops_to_air
+            lower_stream_ops_to_air(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table(),
+                           keep_inference_input_mutations=True)
+    return backend, manager
+
+
+def _registered_backend(gm, example_inputs, **kwargs):
+    backend, _ = make_backend(**kwargs)
+    return backend(gm, example_inputs)
+
+
+torch._dynamo.register_backend(name="v41graph")(_registered_backend)
+
+
+def _resolve_platform(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return {"cuda": "cuda", "npu": "npu"}.get(device.type, "cpu")
+    if backend == "npu":
+        from v41graph.passes.lower_npu import require_torch_npu
+        require_torch_npu()
+    if backend != "cpu" and device.type != backend:
+        raise ValueError(f"backend {backend!r} but the model's weights are on {device}")
+    return backend
+
+
+class CompiledModel:
+    """The compiled model: same call signature as V41Model.forward."""
+
+    def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
+                 batch_sizes=(1, 2, 4, 8), dump_dir=None):
+        self.model = model.eval().requires_grad_(False)
+        self.device = model.embed.weight.device
+        self.platform = _resolve_platform(backend, self.device)
+        self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform)
+        self.capture = capture
+        self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
+        if not self.batch_sizes or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch_sizes must be positive, got {batch_sizes}")
+        # Decode buckets are compiled per static shape; prefill lets Dynamo mark the token
+        # count dynamic after the first recompile.
+        self._fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=False)
+        self._prefill_fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=None)
+        self._decode: dict[int, DecodeGraph] = {}
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def __call__(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata,
+                 all_logits: bool = False, decoder_replay: int | None = None):
+        for name, t in (("input_ids", input_ids), ("positions", positions)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but the compiled model is on {self.device}")
+        is_decode = (not all_logits and decoder_replay is None
+                     and input_ids.shape[0] == metadata.num_seqs)
+        with torch.no_grad():
+            if is_decode and self.capture:
+                return self._decode_step(input_ids, positions, caches, metadata)
+            if decoder_replay is not None:   # data-dependent shapes: runs eagerly
+                return self.model(input_ids, positions, caches, metadata, all_logits, decoder_replay)
+            return self._prefill_fn(input_ids, positions, caches, metadata, all_logits)
+
+    # ------------------------------------------------------------------ decode buckets
+    def bucket_for(self, n: int) -> int:
+        i = bisect.bisect_left(self.batch_sizes, n)
+        if i == len(self.batch_sizes):
+            raise ValueError(f"decode batch of {n} sequences is larger than the largest captured "
+                             f"bucket {self.batch_sizes[-1]}; pass larger batch_sizes")
+        return self.batch_sizes[i]
+
+    def _decode_step(self, input_ids, positions, caches, metadata):
+        n = input_ids.shape[0]
+        bucket = self.bucket_for(n)
+        graph = self._decode.get(bucket)
+        if graph is None:
+            graph = self._decode[bucket] = DecodeGraph(self, bucket, caches, metadata.block_table.shape[1])
+        return graph.run(input_ids, positions, metadata)[:n]
+
+    def warmup(self, caches: ModelCaches, max_blocks: int, show_progress: bool = True) -> None:
+        """Compile (and on CUDA capture) every decode bucket up front, showing progress."""
+        for i, b in enumerate(self.batch_sizes):
+            if show_progress:
+                print(f"[v41graph] decode bucket {b}: compile + capture ({i + 1}/{len(self.batch_sizes)})",
+                      file=sys.stderr, flush=True)
+            if b not in self._decode:
+                graph = self._decode[b] = DecodeGraph(self, b, caches, max_blocks)
+                graph.prepare()
+
+
+class DecodeGraph:
+    """One decode bucket: persistent input buffers, the compiled step, and on CUDA its graph."""
+
+    def __init__(self, compiled: CompiledModel, bucket: int, caches: ModelCaches, max_blocks: int):
+        self.compiled, self.bucket, self.caches = compiled, bucket, caches
+        dev = compiled.device
+        self.scratch_slot = caches.num_slots - 1
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.input_ids = torch.zeros(bucket, **i64)
+        self.positions = torch.zeros(bucket, **i64)
+        self.meta = AttentionMetadata(
+            token_seq=torch.arange(bucket, **i64), seq_slot=torch.full((bucket,), self.scratch_slot, **i64),
+            chunk_start=torch.zeros(bucket, **i64), seq_len=torch.ones(bucket, **i64),
+            query_start=torch.arange(bucket + 1, **i64), block_table=torch.full((bucket, max_blocks), -1, **i64),
+            logits_index=torch.arange(bucket, **i64))
+        self.cuda_graph = None
+        self.output = None
+
+    def _load(self, input_ids, positions, meta: AttentionMetadata) -> None:
+        n = input_ids.shape[0]
+        if meta.block_table.shape[1] != self.meta.block_table.shape[1]:
+            raise ValueError(f"block table width {meta.block_table.shape[1]} differs from the captured "
+                             f"{self.meta.block_table.shape[1]}")
+        if bool((meta.seq_slot == self.scratch_slot).any()):
+            raise ValueError(f"cache slot {self.scratch_slot} is the padding scratch slot; "
+                             f"allocate caches with one slot more than the batch")
+        self.input_ids.zero_()[:n].copy_(input_ids)
+        self.positions.zero_()[:n].copy_(positions)
+        m = self.meta
+        m.seq_slot.fill_(self.scratch_slot)[:n].copy_(meta.seq_slot)
+        m.chunk_start.zero_()[:n].copy_(meta.chunk_start)
+        m.seq_len.fill_(1)[:n].copy_(meta.seq_len)
+        m.block_table.fill_(-1)[:n].copy_(meta.block_table)
+
+    def _step(self):
+        return self.compiled._fn(self.input_ids, self.positions, self.caches, self.meta)
+
+    def prepare(self) -> None:
+        """Compile this bucket (all-padding inputs) and, on CUDA, capture it."""
+        if self.compiled.platform == "cuda":
+            self._capture()
+        else:
+            saved = [t.clone() for t in self.caches.tensors()]
+            self._step()
+            for t, old in zip(self.caches.tensors(), saved):
+                t.copy_(old)
+
+    def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        self._load(input_ids, positions, meta)
+        if self.compiled.platform != "cuda":
+            return self._step()
+        if self.cuda_graph is None:
+            self._capture()
+        self.cuda_graph.replay()
+        return self.output
+
+    def _capture(self) -> None:
+        # Warm up on a side stream (compiles, allocates workspaces), then capture. Warm-up
+        # steps write only the scratch slot and real slots' current rows again.
+        saved = [t.clone() for t in self.caches.tensors()]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=_shared_pool()):
+            self.output = self._step()
+        for t, old in zip(self.caches.tensors(), saved):   # capture must not advance state
+            t.copy_(old)
+        self.cuda_graph = graph
+
+
+_POOL = None
+
+
+def _shared_pool():
+    """One memory pool for every captured bucket (they never run at the same time)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = torch.cuda.graph_pool_handle()
+    return _POOL
+
+
+def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
+            batch_sizes=(1, 2, 4, 8), dump_dir=None) -> CompiledModel:
+    """Compile a V41Model with the v41graph backend. See the module docstring."""
+    return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
+                         batch_sizes=batch_sizes, dump_dir=dump_dir)
+
+
+__all__ = ["compile", "CompiledModel", "make_backend"]
