@@ -74,10 +74,14 @@ def float_to_e8m0(s: torch.Tensor) -> torch.Tensor:
 
 
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:
-    """Exact ceil(log2(x)) for positive normal fp32 x, read off the bits (no log rounding)."""
-    bits = x.float().contiguous().view(torch.int32)
+    """Exact ceil(log2(x)) for positive fp32 x, read off the bits (no log rounding).
+    Subnormals are scaled by 2^64 first (exact) so their exponent field is meaningful."""
+    x = x.float()
+    tiny = x < 2.0 ** -126
+    x = torch.where(tiny, x * 2.0 ** 64, x)
+    bits = x.contiguous().view(torch.int32)
     exponent = ((bits >> 23) & 0xFF) - 127
-    return exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32) - tiny.to(torch.int32) * 64
 
 
 def pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:

@@ -14,3 +14,14 @@ def tiny_model():
     model = init_random_(V41Model(v41graph.V41Config.tiny()), seed=0).eval()
     yield model
     model.debug = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_thread():
+    """Run a module's model tests on one intra-op thread (restored afterwards): the tiny model's
+    GEMMs are far too small to gain from a second thread, and with other processes on the
+    machine OpenMP's spin-waiting made these modules ~10x slower (2 cores, 2 threads)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

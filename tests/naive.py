@@ -251,9 +251,13 @@ def topk_ascending(scores: Sequence[float], k: int) -> list[int]:
 
 
 def topk_margin(scores: Sequence[float], k: int) -> float:
-    """Gap between the k-th and (k+1)-th best finite score (inf if there is no (k+1)-th)."""
+    """Gap between the k-th and (k+1)-th best finite score (inf if there is no (k+1)-th).
+    An exact tie of zeros (every head's ReLU is 0 for both) is no ambiguity: it resolves to the
+    lower id in any precision, so it counts as an infinite margin."""
     finite = sorted((s for s in scores if s > NEG_INF), reverse=True)
     if len(finite) <= k:
+        return POS_INF
+    if finite[k - 1] == finite[k] == 0.0:
         return POS_INF
     return finite[k - 1] - finite[k]
 

@@ -4,14 +4,15 @@ position.
 
 Tolerance: atol = 1e-4, rtol = 0, on logits of magnitude ~1-5 (max |logit| ~4.5 here).
 The schedules feed differently shaped GEMMs to MKL (1 row in decode, N rows in prefill), so the
-fp32 results differ in the last bits (measured: <= ~1e-5 on the logits, typically 2e-6 to 7e-6);
-1e-4 leaves ~10x headroom over that while a real schedule bug (wrong window slot, wrong
+fp32 results differ in the last bits (measured: up to ~2e-5 on the logits, typically 2e-6 to 7e-6);
+1e-4 leaves ~5x headroom over that while a real schedule bug (wrong window slot, wrong
 compressed row, lost partial ratio-2 group, wrong sequence's state) moves logits by 1e-2 to 1.
 Caveat: the model quantizes intermediates (FP8 window KV, FP4 global KV / index keys / indexer
 queries) and makes discrete choices (top-k, experts); a last-bit difference can, rarely, push one
 value across a rounding boundary and then the two schedules legitimately differ by ~1e-3..1e-1
-from that position on. The token sequences below were checked to have no such boundary case
-with the current code; if one of these tests starts failing by ~1e-2 after a change that only
+from that position on (seen on ~1 in 10 random 40-token prompts, up to 0.16). The token
+sequences below were checked to have no such boundary case with the current code (on 1 and 2
+threads; the module runs on one); if one of these tests starts failing by ~1e-2 after a change that only
 reorders floating-point sums, check for that first (compare the per-layer
 `block_out.layer{i}` debug captures: a flip shows up as a single layer's jump from ~1e-6).
 """
@@ -22,6 +23,8 @@ import torch
 
 from v41graph.cache import ModelCaches, build_metadata, positions_of
 from v41graph.session import Session
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 ATOL = 1e-4
 BLOCK = 16
@@ -73,7 +76,7 @@ def _prefill_all(model, toks, debug=False):
 
 # =============================================================================== (a) prefill vs decode
 # (prompt length, prefix prefilled before token-by-token decode, token seed)
-DECODE_CASES = [(5, 2, 11), (8, 3, 12), (13, 6, 13), (40, 9, 14), (47, 20, 15)]
+DECODE_CASES = [(5, 2, 11), (8, 3, 12), (13, 6, 13), (40, 9, 14), (47, 20, 17)]
 
 
 @pytest.mark.parametrize("length,prefix,seed", DECODE_CASES)
@@ -105,7 +108,7 @@ def test_long_prompt_exercises_window_topk_and_candidate_pruning(tiny_model):
     blocks of 4 compressed positions while more blocks are visible."""
     cfg = tiny_model.config
     length = 47
-    _, dbg = _prefill_all(tiny_model, _tokens(length, 15), debug=True)
+    _, dbg = _prefill_all(tiny_model, _tokens(length, 17), debug=True)
     w, k, bs, keep = cfg.sliding_window, cfg.index_topk, cfg.candidate_block_size, cfg.candidate_topk_blocks
     assert (w, k, bs, keep) == (8, 4, 4, 3)
     for layer in range(10):
@@ -146,10 +149,11 @@ def test_long_prompt_exercises_window_topk_and_candidate_pruning(tiny_model):
 
 # =============================================================================== (b) batching
 BATCH_LENGTHS = [7, 20, 45]
+BATCH_SEED = 103
 
 
 def test_batch_of_different_lengths_equals_each_sequence_alone(tiny_model):
-    prompts = [_tokens(n, 100 + n) for n in BATCH_LENGTHS]
+    prompts = [_tokens(n, BATCH_SEED + n) for n in BATCH_LENGTHS]
     tables = {0: [0, 3, 6, 9], 1: [1, 4, 7, 10], 2: [2, 5, 8, 11]}
     batch = Runner(tiny_model, tables)
     alone = [Runner(tiny_model, {0: [0, 1, 2, 3]}) for _ in prompts]
@@ -159,13 +163,13 @@ def test_batch_of_different_lengths_equals_each_sequence_alone(tiny_model):
         _close(got[b], want[0], f"batched prefill, sequence {b}")
     # three batched decode steps
     for step in range(3):
-        nxt = [_tokens(1, 1000 + 10 * step + b) for b in range(3)]
+        nxt = [_tokens(1, 10 * BATCH_SEED + 10 * step + b) for b in range(3)]
         got, _ = batch.step([0, 1, 2], nxt)
         for b in range(3):
             want, _ = alone[b].step([0], [nxt[b]])
             _close(got[b], want[0], f"batched decode step {step}, sequence {b}")
     # a mixed step: sequence 1 prefills a 5-token chunk while 2 and 0 decode (listed out of order)
-    chunks = {2: _tokens(1, 2000), 1: _tokens(5, 2001), 0: _tokens(1, 2002)}
+    chunks = {b: _tokens(5 if b == 1 else 1, 20 * BATCH_SEED + b) for b in (2, 1, 0)}
     got, _ = batch.step([2, 1, 0], [chunks[2], chunks[1], chunks[0]])
     for j, b in enumerate([2, 1, 0]):
         want, _ = alone[b].step([0], [chunks[b]])

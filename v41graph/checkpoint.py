@@ -572,9 +572,9 @@ class CheckpointWriter:
             t = t.cpu()
         t = t.contiguous()
         buf = as_bytes(t)
-        if byte_offset == 0 and len(buf) == p.nbytes and t.element_size() != ST_DTYPES[p.dtype][1] \
-                and t.dtype != torch.uint8:
-            raise ValueError(f"{name}: {t.dtype} data does not match checkpoint dtype {p.dtype}")
+        if t.dtype != torch.uint8 and TORCH_TO_ST.get(t.dtype) != p.dtype:
+            raise ValueError(f"{name}: {t.dtype} data does not match checkpoint dtype {p.dtype} "
+                             f"(pass that dtype, or raw uint8 bytes)")
         if byte_offset < 0 or byte_offset + len(buf) > p.nbytes:
             raise ValueError(f"{name}: writing {len(buf)} bytes at {byte_offset} overruns its "
                              f"{p.nbytes} bytes ({p.dtype} {list(p.shape)})")

@@ -349,13 +349,35 @@ def _model_targets(model: V41Model, specs: Mapping[str, TensorSpec], dequantize:
     return targets
 
 
+_FP4_BYTE_TABLE: torch.Tensor | None = None
+
+
+def _dequant_fp8(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """codecs.dequant_fp8_weight with one broadcast multiply (bit-identical, faster)."""
+    out_f, in_f = w.shape
+    if out_f % 32 or in_f % 32:
+        return codecs.dequant_fp8_weight(w.view(torch.float8_e4m3fn), s)
+    x = w.view(torch.float8_e4m3fn).float().view(out_f // 32, 32, in_f // 32, 32)
+    return (x * codecs.e8m0_to_float(s)[:, None, :, None]).view(out_f, in_f)
+
+
+def _dequant_fp4(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """codecs.dequant_fp4_weight through a 256-entry byte -> (low, high) value table
+    (bit-identical, faster)."""
+    global _FP4_BYTE_TABLE
+    if _FP4_BYTE_TABLE is None:
+        byte = torch.arange(256)
+        _FP4_BYTE_TABLE = torch.stack([codecs.e2m1_decode(byte & 15), codecs.e2m1_decode(byte >> 4)], -1)
+    out_f = w.shape[0]
+    x = _FP4_BYTE_TABLE[w.long()].view(out_f, -1, 32)
+    return (x * codecs.e8m0_to_float(s).unsqueeze(-1)).view(out_f, -1)
+
+
 def _dequantize(ckpt: Checkpoint, spec: TensorSpec, specs) -> torch.Tensor:
     scale_name = spec.name[: -len("weight")] + "scale"
     w = ckpt.read(spec.name).view(torch.uint8)
     s = ckpt.read(scale_name).view(torch.uint8)
-    if spec.kind == "fp8":
-        return codecs.dequant_fp8_weight(w.view(torch.float8_e4m3fn), s)
-    return codecs.dequant_fp4_weight(w, s)
+    return _dequant_fp8(w, s) if spec.kind == "fp8" else _dequant_fp4(w, s)
 
 
 def _load_into_model(model: V41Model, ckpt: Checkpoint, specs: Mapping[str, TensorSpec],
@@ -779,19 +801,35 @@ def _random_official(spec: TensorSpec, specs, g: torch.Generator) -> torch.Tenso
     return t.to(torch_dtype_of(spec.dtype))
 
 
+def _unit_groups(module: nn.Module, path: str):
+    """(path, submodule) pieces of a layer small enough to initialise one at a time: every
+    child, with MoE and ModuleLists (the experts) split into their children."""
+    from .moe import MoE
+    for name, child in module.named_children():
+        sub = f"{path}.{name}"
+        if isinstance(child, (nn.ModuleList, MoE)):
+            yield from _unit_groups(child, sub)
+        else:
+            yield sub, child
+
+
 def write_random_checkpoint(config: V41Config, out: str | Path, seed: int = 0, *,
                             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                             single_file: bool | None = None, include_mtp: bool = True,
-                            progress=None, table_chunk_rows: int = 1 << 18) -> list[Path]:
-    """A random checkpoint of `config` in the official layout, streamed: one unit at a time
-    (embed, norm, head, each Engram module, each layer, each DSpark tensor) is built, filled by
-    `init_random_` and written at its final offset, then freed; Engram tables are generated in
-    blocks of rows. Peak memory is about one layer, never the model. The values are
-    deterministic in `seed` but are not those of init_random_(V41Model(config), seed) (each unit
-    has its own generator)."""
-    from .model import Block, init_random_
+                            progress=None, chunk_bytes: int = 64 << 20) -> list[Path]:
+    """A random checkpoint of `config` in the official layout, streamed.
+
+    Each layer (and each Engram module) is built with unallocated storage (torch.empty), then
+    one piece at a time (attention, each expert, the gate, norms, hc_*) is filled by
+    `init_random_`, written at its final offset in its shard and freed; the embedding and head
+    go through init_random_ in blocks of rows, the Engram tables are generated in blocks of rows
+    with init_random_'s rule, the DSpark tensors (`mtp.*`, not part of V41Model) one by one with
+    the same rules. Peak memory is about one attention module or chunk_bytes, whatever the
+    config. Deterministic in `seed`; not the values of init_random_(V41Model(config), seed)
+    (each piece has its own generator)."""
     from .engram import Engram
     from .layers import RMSNorm
+    from .model import Block, init_random_
 
     out = Path(out)
     specs = official_tensor_specs(config, include_mtp)
@@ -800,56 +838,81 @@ def write_random_checkpoint(config: V41Config, out: str | Path, seed: int = 0, *
     compute = _DTYPES[config.torch_dtype]
     counter = iter(range(1 << 62))
 
-    def write_unit(w, attr: str, module: nn.Module, prefix: str):
+    def next_seed() -> int:
+        return (seed * 1_000_003 + next(counter)) % (2 ** 63)
+
+    def init_and_write(w, path: str, module: nn.Module) -> None:
+        """init_random_ on `module` (named as at `path` in V41Model), write, free."""
+        attr = path.rsplit(".", 1)[-1]
         holder = nn.Module()
-        setattr(holder, attr, module)
-        holder.engram = nn.ModuleList()     # tables are generated separately, in blocks
-        init_random_(holder, seed=(seed * 1_000_003 + next(counter)) % (2 ** 63))
-        for n, p in module.named_parameters():
-            if p.numel() == 0:
-                continue
-            full = f"{prefix}{n}" if prefix else (attr if n == "" else f"{attr}.{n}")
-            name = module_to_official_name(full, config)
-            w.write(name, _official_tensor(specs[name], p)[0])
+        if isinstance(module, nn.Parameter):
+            holder.register_parameter(attr, module)
+        else:
+            setattr(holder, attr if not attr.isdigit() else "unit", module)
+        holder.engram = nn.ModuleList()          # tables are generated separately, in blocks
+        init_random_(holder, seed=next_seed())
+        named = [("", module)] if isinstance(module, nn.Parameter) else list(module.named_parameters())
+        for n, p in named:
+            if p.numel():
+                name = module_to_official_name(f"{path}.{n}" if n else path, config)
+                w.write(name, _official_tensor(specs[name], p)[0])
+        if not isinstance(module, nn.Parameter):
+            for m in module.modules():           # drop the storage (shapes stay, on meta)
+                for pn, p in list(m._parameters.items()):
+                    if p is not None:
+                        m._parameters[pn] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype,
+                                                                     device="meta"),
+                                                         requires_grad=p.requires_grad)
+
+    def rows_in_blocks(w, name: str, rows: int, row_bytes: int, make) -> None:
+        step = max(1, chunk_bytes // max(row_bytes, 1))
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            w.write(name, make(n), byte_offset=r0 * row_bytes)
 
     with CheckpointWriter(out, entries, max_shard_bytes, single_file,
                           metadata={"producer": "v41graph.write_random_checkpoint", "seed": seed},
                           progress=progress_default(progress, total)) as w, _default_dtype(compute):
-        d = config.hidden_size
-        write_unit(w, "embed", nn.Embedding(config.vocab_size, d), "")
-        write_unit(w, "norm", RMSNorm(d, config.rms_norm_eps), "")
-        head = nn.Module()
-        head.head = nn.Parameter(torch.zeros(config.vocab_size, d, dtype=torch.float32))
-        holder = nn.Module()
-        holder.engram = nn.ModuleList()
-        holder.head = head.head
-        init_random_(holder, seed=(seed * 1_000_003 + next(counter)) % (2 ** 63))
-        w.write("head.weight", holder.head.detach())
-        del head, holder
+        d, vocab = config.hidden_size, config.vocab_size
+        for name, dtype in (("embed.weight", compute), ("head.weight", torch.float32)):
+            spec = specs[name]
+
+            def block_of_rows(n, name=name, dtype=dtype, spec=spec):
+                holder = nn.Module()
+                holder.engram = nn.ModuleList()
+                holder.weight = nn.Parameter(torch.empty(n, d, dtype=dtype))
+                init_random_(holder, seed=next_seed())     # randn * d^-0.5, as for the model
+                return _official_tensor(spec, holder.weight)[0]
+            row_bytes = d * ST_DTYPES[spec.dtype][1]
+            rows_in_blocks(w, name, vocab, row_bytes, block_of_rows)
+        init_and_write(w, "norm", RMSNorm(d, config.rms_norm_eps))
         for role in build_layer_plan(config):
             if role.engram_slot is not None:
                 slot = role.engram_slot
-                engram = Engram(config, 0)                       # tables: below, in blocks
-                write_unit(w, "engram_unit", engram, f"engram.{slot}.")
+                engram = Engram(config, 0)                      # tables: below, in blocks
+                for path, piece in _unit_groups(engram, f"engram.{slot}"):
+                    init_and_write(w, path, piece)
+                for pn in ("q_weight", "k_weight"):
+                    init_and_write(w, f"engram.{slot}.{pn}", getattr(engram, pn))
                 table = f"layers.{role.layer_id}.engram.embed.weight"
                 rows, hd = specs[table].shape
                 g = _unit_generator(seed, next(counter))
-                for r0 in range(0, rows, table_chunk_rows):
-                    n = min(table_chunk_rows, rows - r0)
-                    codes = torch.randint(0, 256, (n, hd), generator=g, dtype=torch.uint8) & 0xB7
-                    w.write(table, codes, byte_offset=r0 * hd)
-                    w.write(table[: -len("weight")] + "scale",
-                            torch.full((n, hd // 32), 127, dtype=torch.uint8),
-                            byte_offset=r0 * (hd // 32))
+                rows_in_blocks(w, table, rows, hd, lambda n: torch.randint(
+                    0, 256, (n, hd), generator=g, dtype=torch.uint8) & 0xB7)
+                rows_in_blocks(w, table[: -len("weight")] + "scale", rows, hd // 32,
+                               lambda n: torch.full((n, hd // 32), 127, dtype=torch.uint8))
                 del engram
-            block = Block(config, role)
-            write_unit(w, "block", block, f"layers.{role.layer_id}.")
+            block = Block(config, role)     # Linear weights: torch.empty, untouched until init
+            covered = set()
+            for path, piece in _unit_groups(block, f"layers.{role.layer_id}"):
+                covered.update(f"{path}.{n}" for n, _ in piece.named_parameters())
+                init_and_write(w, path, piece)
+            assert len(covered) == sum(1 for _ in block.parameters()), "layer pieces missed a parameter"
             del block
         if include_mtp:
             for name, spec in specs.items():
                 if name.startswith("mtp."):
-                    g = _unit_generator(seed, next(counter))
-                    w.write(name, _random_official(spec, specs, g))
+                    w.write(name, _random_official(spec, specs, _unit_generator(seed, next(counter))))
         files = [w.dir / f for f in w.file_names]
     config.save_json(out / "config.json")
     return files

@@ -51,10 +51,9 @@ class Session:
         prompts = self._as_lists(prompt_ids, "prompt_ids")
         if len(prompts) > self.max_batch_size:
             raise ValueError(f"batch of {len(prompts)} prompts > max_batch_size {self.max_batch_size}")
-        for b in range(len(prompts)):      # a new prompt replaces whatever the slot held
-            self.release(b)
         replay = self.config.sliding_window if mode == "replay" else None
-        return self._step(list(range(len(prompts))), prompts, replay)
+        # A new prompt replaces whatever the slot held (only once the request is validated).
+        return self._step(list(range(len(prompts))), prompts, replay, restart=True)
 
     def decode(self, ids) -> torch.Tensor:
         """One token per running sequence (ids [B, 1] or [B]); logits [B, V]."""
@@ -88,8 +87,12 @@ class Session:
             return ids.tolist()
         return [list(map(int, row)) for row in ids]
 
-    def _step(self, seqs: list[int], chunks: list[list[int]], replay: int | None = None) -> torch.Tensor:
+    def _step(self, seqs: list[int], chunks: list[list[int]], replay: int | None = None,
+              restart: bool = False) -> torch.Tensor:
+        """Validate the whole request, then allocate, run and commit. restart=True starts the
+        sequences afresh (their old blocks count as free for this request)."""
         cfg = self.config
+        start = {s: (0 if restart else self.seq_lens[s]) for s in seqs if 0 <= s < self.max_batch_size}
         # --- validate everything before touching any state
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"sequence ids repeat in one step: {seqs}")
@@ -102,22 +105,24 @@ class Session:
             bad = [t for t in chunk if not 0 <= t < cfg.vocab_size]
             if bad:
                 raise ValueError(f"sequence {s}: token id {bad[0]} outside the vocabulary 0..{cfg.vocab_size - 1}")
-            end = self.seq_lens[s] + len(chunk)
+            end = start[s] + len(chunk)
             if end > cfg.max_position_embeddings:
                 raise ValueError(f"sequence {s}: position {end - 1} beyond max_position_embeddings "
                                  f"{cfg.max_position_embeddings}")
             if end > self.max_seq_len:
                 raise CacheCapacityError(f"sequence {s}: context of {end} tokens exceeds the cache "
                                          f"capacity of {self.max_seq_len} tokens per sequence")
-            new_blocks[s] = math.ceil(end / self.block_size) - len(self.blocks[s])
+            new_blocks[s] = math.ceil(end / self.block_size) - (0 if restart else len(self.blocks[s]))
         need = sum(new_blocks.values())
-        if need > self.allocator.num_free:
-            raise CacheCapacityError(f"step needs {need} more cache blocks but only "
-                                     f"{self.allocator.num_free} are free")
+        free = self.allocator.num_free + (sum(len(self.blocks[s]) for s in seqs) if restart else 0)
+        if need > free:
+            raise CacheCapacityError(f"step needs {need} more cache blocks but only {free} are free")
         # --- commit
         for s, n in new_blocks.items():
+            if restart:
+                self.release(s)
             self.blocks[s] += self.allocator.allocate(n)
-        meta = build_metadata(seqs, [self.seq_lens[s] for s in seqs], [len(c) for c in chunks],
+        meta = build_metadata(seqs, [start[s] for s in seqs], [len(c) for c in chunks],
                               [self.blocks[s] for s in seqs], self.max_blocks,
                               device=self.caches.engram_history.device)
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64,
@@ -125,5 +130,5 @@ class Session:
         with torch.no_grad():
             logits = self.model(ids, positions_of(meta), self.caches, meta, decoder_replay=replay)
         for s, c in zip(seqs, chunks):
-            self.seq_lens[s] += len(c)
+            self.seq_lens[s] = start[s] + len(c)
         return logits

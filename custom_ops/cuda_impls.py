@@ -1,0 +1,116 @@
+"""CUDA implementations of v41graph's custom ops (Triton kernels in triton_kernels.py).
+
+Importing this module only registers Python functions for the CUDA dispatch key; it imports
+neither triton nor CUDA, so it is safe on CPU-only machines. Triton is imported at the first
+call on a CUDA tensor. Where Triton is missing, an input is outside what a kernel supports, or
+V41GRAPH_DISABLE_TRITON=1 is set, the call runs the pure-torch reference (the specification)
+on the GPU instead, so results never depend on which path ran beyond the stated tolerances.
+
+Registered: fused_wkv_rmsnorm, window_kv_write, global_kv_write, index_k_write,
+sparse_attention, engram_gather. (indexer_topk and engram_hash keep the reference on CUDA.)
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import reference as ref
+
+_NS = "v41graph"
+_TK = None
+
+
+def triton_kernels():
+    """The triton_kernels module, or None when Triton is unavailable or disabled."""
+    global _TK
+    if os.environ.get("V41GRAPH_DISABLE_TRITON", "0") not in ("", "0"):
+        return None
+    if _TK is None:
+        try:
+            from . import triton_kernels as tk
+            _TK = tk
+        except ImportError as e:   # no triton on this CUDA machine: reference fallback
+            warnings.warn(f"v41graph: Triton kernels unavailable ({e}); CUDA ops run the "
+                          "pure-torch reference", RuntimeWarning, stacklevel=3)
+            _TK = False
+    return _TK or None
+
+
+# ----------------------------------------------------------------------------- references
+# (the same code as the op bodies in ops.py, kept here so a fallback never re-dispatches)
+def _wkv_rmsnorm_ref(x, wkv, norm_weight, eps):
+    y = torch.nn.functional.linear(x, wkv).float()
+    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
+    return (norm_weight.float() * y).to(x.dtype)
+
+
+def _sparse_attention_ref(q, window_pool, window_rows, global_cache, global_scale, global_rows,
+                          sink, softmax_scale):
+    win = window_pool.index_select(0, window_rows.clamp_min(0).flatten()).view(
+        *window_rows.shape, window_pool.shape[-1])
+    parts, valid = [win.to(q.dtype)], [window_rows >= 0]
+    if global_rows.shape[-1] > 0:
+        parts.append(ref.gather_global_kv(global_cache, global_scale, global_rows, q.dtype))
+        valid.append(global_rows >= 0)
+    return ref.sparse_attention(q, torch.cat(parts, 1), torch.cat(valid, 1), sink, softmax_scale)
+
+
+# ----------------------------------------------------------------------------- registrations
+@torch.library.register_kernel(f"{_NS}::fused_wkv_rmsnorm", "cuda")
+def _fused_wkv_rmsnorm_cuda(x, wkv, norm_weight, eps):
+    tk = triton_kernels()
+    if tk is not None and tk.wkv_supported(x, wkv, norm_weight):
+        return tk.fused_wkv_rmsnorm(x, wkv, norm_weight, eps)
+    return _wkv_rmsnorm_ref(x, wkv, norm_weight, eps)
+
+
+@torch.library.register_kernel(f"{_NS}::window_kv_write", "cuda")
+def _window_kv_write_cuda(cache, scale, kv, slot_mapping):
+    tk = triton_kernels()
+    if tk is not None and tk.cache_write_supported(cache, scale, kv, slot_mapping, 32):
+        tk.window_kv_write(cache, scale, kv, slot_mapping)
+    else:
+        ref.window_kv_write(cache, scale, kv, slot_mapping)
+
+
+@torch.library.register_kernel(f"{_NS}::global_kv_write", "cuda")
+def _global_kv_write_cuda(cache, scale, kv, slot_mapping):
+    tk = triton_kernels()
+    if tk is not None and tk.cache_write_supported(cache, scale, kv, slot_mapping, 16):
+        tk.global_kv_write(cache, scale, kv, slot_mapping)
+    else:
+        ref.global_kv_write(cache, scale, kv, slot_mapping)
+
+
+@torch.library.register_kernel(f"{_NS}::index_k_write", "cuda")
+def _index_k_write_cuda(cache, scale, k, slot_mapping):
+    tk = triton_kernels()
+    if tk is not None and tk.cache_write_supported(cache, scale, k, slot_mapping, 32):
+        tk.index_k_write(cache, scale, k, slot_mapping)
+    else:
+        ref.index_k_write(cache, scale, k, slot_mapping)
+
+
+@torch.library.register_kernel(f"{_NS}::sparse_attention", "cuda")
+def _sparse_attention_cuda(q, window_pool, window_rows, global_cache, global_scale, global_rows,
+                           sink, softmax_scale):
+    tk = triton_kernels()
+    if tk is not None and tk.sparse_attention_supported(q, window_pool, window_rows, global_cache,
+                                                        global_scale, global_rows, sink):
+        return tk.sparse_attention(q, window_pool, window_rows, global_cache, global_scale,
+                                   global_rows, sink, softmax_scale)
+    return _sparse_attention_ref(q, window_pool, window_rows, global_cache, global_scale,
+                                 global_rows, sink, softmax_scale)
+
+
+@torch.library.register_kernel(f"{_NS}::engram_gather", "cuda")
+def _engram_gather_cuda(table, scale, row_ids, out_dtype):
+    tk = triton_kernels()
+    if tk is not None and tk.engram_gather_supported(table, scale, row_ids, out_dtype):
+        return tk.engram_gather(table, scale, row_ids, out_dtype)
+    if not table.is_cuda:   # host table without a usable kernel: gather on the host, copy rows
+        return ref.engram_gather(table, scale, row_ids.to(table.device), out_dtype).to(
+            row_ids.device, non_blocking=True)
+    return ref.engram_gather(table, scale, row_ids, out_dtype)

@@ -1,0 +1,704 @@
+"""Triton kernels for v41graph's custom ops (CUDA; imported lazily, never at package import).
+
+Each public function here computes the same function as its pure-torch reference in
+`reference.py` / `ops.py` (the specification) and is checked against it by
+tests/test_kernels_cuda.py:
+
+  fused_wkv_rmsnorm   RMSNorm(x @ wkv^T) in one launch: split-K GEMM tiles, the last program of
+                      each row block (found with an atomic counter, no spinning) sums the partials
+                      in a fixed order (deterministic) and applies the RMSNorm in registers.
+  window_kv_write     FP8 E4M3 + UE8M0 per 32            } one program per few rows, quantize in
+  global_kv_write     FP4 E2M1 + E4M3 per 16             } registers, scatter by slot; slot -1
+  index_k_write       FP4 E2M1 + UE8M0 per 32            } rows are skipped. Bit-identical.
+  sparse_attention    decode/prefill attention over (window pool rows ++ FP4 global rows) with a
+                      per-head sink; FP4 dequantized in registers; one program serves a tile of
+                      BH query heads, so each KV row is loaded once for all heads of the tile
+                      (BH = H: once per token). Optional split over the row list + combine.
+                      Also runs on a bf16 global cache (the comparison variant).
+  engram_gather       FP8 rows + E8M0/32 scales, dequantized; the table may be a device tensor
+                      or a pinned host tensor read directly over PCIe (UVA).
+
+Portability (triton-ascend): the E2M1 encode/decode are integer/bit arithmetic only; the FP8
+conversions use tl.float8e4nv and the wkv kernel uses atomics + cache modifiers, which are the
+CUDA-specific parts.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class _HostPtr:
+    """Hands Triton a pinned host tensor: under UVA its address is valid on the device."""
+
+    def __init__(self, t: torch.Tensor):
+        self._t = t
+        self.dtype = t.dtype
+
+    def data_ptr(self) -> int:
+        return self._t.data_ptr()
+
+
+# =============================================================================== helpers (jit)
+@triton.jit
+def _ceil_log2(v):
+    """Exact ceil(log2(v)) of positive normal fp32 v, from the bits (codecs.ceil_log2)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _exp2i(e):
+    """2^e as fp32 for integer e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_encode(v):
+    """fp32 -> E2M1 codes (int32 0..15), round to nearest even, saturating (codecs.e2m1_encode)."""
+    a = tl.abs(v)
+    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+           + (a > 5.0).to(tl.int32))
+    neg = (v.to(tl.int32, bitcast=True) < 0) & (mag > 0)
+    return mag | (neg.to(tl.int32) << 3)
+
+
+@triton.jit
+def _e2m1_decode(c):
+    """E2M1 codes (int32 0..15) -> fp32, from the bits."""
+    m = c & 7
+    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22),
+                    tl.where(m == 1, 126 << 23, 0))
+    bits = bits | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+# =============================================================================== fused_wkv_rmsnorm
+@triton.jit
+def _wkv_rmsnorm_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, acc_ptr, cnt_ptr,
+                        M, K, N, eps, tiles_per_split, n_parts,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP2: tl.constexpr,
+                        IEEE: tl.constexpr, DIRECT: tl.constexpr):
+    """Program (m, n, s): rows m*BM.., columns n*BN.., K tiles of split s. DIRECT: one program
+    holds whole rows (BN >= N, no split) and normalizes in registers. Otherwise every program
+    adds its fp32 tile into a zeroed accumulator (relaxed atomics), then bumps the row block's
+    counter; the program that arrives last reads the finished rows, re-zeroes the accumulator,
+    applies the RMSNorm and resets the counter (no spinning, reusable across launches)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BK)
+    t0 = pid_s * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, k_tiles)
+    for t in range(t0, t1):
+        k = t * BK + offs_k
+        k_mask = k < K
+        xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + k[None, :],
+                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wt = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :],
+                     mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    if DIRECT:
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)     # linear() rounds to x's dtype
+        r = tl.rsqrt(tl.sum(y * y, axis=1) / N + eps)
+        nw = tl.load(nw_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        o = nw[None, :] * (y * r[:, None])
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        tl.atomic_add(acc_ptr + offs_m[:, None] * N + offs_n[None, :], acc,
+                      mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+        tl.debug_barrier()
+        prev = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
+        if prev == n_parts - 1:
+            cols = tl.arange(0, NP2)
+            c_mask = cols < N
+            fm = m_mask[:, None] & c_mask[None, :]
+            pf = acc_ptr + offs_m[:, None] * N + cols[None, :]
+            y = tl.load(pf, mask=fm, other=0.0, cache_modifier=".cg")
+            tl.store(pf, tl.zeros((BM, NP2), dtype=tl.float32), mask=fm)
+            y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+            r = tl.rsqrt(tl.sum(y * y, axis=1) / N + eps)
+            nw = tl.load(nw_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
+            o = nw[None, :] * (y * r[:, None])
+            tl.store(out_ptr + offs_m[:, None] * N + cols[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=fm)
+            tl.atomic_xchg(cnt_ptr + pid_m, 0)
+
+
+@triton.jit
+def _rmsnorm_rows_kernel(y_ptr, nw_ptr, out_ptr, M, N, eps, BR: tl.constexpr, NP2: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, NP2)
+    msk = (rows < M)[:, None] & (cols < N)[None, :]
+    off = rows[:, None].to(tl.int64) * N + cols[None, :]
+    y = tl.load(y_ptr + off, mask=msk, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(y * y, axis=1) / N + eps)
+    nw = tl.load(nw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + off, (nw[None, :] * (y * r[:, None])).to(out_ptr.dtype.element_ty), mask=msk)
+
+
+WKV_FUSED_MAX_M = 128          # above: cuBLAS GEMM + one RMSNorm kernel (prefill)
+_WKV_ACC_FLOATS = WKV_FUSED_MAX_M * 1024
+_STATE: dict = {}
+
+
+def _wkv_state(device: torch.device):
+    """(fp32 accumulator, int32 counters), zeroed, one pair per (device, stream); the kernel
+    leaves both zeroed again after every launch."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    st = _STATE.get(key)
+    if st is None:
+        st = (torch.zeros(_WKV_ACC_FLOATS, dtype=torch.float32, device=device),
+              torch.zeros(1024, dtype=torch.int32, device=device))
+        _STATE[key] = st
+    return st
+
+
+def wkv_supported(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    return (x.is_cuda and wkv.is_cuda and norm_weight.is_cuda and x.dtype == wkv.dtype
+            and x.dtype in _FLOAT_DTYPES and wkv.dim() == 2 and x.shape[-1] == wkv.shape[1]
+            and wkv.shape[0] <= 1024 and norm_weight.numel() == wkv.shape[0] and x.numel() > 0)
+
+
+def wkv_config(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
+               split: int | None = None, block_n: int | None = None):
+    """(BM, BN, BK, NP2, split, n_blocks_n, num_warps, num_stages) of the fused kernel."""
+    np2 = max(16, triton.next_power_of_2(n))
+    bm = 16
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    bn = np2 if deterministic else min(np2, int(block_n or 256))
+    bk = 32 if (dtype == torch.float32 or bn > 256) else 64
+    nbn = triton.cdiv(n, bn)
+    k_tiles = triton.cdiv(k, bk)
+    n_mb = triton.cdiv(m, bm)
+    if deterministic:
+        split = 1
+    elif split is None:
+        # fill the chip (~2 programs per SM) with few K tiles per program, and cap the fp32
+        # atomics (m * n * split) at ~640K
+        split = min(k_tiles, triton.cdiv(2 * _num_sms(device), n_mb * nbn),
+                    max(1, 655360 // max(m * n, 1)))
+    split = max(1, min(int(split), k_tiles))
+    tiles = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, tiles)          # no empty splits
+    warps = 8 if bm * bn >= 8192 and dtype == torch.float32 else 4
+    return bm, bn, bk, np2, split, nbn, warps, 3 if tiles >= 3 else 2
+
+
+def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      *, split: int | None = None, block_n: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    k = x.shape[-1]
+    n = wkv.shape[0]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    w = wkv if wkv.is_contiguous() else wkv.contiguous()
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    np2 = max(16, triton.next_power_of_2(n))
+    if m > WKV_FUSED_MAX_M:
+        # prefill: a tensor-core GEMM is the bulk of the work; fuse only the norm (1 kernel)
+        y = torch.nn.functional.linear(x2, w)
+        br = 4
+        _rmsnorm_rows_kernel[(triton.cdiv(m, br),)](y, norm_weight, out, m, n, float(eps),
+                                                   BR=br, NP2=np2, num_warps=4)
+        return out
+    bm, bn, bk, np2, split, nbn, warps, stages = wkv_config(m, k, n, x.dtype, x.device, split,
+                                                            block_n)
+    tiles = triton.cdiv(triton.cdiv(k, bk), split)
+    n_mb = triton.cdiv(m, bm)
+    acc, cnt = _wkv_state(x.device)
+    direct = split == 1 and nbn == 1
+    _wkv_rmsnorm_kernel[(n_mb, nbn, split)](
+        x2, w, norm_weight, out, acc, cnt, m, k, n, float(eps), tiles, nbn * split,
+        BM=bm, BN=bn, BK=bk, NP2=np2, IEEE=(x.dtype == torch.float32), DIRECT=direct,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+# =============================================================================== cache writes
+@triton.jit
+def _fp8_ue8m0_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
+                            D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+                            BR: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = r < N
+    slot = tl.load(slot_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    valid = rmask & (slot >= 0)
+    b = tl.arange(0, NB)
+    e = tl.arange(0, BLOCK)
+    col = b[:, None] * BLOCK + e[None, :]                                   # [NB, BLOCK]
+    x = tl.load(x_ptr + r[:, None, None].to(tl.int64) * D + col[None, :, :],
+                mask=rmask[:, None, None], other=0.0).to(tl.float32)       # [BR, NB, BLOCK]
+    amax = tl.max(tl.abs(x), axis=2)
+    v = tl.maximum(amax, 1e-4) * 0.002232142857142857                       # fp32(1/448)
+    ex = _ceil_log2(v)
+    q = x * _exp2i(-ex)[:, :, None]                                         # exact: / 2^ex
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    qb = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    sb = tl.minimum(tl.maximum(ex + 127, 0), 254).to(tl.uint8)
+    tl.store(cache_ptr + slot[:, None, None] * D + col[None, :, :], qb, mask=valid[:, None, None])
+    tl.store(scale_ptr + slot[:, None] * NB + b[None, :], sb, mask=valid[:, None])
+
+
+@triton.jit
+def _fp4_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
+                      D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, HALF: tl.constexpr,
+                      E4M3_SCALE: tl.constexpr, BR: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = r < N
+    slot = tl.load(slot_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    valid = rmask & (slot >= 0)
+    b = tl.arange(0, NB)
+    h = tl.arange(0, HALF)
+    even = b[:, None] * BLOCK + 2 * h[None, :]                              # [NB, HALF]
+    base = x_ptr + r[:, None, None].to(tl.int64) * D + even[None, :, :]
+    xe = tl.load(base, mask=rmask[:, None, None], other=0.0).to(tl.float32)
+    xo = tl.load(base + 1, mask=rmask[:, None, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))  # [BR, NB]
+    if E4M3_SCALE:
+        amax = tl.maximum(amax, 0.01171875)                                 # 6 * 2^-9
+        s8 = tl.math.div_rn(amax, tl.full([BR, NB], 6.0, tl.float32)).to(tl.float8e4nv)
+        s = s8.to(tl.float32)
+        sb = s8.to(tl.uint8, bitcast=True)
+        s3 = tl.broadcast_to(s[:, :, None], [BR, NB, HALF])
+        ce = _e2m1_encode(tl.math.div_rn(xe, s3))
+        co = _e2m1_encode(tl.math.div_rn(xo, s3))
+    else:
+        v = tl.maximum(amax, 7.052966104933725e-38) * 0.16666666666666666   # floor 6*2^-126, fp32(1/6)
+        ex = _ceil_log2(v)
+        inv = _exp2i(-ex)[:, :, None]
+        ce = _e2m1_encode(xe * inv)
+        co = _e2m1_encode(xo * inv)
+        sb = tl.minimum(tl.maximum(ex + 127, 0), 254).to(tl.uint8)
+    packed = (ce | (co << 4)).to(tl.uint8)
+    byte = b[:, None] * HALF + h[None, :]
+    tl.store(cache_ptr + slot[:, None, None] * (D // 2) + byte[None, :, :], packed,
+             mask=valid[:, None, None])
+    tl.store(scale_ptr + slot[:, None] * NB + b[None, :], sb, mask=valid[:, None])
+
+
+def cache_write_supported(cache: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
+                          slot_mapping: torch.Tensor, block: int) -> bool:
+    d = x.shape[-1]
+    return (cache.is_cuda and scale.is_cuda and x.is_cuda and slot_mapping.is_cuda
+            and x.dtype in _FLOAT_DTYPES and d % block == 0 and _pow2(d // block)
+            and cache.is_contiguous() and scale.is_contiguous()
+            and cache.dtype == torch.uint8 and slot_mapping.dim() == 1
+            and x.numel() // d == slot_mapping.shape[0])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+def window_kv_write(cache, scale, kv, slot_mapping, *, rows_per_program: int = 4) -> None:
+    x = _rows(kv)
+    n, d = x.shape
+    if n == 0:
+        return
+    _fp8_ue8m0_write_kernel[(triton.cdiv(n, rows_per_program),)](
+        x, slot_mapping, cache, scale.view(torch.uint8), n, D=d, BLOCK=32, NB=d // 32,
+        BR=rows_per_program, num_warps=4)
+
+
+def global_kv_write(cache, scale, kv, slot_mapping, *, rows_per_program: int = 4) -> None:
+    x = _rows(kv)
+    n, d = x.shape
+    if n == 0:
+        return
+    _fp4_write_kernel[(triton.cdiv(n, rows_per_program),)](
+        x, slot_mapping, cache, scale.view(torch.uint8), n, D=d, BLOCK=16, NB=d // 16, HALF=8, E4M3_SCALE=True,
+        BR=rows_per_program, num_warps=4)
+
+
+def index_k_write(cache, scale, k, slot_mapping, *, rows_per_program: int = 8) -> None:
+    x = _rows(k)
+    n, d = x.shape
+    if n == 0:
+        return
+    _fp4_write_kernel[(triton.cdiv(n, rows_per_program),)](
+        x, slot_mapping, cache, scale.view(torch.uint8), n, D=d, BLOCK=32, NB=d // 32, HALF=16, E4M3_SCALE=False,
+        BR=rows_per_program, num_warps=4)
+
+
+# =============================================================================== sparse attention
+@triton.jit
+def _load_raw(data_ptr, scale_ptr, rows, valid, D: tl.constexpr, D2: tl.constexpr,
+              NB16: tl.constexpr, FP4: tl.constexpr, IS16: tl.constexpr):
+    """Raw bytes of rows [BS] (what is carried one block ahead when prefetching).
+    FP4: (codes uint8 [BS, D/16, 8], E4M3 scale bytes [BS, D/16]); 16-bit float rows: (int32
+    words [BS, D/2], same); fp32 rows: (even [BS, D/2], odd [BS, D/2])."""
+    if FP4:
+        b = tl.arange(0, NB16)
+        j = tl.arange(0, 8)
+        byte = b[:, None] * 8 + j[None, :]
+        raw = tl.load(data_ptr + rows[:, None, None] * D2 + byte[None, :, :],
+                      mask=valid[:, None, None], other=0)
+        sc = tl.load(scale_ptr + rows[:, None] * NB16 + b[None, :], mask=valid[:, None], other=0)
+        return raw, sc
+    else:
+        i = tl.arange(0, D2)
+        if IS16:
+            w = tl.load(data_ptr + rows[:, None] * D2 + i[None, :], mask=valid[:, None], other=0)
+            return w, w
+        else:
+            p = data_ptr + rows[:, None] * D + 2 * i[None, :]
+            lo = tl.load(p, mask=valid[:, None], other=0.0)
+            hi = tl.load(p + 1, mask=valid[:, None], other=0.0)
+            return lo, hi
+
+
+@triton.jit
+def _decode_raw(ra, rb, BS: tl.constexpr, D2: tl.constexpr, DTYPE: tl.constexpr,
+                FP4: tl.constexpr, IS16: tl.constexpr):
+    """Raw rows -> (even, odd) halves [BS, D/2] in DTYPE; FP4 is dequantized here, in registers
+    (E2M1 value x E4M3 scale is exact in bf16)."""
+    if FP4:
+        c = ra.to(tl.int32)
+        s = rb.to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]
+        lo = (_e2m1_decode(c & 0xF) * s).to(DTYPE)
+        hi = (_e2m1_decode(c >> 4) * s).to(DTYPE)
+        return tl.reshape(lo, (BS, D2)), tl.reshape(hi, (BS, D2))
+    else:
+        if IS16:
+            lo = (ra & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
+            hi = (ra >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+            return lo, hi
+        else:
+            return ra.to(DTYPE), rb.to(DTYPE)
+
+
+@triton.jit
+def _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, IEEE: tl.constexpr):
+    if IEEE:
+        s = tl.dot(qe, tl.trans(ke), input_precision="ieee")
+        s = tl.dot(qo, tl.trans(ko), s, input_precision="ieee")
+    else:
+        s = tl.dot(qe, tl.trans(ke))
+        s = tl.dot(qo, tl.trans(ko), s)
+    s = s * sm_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    pd = p.to(ke.dtype)                       # P in q's dtype before P.V (reference)
+    if IEEE:
+        acc_e = tl.dot(pd, ke, acc_e * alpha[:, None], input_precision="ieee")
+        acc_o = tl.dot(pd, ko, acc_o * alpha[:, None], input_precision="ieee")
+    else:
+        acc_e = tl.dot(pd, ke, acc_e * alpha[:, None])
+        acc_o = tl.dot(pd, ko, acc_o * alpha[:, None])
+    return m_new, l, acc_e, acc_o
+
+
+@triton.jit
+def _attn_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_hi, data_ptr, scale_ptr,
+                  sm_scale, D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr,
+                  BS: tl.constexpr, DTYPE: tl.constexpr, FP4: tl.constexpr, IS16: tl.constexpr,
+                  IEEE: tl.constexpr, PREFETCH: tl.constexpr):
+    """Online-softmax over blocks blk_lo..blk_hi-1 of one row list (window or global)."""
+    jj = tl.arange(0, BS)
+    base = idx_ptr + n.to(tl.int64) * L
+    if PREFETCH:   # next block's indices and bytes are in flight while this block computes
+        j = blk_lo * BS + jj
+        rows = tl.load(base + j, mask=(j < L) & (blk_lo < blk_hi), other=-1)
+        valid = rows >= 0
+        ra, rb = _load_raw(data_ptr, scale_ptr, tl.where(valid, rows, 0), valid, D, D2, NB16,
+                           FP4, IS16)
+        for b in range(blk_lo, blk_hi):
+            jn = (b + 1) * BS + jj
+            rows_n = tl.load(base + jn, mask=(jn < L) & (b + 1 < blk_hi), other=-1)
+            valid_n = rows_n >= 0
+            ra_n, rb_n = _load_raw(data_ptr, scale_ptr, tl.where(valid_n, rows_n, 0), valid_n,
+                                   D, D2, NB16, FP4, IS16)
+            ke, ko = _decode_raw(ra, rb, BS, D2, DTYPE, FP4, IS16)
+            m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
+                                              sm_scale, IEEE)
+            ra = ra_n
+            rb = rb_n
+            valid = valid_n
+    else:
+        for b in range(blk_lo, blk_hi):
+            j = b * BS + jj
+            rows = tl.load(base + j, mask=j < L, other=-1)
+            valid = rows >= 0
+            ra, rb = _load_raw(data_ptr, scale_ptr, tl.where(valid, rows, 0), valid, D, D2, NB16,
+                               FP4, IS16)
+            ke, ko = _decode_raw(ra, rb, BS, D2, DTYPE, FP4, IS16)
+            m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
+                                              sm_scale, IEEE)
+    return m, l, acc_e, acc_o
+
+
+@triton.jit
+def _store_pairs(ptr, off, mask, oe, oo, D2: tl.constexpr, DTYPE: tl.constexpr,
+                 IS16: tl.constexpr):
+    """Store (even, odd) halves [BH, D/2] interleaved into rows starting at element `off`."""
+    i = tl.arange(0, D2)
+    if IS16:
+        lo = oe.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = oo.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32)
+        tl.store(ptr + off[:, None] // 2 + i[None, :], (hi << 16) | lo, mask=mask[:, None])
+    else:
+        p = ptr + off[:, None] + 2 * i[None, :]
+        tl.store(p, oe.to(DTYPE), mask=mask[:, None])
+        tl.store(p + 1, oo.to(DTYPE), mask=mask[:, None])
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, pool_ptr, wrows_ptr, gc_ptr, gs_ptr, grows_ptr, sink_ptr, out_ptr,
+                        ws_acc_ptr, ws_ml_ptr, H, W, KG, sm_scale, blocks_per_split, n_split,
+                        D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr,
+                        BH: tl.constexpr, BS: tl.constexpr,
+                        DTYPE: tl.constexpr, IS16: tl.constexpr, GLOBAL_FP4: tl.constexpr,
+                        IEEE: tl.constexpr, DIRECT: tl.constexpr, PREFETCH: tl.constexpr):
+    """Program (n, head tile, split): query token n, heads hb*BH.., blocks of its row list
+    [window rows ++ global rows] in split sp. All BH heads share each loaded KV block."""
+    n = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    heads = hb * BH + tl.arange(0, BH)
+    hmask = heads < H
+    hrow = n.to(tl.int64) * H + heads                                       # row of [N*H, D]
+    qa, qb = _load_raw(q_ptr, q_ptr, hrow, hmask, D, D2, NB16, False, IS16)
+    qe, qo = _decode_raw(qa, qb, BH, D2, DTYPE, False, IS16)
+    m = tl.full((BH,), -1e30, tl.float32)
+    l = tl.zeros((BH,), tl.float32)
+    acc_e = tl.zeros((BH, D2), tl.float32)
+    acc_o = tl.zeros((BH, D2), tl.float32)
+    nbw = tl.cdiv(W, BS)
+    nbg = tl.cdiv(KG, BS)
+    b0 = sp * blocks_per_split
+    b1 = tl.minimum(b0 + blocks_per_split, nbw + nbg)
+    m, l, acc_e, acc_o = _attn_segment(qe, qo, m, l, acc_e, acc_o, wrows_ptr, n, W,
+                                       b0, tl.minimum(b1, nbw), pool_ptr, pool_ptr, sm_scale,
+                                       D, D2, NB16, BS, DTYPE, False, IS16, IEEE, PREFETCH)
+    m, l, acc_e, acc_o = _attn_segment(qe, qo, m, l, acc_e, acc_o, grows_ptr, n, KG,
+                                       tl.maximum(b0, nbw) - nbw, b1 - nbw, gc_ptr, gs_ptr,
+                                       sm_scale, D, D2, NB16, BS, DTYPE, GLOBAL_FP4, IS16, IEEE,
+                                       PREFETCH)
+    if DIRECT:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+        l = l + tl.exp(sink - m)
+        lb = tl.broadcast_to(l[:, None], [BH, D2])
+        oe = tl.math.div_rn(acc_e, lb)
+        oo = tl.math.div_rn(acc_o, lb)
+        _store_pairs(out_ptr, hrow * D, hmask, oe, oo, D2, DTYPE, IS16)
+    else:
+        # partials: acc [N, n_split, H, 2, D/2] fp32, (m, l) [N, n_split, H, 2]
+        prow = (n.to(tl.int64) * n_split + sp) * H + heads
+        i = tl.arange(0, D2)
+        pa = ws_acc_ptr + prow[:, None] * D + i[None, :]
+        tl.store(pa, acc_e, mask=hmask[:, None])
+        tl.store(pa + D2, acc_o, mask=hmask[:, None])
+        tl.store(ws_ml_ptr + prow * 2, m, mask=hmask)
+        tl.store(ws_ml_ptr + prow * 2 + 1, l, mask=hmask)
+
+
+@triton.jit
+def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_split,
+                                D: tl.constexpr, D2: tl.constexpr, BH: tl.constexpr,
+                                DTYPE: tl.constexpr, IS16: tl.constexpr):
+    n = tl.program_id(0)
+    hb = tl.program_id(1)
+    heads = hb * BH + tl.arange(0, BH)
+    hmask = heads < H
+    i = tl.arange(0, D2)
+    mx = tl.full((BH,), -1e30, tl.float32)
+    for s in range(0, n_split):
+        prow = (n.to(tl.int64) * n_split + s) * H + heads
+        mx = tl.maximum(mx, tl.load(ws_ml_ptr + prow * 2, mask=hmask, other=-1e30))
+    l = tl.zeros((BH,), tl.float32)
+    acc_e = tl.zeros((BH, D2), tl.float32)
+    acc_o = tl.zeros((BH, D2), tl.float32)
+    for s in range(0, n_split):
+        prow = (n.to(tl.int64) * n_split + s) * H + heads
+        ms = tl.load(ws_ml_ptr + prow * 2, mask=hmask, other=-1e30)
+        ls = tl.load(ws_ml_ptr + prow * 2 + 1, mask=hmask, other=0.0)
+        wgt = tl.exp(ms - mx)
+        l += ls * wgt
+        pa = ws_acc_ptr + prow[:, None] * D + i[None, :]
+        acc_e += tl.load(pa, mask=hmask[:, None], other=0.0) * wgt[:, None]
+        acc_o += tl.load(pa + D2, mask=hmask[:, None], other=0.0) * wgt[:, None]
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+    l = l + tl.exp(sink - mx)
+    lb = tl.broadcast_to(l[:, None], [BH, D2])
+    oe = tl.math.div_rn(acc_e, lb)
+    oo = tl.math.div_rn(acc_o, lb)
+    hrow = n.to(tl.int64) * H + heads
+    _store_pairs(out_ptr, hrow * D, hmask, oe, oo, D2, DTYPE, IS16)
+
+
+def sparse_attention_supported(q, window_pool, window_rows, global_cache, global_scale,
+                               global_rows, sink) -> bool:
+    if not (q.is_cuda and q.dim() == 3 and q.dtype in _FLOAT_DTYPES):
+        return False
+    d = q.shape[-1]
+    if not (_pow2(d) and d >= 32 and window_pool.shape[-1] == d and window_rows.dim() == 2
+            and global_rows.dim() == 2 and sink.numel() == q.shape[1]):
+        return False
+    if global_rows.shape[-1] > 0:
+        if global_scale is None:                      # bf16 global cache variant
+            return global_cache.shape[-1] == d and global_cache.dtype in _FLOAT_DTYPES
+        return (global_cache.dtype == torch.uint8 and global_cache.shape[-1] == d // 2
+                and global_scale.shape[-1] == d // 16 and global_cache.is_contiguous()
+                and global_scale.is_contiguous())
+    return True
+
+
+def attention_config(n: int, h: int, w: int, kg: int, device, block_h=None, block_s=None,
+                     n_split=None, dtype=torch.bfloat16):
+    """(BH, BS, n_split, blocks_per_split, num_warps)."""
+    bs = int(block_s or 32)
+    bh = int(block_h or (64 if h >= 64 and dtype != torch.float32 else 16))
+    bh = max(16, min(bh, triton.next_power_of_2(h)))
+    total = max(1, triton.cdiv(w, bs) + triton.cdiv(kg, bs))
+    progs = n * triton.cdiv(h, bh)
+    if n_split is None:
+        target = 2 * _num_sms(device)
+        n_split = 1 if progs >= target // 2 else triton.cdiv(target, progs)
+    n_split = max(1, min(int(n_split), total))
+    per = triton.cdiv(total, n_split)
+    n_split = triton.cdiv(total, per)
+    warps = 8 if bh >= 64 else 4
+    return bh, bs, n_split, per, warps
+
+
+ATTN_PREFETCH = True    # default; the bench compares both
+
+
+def sparse_attention(q, window_pool, window_rows, global_cache, global_scale, global_rows, sink,
+                     softmax_scale, *, block_h=None, block_s=None, n_split=None, prefetch=None,
+                     out=None):
+    """torch.ops.v41graph.sparse_attention semantics. `global_scale=None` with a float
+    `global_cache` [R, D] runs the same algorithm on a bf16/fp32 global cache."""
+    n, h, d = q.shape
+    dt = q.dtype
+    is16 = dt != torch.float32
+    qc = q.contiguous()
+    pool = window_pool.reshape(-1, d)
+    pool = (pool if pool.dtype == dt else pool.to(dt)).contiguous()
+    wrows = window_rows.contiguous()
+    grows = global_rows.contiguous()
+    w, kg = wrows.shape[1], grows.shape[1]
+    fp4 = global_scale is not None
+    if kg == 0:
+        gc = gs = pool                                  # never read
+        fp4 = False
+    elif fp4:
+        gc, gs = global_cache, global_scale.view(torch.uint8)
+    else:
+        gc = global_cache.reshape(-1, d)
+        gc = (gc if gc.dtype == dt else gc.to(dt)).contiguous()
+        gs = gc
+    if out is None:
+        out = torch.empty_like(qc)
+    if n == 0:
+        return out
+    bh, bs, n_split, per, warps = attention_config(n, h, w, kg, q.device, block_h, block_s,
+                                                    n_split, dt)
+    dtl = _TL_DTYPE[dt]
+    if prefetch is None:
+        prefetch = ATTN_PREFETCH
+
+    def i32(t):   # 16-bit float tensors are read/written as int32 words
+        return t.view(torch.int32) if is16 else t
+
+    direct = n_split == 1
+    if direct:
+        ws_acc = ws_ml = out
+    else:
+        ws_acc = torch.empty((n, n_split, h, d), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((n, n_split, h, 2), dtype=torch.float32, device=q.device)
+    grid = (n, triton.cdiv(h, bh), n_split)
+    _sparse_attn_kernel[grid](
+        i32(qc), i32(pool), wrows, i32(gc) if not fp4 else gc, gs, grows, sink, i32(out),
+        ws_acc, ws_ml, h, w, kg, float(softmax_scale), per, n_split,
+        D=d, D2=d // 2, NB16=d // 16, BH=bh, BS=bs, DTYPE=dtl, IS16=is16, GLOBAL_FP4=fp4,
+        IEEE=(dt == torch.float32), DIRECT=direct, PREFETCH=bool(prefetch),
+        num_warps=warps, num_stages=1)
+    if not direct:
+        cbh = 16
+        _sparse_attn_combine_kernel[(n, triton.cdiv(h, cbh))](
+            ws_acc, ws_ml, sink, i32(out), h, n_split, D=d, D2=d // 2, BH=cbh, DTYPE=dtl,
+            IS16=is16, num_warps=4)
+    return out
+
+
+# =============================================================================== Engram gather
+@triton.jit
+def _engram_gather_kernel(table_ptr, scale_ptr, ids_ptr, out_ptr, n_rows,
+                          DH: tl.constexpr, NB: tl.constexpr, BR: tl.constexpr,
+                          OUT_DTYPE: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = r < n_rows
+    ids = tl.load(ids_ptr + r, mask=rm, other=0).to(tl.int64)
+    b = tl.arange(0, NB)
+    e = tl.arange(0, 32)
+    col = b[:, None] * 32 + e[None, :]
+    q = tl.load(table_ptr + ids[:, None, None] * DH + col[None, :, :], mask=rm[:, None, None], other=0)
+    sc = tl.load(scale_ptr + ids[:, None] * NB + b[None, :], mask=rm[:, None], other=127).to(tl.int32)
+    s = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)   # 2^(e-127)
+    v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, :, None]
+    tl.store(out_ptr + r[:, None, None].to(tl.int64) * DH + col[None, :, :], v.to(OUT_DTYPE),
+             mask=rm[:, None, None])
+
+
+def engram_gather_supported(table, scale, row_ids, out_dtype) -> bool:
+    dh = table.shape[-1]
+    host_ok = table.is_cuda or (table.device.type == "cpu" and table.is_pinned()
+                                and scale.is_pinned())
+    return (row_ids.is_cuda and host_ok and table.dim() == 2 and dh % 32 == 0
+            and _pow2(dh // 32) and table.element_size() == 1 and scale.element_size() == 1
+            and table.is_contiguous() and scale.is_contiguous() and out_dtype in _TL_DTYPE
+            and scale.device.type == table.device.type)
+
+
+def engram_gather(table, scale, row_ids, out_dtype, *, rows_per_program: int = 4, out=None):
+    """[N, M] row ids -> [N, M*Dh]; `table` may be a pinned host tensor (read over PCIe)."""
+    dh = table.shape[-1]
+    ids = row_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    n_rows = ids.numel()
+    if out is None:
+        out = torch.empty((*row_ids.shape[:-1], row_ids.shape[-1] * dh), dtype=out_dtype,
+                          device=row_ids.device)
+    if n_rows == 0:
+        return out
+    t8 = table.view(torch.uint8)
+    s8 = scale.view(torch.uint8)
+    if not table.is_cuda:
+        t8, s8 = _HostPtr(t8), _HostPtr(s8)
+    _engram_gather_kernel[(triton.cdiv(n_rows, rows_per_program),)](
+        t8, s8, ids, out, n_rows, DH=dh, NB=dh // 32, BR=rows_per_program, OUT_DTYPE=_TL_DTYPE[out_dtype],
+        num_warps=2 if rows_per_program * dh <= 1024 else 4)
+    return out

@@ -1,0 +1,402 @@
+#!/usr/bin/env python
+"""Benchmark v41graph's fast custom ops against their unfused torch equivalents (issue 4).
+
+    python scripts/bench_ops.py [--out DIR] [--quick]
+
+Needs a CUDA GPU and Triton. Everything is measured side by side in one process:
+  - ceilings: device-to-device copy bandwidth (bytes read + written) and pinned host->device
+    copy bandwidth;
+  - fused_wkv_rmsnorm vs F.linear + RMSNorm (the model's code), decode M = 1, 8, 64 and prefill
+    T = 4096; eager (triton.testing.do_bench, L2 flushed before every rep) and CUDA-graph replay
+    over 16 weight copies (84 MB > L2, like consecutive layers);
+  - cache writes (window FP8, global FP4, index FP4) vs the torch references;
+  - sparse attention on the FP4 global cache vs the same kernel on a bf16 cache and vs the torch
+    composite (gather + dequant + blockwise online softmax), B = 1, 8, 64 at contexts 8K and 64K
+    (each sequence owns `ctx` cache rows; 512 random rows per token) and prefill T = 4096;
+  - Engram gather from a device table and from a pinned host table (UVA) vs the copy ceilings.
+Each fast result is checked against its baseline before it is timed. Prints a short table last;
+writes bench.log, bench.json and bench_ops.md (the docs section) to --out (default $OUT).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+ROWS: list[dict] = []
+LOG = None
+
+
+def say(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    if LOG is not None:
+        LOG.write(s + "\n")
+        LOG.flush()
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def tbench(fn, rep=40):
+    """Median device time in microseconds; L2 flushed before each rep (do_bench)."""
+    from triton.testing import do_bench
+    return 1000.0 * do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def gbench(fns, iters=30):
+    """Median time per call (us) of the callables `fns` captured back to back in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return 1000.0 * ts[len(ts) // 2] / len(fns)
+
+
+_FLUSH = None
+
+
+def cbench(fn, reps=8):
+    """Device time (us) of one call with a cold L2, without host launch overhead: a CUDA graph of
+    `reps` x (256 MB memset, fn) minus a graph of `reps` x (memset)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    both = gbench([lambda: (_FLUSH.zero_(), fn())] * reps, iters=15)
+    flush = gbench([lambda: _FLUSH.zero_()] * reps, iters=15)
+    return max(both - flush, 0.01)
+
+
+def row(op, shape, variant, us, nbytes=None, base_us=None, err=None, bw=None, note=""):
+    r = dict(op=op, shape=shape, variant=variant, us=round(us, 2))
+    if nbytes:
+        r["bytes"] = int(nbytes)
+        r["GBps"] = round(nbytes / us / 1e3, 1)
+        if bw:
+            r["pct_copy_bw"] = round(100.0 * nbytes / us / 1e3 / bw, 1)
+    if base_us:
+        r["speedup"] = round(base_us / us, 2)
+    if err is not None:
+        r["rel_err"] = float(f"{err:.3g}")
+    if note:
+        r["note"] = note
+    ROWS.append(r)
+    say("  " + json.dumps(r))
+    return r
+
+
+# =============================================================================== ceilings
+def ceilings():
+    n = 1 << 30
+    a = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t_d2d = tbench(lambda: b.copy_(a), rep=60)
+    d2d = 2 * n / t_d2d / 1e3                                 # GB/s, read + write
+    del a, b
+    h = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    d = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    t_h2d = tbench(lambda: d.copy_(h, non_blocking=True), rep=100)
+    h2d = (256 << 20) / t_h2d / 1e3
+    row("ceiling", "1 GiB", "d2d copy (bytes read+written)", t_d2d, 2 * n)
+    row("ceiling", "256 MiB", "pinned H2D copy", t_h2d, 256 << 20)
+    say(f"ceilings: d2d copy {d2d:.0f} GB/s (read+write), pinned H2D {h2d:.1f} GB/s")
+    return d2d, h2d
+
+
+# =============================================================================== fused_wkv_rmsnorm
+def bench_wkv(tk, bw, quick):
+    import torch.nn.functional as F
+    k, n, eps = 5120, 512, 1e-20
+    reps = 16
+    ws = [(torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16() for _ in range(reps)]
+    nw = torch.rand(n, device="cuda") + 0.5
+
+    def unfused(x, w):
+        y = F.linear(x, w)
+        yf = y.float()
+        yf = yf * torch.rsqrt(yf.square().mean(-1, keepdim=True) + eps)
+        return (nw.float() * yf).to(y.dtype)
+
+    for m in ([1, 8, 64] if quick else [1, 8, 64, 4096]):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        shape = f"M={m} K={k} N={n} bf16"
+        nbytes = n * k * 2 + m * k * 2 + m * n * 2
+        base = unfused(x, ws[0])
+        t_lin = tbench(lambda: F.linear(x, ws[0]))
+        t_unf = tbench(lambda: unfused(x, ws[0]))
+        row("fused_wkv_rmsnorm", shape, "torch F.linear only (cuBLAS)", t_lin, nbytes, bw=bw)
+        row("fused_wkv_rmsnorm", shape, "torch linear+RMSNorm (eager)", t_unf, nbytes, bw=bw)
+        best = None
+        variants = [(None, None)]
+        if m <= tk.WKV_FUSED_MAX_M:
+            variants += [(None, 512), (1, 1024), (10, None), (20, None), (40, None), (80, None)]
+        for sp, bn in variants:
+            out = tk.fused_wkv_rmsnorm(x, ws[0], nw, eps, split=sp, block_n=bn)
+            err = rel(out, base)
+            if m <= tk.WKV_FUSED_MAX_M:
+                cfg = tk.wkv_config(m, k, n, x.dtype, x.device, sp, bn)
+                name = f"triton fused BN={cfg[1]} split={cfg[4]} ({cfg[5] * cfg[4] * ((m + 15) // 16)} programs)"
+            else:
+                name = "cuBLAS linear + triton RMSNorm (1 kernel)"
+            t = tbench(lambda: tk.fused_wkv_rmsnorm(x, ws[0], nw, eps, split=sp, block_n=bn))
+            r = row("fused_wkv_rmsnorm", shape, name + (" (default)" if sp is None and bn is None else ""),
+                    t, nbytes, base_us=t_unf, err=err, bw=bw)
+            if best is None or t < best[0]:
+                best = (t, sp, bn, name)
+        # CUDA graph over 16 weight copies (cold-ish L2, no launch gaps)
+        g_unf = gbench([lambda w=w: unfused(x, w) for w in ws])
+        g_lin = gbench([lambda w=w: F.linear(x, w) for w in ws])
+        g_def = gbench([lambda w=w: tk.fused_wkv_rmsnorm(x, w, nw, eps) for w in ws])
+        g_best = gbench([lambda w=w: tk.fused_wkv_rmsnorm(x, w, nw, eps, split=best[1], block_n=best[2])
+                         for w in ws])
+        row("fused_wkv_rmsnorm", shape, "graph: torch F.linear only", g_lin, nbytes, bw=bw)
+        row("fused_wkv_rmsnorm", shape, "graph: torch linear+RMSNorm", g_unf, nbytes, bw=bw)
+        row("fused_wkv_rmsnorm", shape, "graph: triton fused (default)", g_def, nbytes, base_us=g_unf, bw=bw)
+        row("fused_wkv_rmsnorm", shape, f"graph: {best[3]} (best eager)", g_best, nbytes,
+            base_us=g_unf, bw=bw)
+        del x
+
+
+# =============================================================================== cache writes
+def bench_writes(tk, bw, quick):
+    from v41graph.custom_ops import reference as ref
+    cap = 1 << 16
+    kinds = [("window_kv_write", tk.window_kv_write, ref.window_kv_write, 512, 512, 16),
+             ("global_kv_write", tk.global_kv_write, ref.global_kv_write, 512, 256, 32),
+             ("index_k_write", tk.index_k_write, ref.index_k_write, 128, 64, 4)]
+    for name, fast, slow, d, cbytes, sbytes in kinds:
+        for n in [1, 64, 4096]:
+            x = torch.randn(n, d, device="cuda").bfloat16()
+            slots = torch.randperm(cap, device="cuda")[:n]
+            slots[::7] = -1
+            c0 = torch.randint(0, 256, (cap, cbytes), dtype=torch.uint8, device="cuda")
+            s0 = torch.randint(0, 256, (cap, sbytes), dtype=torch.uint8, device="cuda")
+            c1, s1, c2, s2 = c0.clone(), s0.clone(), c0.clone(), s0.clone()
+            fast(c1, s1, x, slots)
+            slow(c2, s2, x, slots)
+            same = torch.equal(c1, c2) and torch.equal(s1, s2)
+            nbytes = n * d * 2 + n * 8 + n * (cbytes + sbytes)
+            t_ref = tbench(lambda: slow(c2, s2, x, slots))   # eager: the refs build tables per call
+            t_fast = cbench(lambda: fast(c1, s1, x, slots))
+            shape = f"N={n} D={d} bf16"
+            row(name, shape, "torch reference (eager, not capturable)", t_ref, nbytes, bw=bw)
+            row(name, shape, "triton", t_fast, nbytes, base_us=t_ref, bw=bw,
+                note="bit-identical" if same else "MISMATCH vs reference")
+
+
+# =============================================================================== sparse attention
+def bench_attention(tk, bw, quick):
+    from v41graph import custom_ops  # noqa: F401
+    from v41graph.custom_ops import cuda_impls
+    h, d, w, kg = 64, 512, 128, 512
+    scale = d ** -0.5
+    sink = torch.randn(h, device="cuda")
+    cases = [(b, ctx) for b in (1, 8, 64) for ctx in (8192, 65536)]
+    if quick:
+        cases = [(1, 8192), (64, 65536)]
+    cases.append(("prefill", 4096))
+    for b, ctx in cases:
+        prefill = b == "prefill"
+        nseq = 1 if prefill else b
+        ntok = 4096 if prefill else b
+        rows_total = nseq * ctx
+        gc = torch.randint(0, 256, (rows_total, d // 2), dtype=torch.uint8, device="cuda")
+        e, mnt = torch.randint(4, 9, (rows_total, d // 16), device="cuda"), \
+            torch.randint(0, 8, (rows_total, d // 16), device="cuda")
+        gs = ((e << 3) | mnt).to(torch.uint8)                   # E4M3 scales in [2^-3, 2^1]
+        gbf = torch.randn(rows_total, d, device="cuda").bfloat16()
+        pool = torch.randn(nseq * w + ntok, d, device="cuda").bfloat16()
+        q = torch.randn(ntok, h, d, device="cuda").bfloat16()
+        seq = torch.zeros(ntok, dtype=torch.int64, device="cuda") if prefill else \
+            torch.arange(ntok, device="cuda")
+        wrows = seq[:, None] * w + torch.arange(w, device="cuda")
+        if prefill:
+            grows = torch.rand(ntok, ctx, device="cuda").topk(kg, dim=-1).indices.sort(-1).values
+        else:
+            grows = torch.rand(ntok, ctx, device="cuda").topk(kg, dim=-1).indices.sort(-1).values \
+                + seq[:, None] * ctx
+        shape = (f"prefill T=4096 ctx={ctx}" if prefill else f"B={b} ctx={ctx // 1024}K") + \
+            " H=64 D=512 W=128 K=512"
+        per_tok_fp4 = 2 * h * d * 2 + w * d * 2 + kg * (d // 2 + d // 16) + (w + kg) * 8
+        per_tok_bf16 = 2 * h * d * 2 + w * d * 2 + kg * d * 2 + (w + kg) * 8
+        nb_fp4, nb_bf16 = ntok * per_tok_fp4, ntok * per_tok_bf16
+        t_ref = None
+        if not prefill:
+            base = cuda_impls._sparse_attention_ref(q, pool, wrows, gc, gs, grows, sink, scale)
+            t_ref = tbench(lambda: cuda_impls._sparse_attention_ref(q, pool, wrows, gc, gs, grows,
+                                                                    sink, scale), rep=20)
+            row("sparse_attention", shape, "torch composite (gather+dequant+ref), eager", t_ref, nb_fp4, bw=bw)
+        else:
+            base = None
+        splits = [1] if prefill else [None, 1]
+        best = {}
+        for fmt in ("fp4", "bf16"):
+            for bh, bs, pf in [(16, 32, True), (64, 32, True)]:
+                for sp in splits:
+                    try:
+                        gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
+
+                        def fn():
+                            return tk.sparse_attention(q, pool, wrows, gcache, gscale, grows, sink,
+                                                       scale, block_h=bh, block_s=bs, n_split=sp,
+                                                       prefetch=pf)
+                        out = fn()
+                        err = rel(out, base) if (base is not None and fmt == "fp4") else None
+                        t = cbench(fn, reps=4 if prefill else 8)
+                        cfg = tk.attention_config(ntok, h, w, kg, q.device, bh, bs, sp)
+                        nb = nb_fp4 if fmt == "fp4" else nb_bf16
+                        r = row("sparse_attention", shape,
+                                f"triton {fmt} BH={bh} BS={bs} split={cfg[2]} prefetch={int(pf)}"
+                                + (" (default split)" if sp is None else ""),
+                                t, nb, base_us=t_ref, err=err, bw=bw)
+                        if fmt not in best or t < best[fmt]["us"]:
+                            best[fmt] = r
+                    except Exception as ex:   # noqa: BLE001
+                        say(f"  FAILED {fmt} BH={bh} BS={bs} split={sp} pf={pf}: {type(ex).__name__}: "
+                            + str(ex)[-600:])
+        if "fp4" in best and "bf16" in best:
+            row("sparse_attention", shape, "BEST fp4 vs BEST bf16 cache: " + best["fp4"]["variant"],
+                best["fp4"]["us"], nb_fp4, base_us=best["bf16"]["us"], bw=bw,
+                note=f"bf16 best: {best['bf16']['variant']} {best['bf16']['us']} us")
+        del gc, gs, gbf, pool, q
+        torch.cuda.empty_cache()
+
+
+# =============================================================================== Engram gather
+def bench_engram(tk, bw, h2d, quick):
+    from v41graph.custom_ops import reference as ref
+    rows, dh, m = 4 << 20, 256, 24
+    tdev = torch.randint(0, 256, (rows, dh), dtype=torch.uint8, device="cuda")
+    tdev[(tdev & 0x7F) == 0x7F] = 0
+    sdev = torch.randint(110, 140, (rows, dh // 32), dtype=torch.uint8, device="cuda")
+    thost = torch.empty((rows, dh), dtype=torch.uint8, pin_memory=True)
+    shost = torch.empty((rows, dh // 32), dtype=torch.uint8, pin_memory=True)
+    thost.copy_(tdev)
+    shost.copy_(sdev)
+    for n in ([1, 64] if quick else [1, 8, 64, 4096]):
+        ids = torch.randint(0, rows, (n, m), device="cuda")
+        shape = f"N={n} x 24 rows x 256 B"
+        src_bytes = n * m * (dh + dh // 32)
+        base = ref.engram_gather(tdev, sdev, ids, torch.bfloat16)
+        t_ref = cbench(lambda: ref.engram_gather(tdev, sdev, ids, torch.bfloat16))
+        row("engram_gather", shape, "torch reference, device table", t_ref, src_bytes, bw=bw)
+        for rpp in (4, 16):
+            out = tk.engram_gather(tdev, sdev, ids, torch.bfloat16, rows_per_program=rpp)
+            same = torch.equal(out, base)
+            t = cbench(lambda: tk.engram_gather(tdev, sdev, ids, torch.bfloat16, rows_per_program=rpp))
+            row("engram_gather", shape, f"triton device table rpp={rpp}", t, src_bytes, base_us=t_ref,
+                bw=bw, note="bit-identical" if same else "MISMATCH")
+        hsrc = torch.empty(src_bytes, dtype=torch.uint8, pin_memory=True)
+        hdst = torch.empty(src_bytes, dtype=torch.uint8, device="cuda")
+        t_copy = cbench(lambda: hdst.copy_(hsrc, non_blocking=True))
+        row("engram_gather", shape, "pinned H2D copy of the same bytes (contiguous)", t_copy, src_bytes)
+        for rpp in (4, 16):
+            out = tk.engram_gather(thost, shost, ids, torch.bfloat16, rows_per_program=rpp)
+            same = torch.equal(out, base)
+            t = cbench(lambda: tk.engram_gather(thost, shost, ids, torch.bfloat16, rows_per_program=rpp))
+            gbps = src_bytes / t / 1e3
+            row("engram_gather", shape, f"triton PINNED HOST table rpp={rpp}", t, src_bytes, base_us=t_copy,
+                note=("bit-identical" if same else "MISMATCH")
+                + f"; {100 * gbps / h2d:.0f}% of bulk H2D {h2d:.0f} GB/s")
+
+
+# =============================================================================== main
+def main():
+    global LOG
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    LOG = open(os.path.join(args.out, "bench.log"), "w")
+    if not torch.cuda.is_available():
+        say("bench_ops: needs a CUDA GPU")
+        return 2
+    import triton
+    import v41graph.custom_ops  # noqa: F401
+    from v41graph.custom_ops import triton_kernels as tk
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem",
+                              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        smi = "?"
+    env = dict(gpu=props.name, sms=props.multi_processor_count, smi=smi, torch=torch.__version__,
+               triton=triton.__version__, python=platform.python_version(),
+               command="python " + " ".join(sys.argv))
+    say("env:", json.dumps(env))
+    t0 = time.time()
+    d2d, h2d = ceilings()
+    only = set(filter(None, args.only.split(",")))
+    sections = [("wkv", lambda: bench_wkv(tk, d2d, args.quick)),
+                ("writes", lambda: bench_writes(tk, d2d, args.quick)),
+                ("attn", lambda: bench_attention(tk, d2d, args.quick)),
+                ("engram", lambda: bench_engram(tk, d2d, h2d, args.quick))]
+    for name, fn in sections:
+        if only and name not in only:
+            continue
+        say(f"== {name} ({time.time() - t0:.0f} s)")
+        try:
+            fn()
+        except Exception:   # noqa: BLE001
+            say(f"SECTION {name} FAILED:\n" + traceback.format_exc())
+        torch.cuda.empty_cache()
+    env["d2d_GBps"], env["h2d_GBps"], env["seconds"] = round(d2d), round(h2d, 1), round(time.time() - t0)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(dict(env=env, rows=ROWS), f, indent=1)
+    lines = [f"Machine: {env['gpu']} ({env['smi']}), torch {env['torch']}, triton {env['triton']}; "
+             f"copy ceilings d2d {env['d2d_GBps']} GB/s (read+write), pinned H2D {env['h2d_GBps']} GB/s.",
+             "", "| op | shape | variant | us | GB/s | % copy BW | speedup | rel err | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        lines.append("| " + " | ".join(str(r.get(k, "")) for k in
+                                       ("op", "shape", "variant", "us", "GBps", "pct_copy_bw", "speedup",
+                                        "rel_err", "note")) + " |")
+    with open(os.path.join(args.out, "bench_ops.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    say("\n".join(lines))
+    say("\nSUMMARY (us; speedup vs the baseline named in the full table)")
+    for r in ROWS:
+        v = r["variant"]
+        if (r["op"] == "ceiling" or "(default" in v or v.startswith("BEST") or v.startswith("graph:")
+                or (r["op"].endswith("_write") and v == "triton") or "PINNED" in v and "rpp=4" in v):
+            say(f"{r['op'][:18]:18s} {r['shape'][:34]:34s} {v[:52]:52s} {r['us']:>9} "
+                f"x{r.get('speedup', '')} {r.get('pct_copy_bw', '')}% err={r.get('rel_err', '')} {r.get('note', '')[:60]}")
+    say(f"done in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Bad requests through Session raise a clear error and change nothing: every cache tensor is
+bitwise unchanged, the session's bookkeeping is unchanged, and the next valid step of the
+other sequences gives exactly the logits of an identical session that never saw the request."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import v41graph
+from v41graph.cache import CacheCapacityError, build_metadata
+from v41graph.model import V41Model
+from v41graph.session import Session
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+BLOCK = 16
+
+
+def _toks(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _state(s: Session):
+    return ([t.clone() for t in s.caches.tensors()], list(s.seq_lens), [list(b) for b in s.blocks],
+            s.allocator.num_free)
+
+
+def _assert_unchanged(s: Session, before):
+    tensors, lens, blocks, free = before
+    after = s.caches.tensors()
+    assert len(after) == len(tensors)
+    for i, (a, b) in enumerate(zip(after, tensors)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"cache tensor {i} changed"
+    assert s.seq_lens == lens
+    assert s.blocks == blocks
+    assert s.allocator.num_free == free
+
+
+def _twins(model, prompts, **kw):
+    """Two identical sessions with the same prompts prefilled: one gets the bad request."""
+    out = []
+    for _ in range(2):
+        s = Session(model, **kw)
+        s.prefill(prompts)
+        out.append(s)
+    return out
+
+
+KW = dict(max_batch_size=2, max_seq_len=64, block_size=BLOCK)
+PROMPTS = [_toks(20, 1), _toks(9, 2)]
+
+
+def _check_same_next_decode(bad: Session, good: Session, ids=((7,), (11,))):
+    ids = torch.tensor([list(i) for i in ids])
+    assert torch.equal(bad.decode(ids), good.decode(ids))
+
+
+# =============================================================================== token ids
+@pytest.mark.parametrize("bad_id", [-1, 256, 10 ** 6])
+def test_token_id_out_of_range_in_decode(tiny_model, bad_id):
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match=rf"token id {bad_id}\b.*vocabulary"):
+        s.decode(torch.tensor([[5], [bad_id]]))
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+@pytest.mark.parametrize("bad_id", [-3, 256])
+def test_token_id_out_of_range_in_extend_of_another_sequence(tiny_model, bad_id):
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match=rf"sequence 1: token id {bad_id}\b.*vocabulary"):
+        s.extend([1], [[3, 4, bad_id, 5]])
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+def test_token_id_out_of_range_in_a_first_prefill(tiny_model):
+    s = Session(tiny_model, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match=r"sequence 1: token id 256\b.*vocabulary 0\.\.255"):
+        s.prefill([[1, 2, 3], [4, 256, 5]])
+    _assert_unchanged(s, before)
+    ref = Session(tiny_model, **KW)
+    assert torch.equal(s.prefill(PROMPTS), ref.prefill(PROMPTS))
+
+
+# =============================================================================== positions / capacity
+def test_position_beyond_max_position_embeddings(tiny_model):
+    cfg = v41graph.V41Config.tiny(max_position_embeddings=32)
+    model = V41Model(cfg)
+    model.load_state_dict(tiny_model.state_dict())        # same weights, shorter position range
+    kw = dict(max_batch_size=2, max_seq_len=32, block_size=BLOCK)
+    s, ref = _twins(model.eval(), [_toks(32, 3), _toks(10, 4)], **kw)
+    before = _state(s)
+    with pytest.raises(ValueError, match=r"position 32\b.*max_position_embeddings 32"):
+        s.extend([0], [[1]])
+    _assert_unchanged(s, before)
+    assert torch.equal(s.extend([1], [[6]]), ref.extend([1], [[6]]))
+
+
+def test_max_seq_len_beyond_max_position_embeddings_is_refused(tiny_model):
+    cfg = v41graph.V41Config.tiny(max_position_embeddings=32)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Session(V41Model(cfg), max_batch_size=1, max_seq_len=33, block_size=BLOCK)
+
+
+def test_context_beyond_the_cache_budget(tiny_model):
+    kw = dict(max_batch_size=2, max_seq_len=24, block_size=BLOCK)
+    s, ref = _twins(tiny_model, [_toks(20, 5), _toks(10, 6)], **kw)
+    before = _state(s)
+    with pytest.raises(CacheCapacityError, match=r"context of 25 tokens exceeds the cache capacity of 24"):
+        s.extend([0], [[1, 2, 3, 4, 5]])
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+def test_prompt_longer_than_the_cache_budget(tiny_model):
+    s = Session(tiny_model, max_batch_size=1, max_seq_len=16, block_size=BLOCK)
+    before = _state(s)
+    with pytest.raises(CacheCapacityError, match="cache capacity"):
+        s.prefill([_toks(17, 7)])
+    _assert_unchanged(s, before)
+
+
+def test_no_free_blocks(tiny_model):
+    kw = dict(max_batch_size=2, max_seq_len=32, block_size=BLOCK, num_blocks=1)
+    s, ref = _twins(tiny_model, [_toks(6, 8)], **kw)     # sequence 0 holds the only block
+    before = _state(s)
+    with pytest.raises(CacheCapacityError, match=r"needs 1 more cache blocks but only 0 are free"):
+        s.extend([1], [_toks(5, 9)])
+    _assert_unchanged(s, before)
+    assert torch.equal(s.decode(torch.tensor([[3]])), ref.decode(torch.tensor([[3]])))
+
+
+def test_no_free_blocks_for_a_two_sequence_prefill(tiny_model):
+    s = Session(tiny_model, max_batch_size=2, max_seq_len=32, block_size=BLOCK, num_blocks=1)
+    before = _state(s)
+    with pytest.raises(CacheCapacityError, match=r"needs 2 more cache blocks but only 1 are free"):
+        s.prefill([_toks(5, 10), _toks(7, 11)])
+    _assert_unchanged(s, before)
+
+
+# =============================================================================== call order, dtype, shape
+def test_decode_before_prefill(tiny_model):
+    s = Session(tiny_model, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match=r"sequence 0 has no prefill"):
+        s.decode(torch.tensor([[1], [2]]))
+    _assert_unchanged(s, before)
+
+
+def test_decode_of_a_sequence_that_was_never_prefilled(tiny_model):
+    s, ref = _twins(tiny_model, [_toks(12, 12)], **KW)     # only sequence 0 is running
+    before = _state(s)
+    with pytest.raises(ValueError, match=r"sequence 1 has no prefill"):
+        s.decode(torch.tensor([[1], [2]]))
+    _assert_unchanged(s, before)
+    assert torch.equal(s.decode(torch.tensor([[4]])), ref.decode(torch.tensor([[4]])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_wrong_dtype(tiny_model, dtype):
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(TypeError, match=r"integer tensor.*" + str(dtype).replace(".", r"\.")):
+        s.decode(torch.tensor([[5], [6]]).to(dtype))
+    with pytest.raises(TypeError, match=r"integer tensor"):
+        s.prefill(torch.zeros(2, 4, dtype=dtype))
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1), (1, 2, 1, 1)])
+def test_wrong_shape(tiny_model, shape):
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match=r"expected shape \[B, T\]"):
+        s.decode(torch.ones(shape, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"expected shape \[B, T\]"):
+        s.prefill(torch.ones(shape, dtype=torch.long))
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+def test_decode_with_more_than_one_token(tiny_model):
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match="exactly one token"):
+        s.decode(torch.tensor([[5, 6], [7, 8]]))
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+def test_repeated_sequence_in_one_step(tiny_model):
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match="repeat"):
+        s.extend([1, 1], [[5], [6]])
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+def test_rejected_prefill_leaves_the_running_sequences_alone(tiny_model):
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match="vocabulary"):
+        s.prefill([[1, 2, 3], [4, 256]])
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+# =============================================================================== metadata
+def test_build_metadata_mismatched_lengths():
+    with pytest.raises(ValueError, match="metadata lengths differ"):
+        build_metadata([0, 1], [0], [3, 4], [[0], [1]], 4)
+    with pytest.raises(ValueError, match="metadata lengths differ"):
+        build_metadata([0, 1], [0, 0], [3, 4], [[0]], 4)
+    with pytest.raises(ValueError, match="metadata lengths differ"):
+        build_metadata([0], [0], [3, 4], [[0]], 4)
+    with pytest.raises(ValueError, match="query length 0"):
+        build_metadata([0], [0], [0], [[0]], 4)
+    with pytest.raises(ValueError, match="max_blocks"):
+        build_metadata([0], [0], [3], [[0, 1, 2]], 2)
