@@ -29,20 +29,22 @@ _E2M1_TIE_UP = (False, True, False, True, False, True, False)
 
 # ----------------------------------------------------------------------------- E2M1 (FP4)
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """float tensor -> uint8 codes 0..15 (sign in bit 3), RNE, saturating at +-6."""
-    a = x.abs().float().unsqueeze(-1)
-    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=x.device)
-    tie_up = torch.tensor(_E2M1_TIE_UP, dtype=torch.bool, device=x.device)
-    mag = ((a > bounds) | ((a == bounds) & tie_up)).sum(-1).to(torch.uint8)
+    """float tensor -> uint8 codes 0..15 (sign in bit 3), RNE, saturating at +-6.
+    Scalar comparisons only (no host-side tables), so it also runs inside a CUDA-graph capture."""
+    a = x.abs().float()
+    mag = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for bound, tie_up in zip(_E2M1_BOUNDS, _E2M1_TIE_UP):
+        mag = mag + ((a > bound) | ((a == bound) & tie_up)).to(torch.uint8)
     sign = (torch.signbit(x) & (mag > 0)).to(torch.uint8) << 3
     return mag | sign
 
 
 def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 codes 0..15 -> float values."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    c = codes.long()
-    val = table[c & 7]
+    """uint8 codes 0..15 -> float values: magnitude code = exponent (2 bits) | mantissa (1 bit),
+    0.5*m when the exponent is 0, else 2^(e-1) * (1 + m/2)."""
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).float()
+    val = torch.where(e == 0, 0.5 * m, torch.ldexp(1.0 + 0.5 * m, e - 1))
     return torch.where((c & 8) != 0, -val, val).to(dtype)
 
 

@@ -119,7 +119,8 @@ def engram_gather(table: torch.Tensor, scale: torch.Tensor, row_ids: torch.Tenso
 
 @engram_gather.register_fake
 def _(table, scale, row_ids, out_dtype):
-    return table.new_empty((*row_ids.shape[:-1], row_ids.shape[-1] * table.shape[-1]), dtype=out_dtype)
+    # The table may live in (pinned) host memory; the rows land where the ids are.
+    return row_ids.new_empty((*row_ids.shape[:-1], row_ids.shape[-1] * table.shape[-1]), dtype=out_dtype)
 
 
 # ----------------------------------------------------------------------------- fusions

@@ -78,11 +78,24 @@ def event_wait(tag: str) -> None:
         torch.cuda.current_stream().wait_event(RUNTIME.event(tag))
 
 
+@custom_op("v41graph::mark_stream_use", mutates_args=())
+def mark_stream_use(tensors: list[torch.Tensor]) -> None:
+    """Tell the caching allocator these tensors are used on the current stream too, so their
+    memory is not handed out again before this stream is done with them (tensors crossing a
+    fork or a join). Inside a CUDA-graph capture the graph's private pool keeps them alive."""
+    if RUNTIME.active() and not torch.cuda.is_current_stream_capturing():
+        stream = torch.cuda.current_stream()
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(stream)
+
+
 STREAM_OPS = (
     torch.ops.v41graph.stream_enter.default,
     torch.ops.v41graph.stream_exit.default,
     torch.ops.v41graph.event_record.default,
     torch.ops.v41graph.event_wait.default,
+    torch.ops.v41graph.mark_stream_use.default,
 )
 for _op in STREAM_OPS:   # keep them through dead-code elimination
     torch.fx.node.has_side_effect(_op)

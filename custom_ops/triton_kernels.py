@@ -578,7 +578,9 @@ def attention_config(n: int, h: int, w: int, kg: int, device, block_h=None, bloc
                      n_split=None, dtype=torch.bfloat16):
     """(BH, BS, n_split, blocks_per_split, num_warps)."""
     bs = int(block_s or 32)
-    bh = int(block_h or (64 if h >= 64 and dtype != torch.float32 else 16))
+    # measured on the H200 (docs/BENCHMARKS.md): 16 heads per program wins at decode
+    # (B <= 64), all 64 heads per program (KV rows loaded once per token) wins at prefill
+    bh = int(block_h or (64 if h >= 64 and dtype != torch.float32 and n >= 512 else 16))
     bh = max(16, min(bh, triton.next_power_of_2(h)))
     total = max(1, triton.cdiv(w, bs) + triton.cdiv(kg, bs))
     progs = n * triton.cdiv(h, bh)

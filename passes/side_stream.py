@@ -92,6 +92,9 @@ def move_to_side_stream(gm: fx.GraphModule, group: set, stream: str, tag: str) -
     for wait_tag in [tag] + waits:
         prefix = "fork" if wait_tag == tag else "join"
         emit(ops.event_wait.default, f"{prefix}:{wait_tag}").meta[STREAM_KEY] = label
+    inputs = _tensor_nodes(dict.fromkeys(deps))
+    if inputs:
+        emit(ops.mark_stream_use.default, inputs).meta[STREAM_KEY] = label
     for n in nodes:
         cursor.append(n)
         cursor = n
@@ -108,4 +111,12 @@ def move_to_side_stream(gm: fx.GraphModule, group: set, stream: str, tag: str) -
         n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(join_at):
         wait = graph.call_function(ops.event_wait.default, (f"join:{tag}",))
+        outputs = _tensor_nodes(dict.fromkeys(n for n in nodes if any(u not in group for u in n.users)))
+        if outputs:
+            graph.call_function(ops.mark_stream_use.default, (outputs,)).meta[STREAM_KEY] = MAIN_STREAM
     wait.meta[STREAM_KEY] = MAIN_STREAM
+
+
+def _tensor_nodes(nodes) -> list:
+    """The nodes among `nodes` whose value is a single tensor."""
+    return [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)]
