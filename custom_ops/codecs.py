@@ -88,8 +88,9 @@ def ceil_log2(x: torch.Tensor) -> torch.Tensor:
 
 def pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
     """UE8M0 scale: 2^ceil(log2(max(amax, floor) * fp32(1/qmax))), in fp32."""
-    inv = torch.tensor(1.0 / qmax, dtype=torch.float32)
-    v = amax.float().clamp_min(floor) * inv
+    # A Python scalar multiplies an fp32 tensor as fp32(1/qmax), like the reference's fp32
+    # constant (1/448 is not exact in fp32); no host tensor, so this also runs in a capture.
+    v = amax.float().clamp_min(floor) * (1.0 / qmax)
     return torch.ldexp(torch.ones_like(v), ceil_log2(v))
 
 
