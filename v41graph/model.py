@@ -146,8 +146,10 @@ class V41Model(nn.Module):
             engram_rows, history = self._engram_rows(input_ids, ctx)
         h = self.embed(input_ids)
         streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-        pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
-        pre[:, 0] = 1.0     # block 0 collapses with the one-hot pre
+        # Block 0 collapses with the one-hot pre [1, 0, 0, 0] (built without a host scalar
+        # write, which a CUDA-graph capture would reject).
+        one_hot = (torch.arange(cfg.hc_mult, device=h.device) == 0).to(torch.float32)
+        pre = one_hot.expand(h.shape[0], cfg.hc_mult)
         for block in self.layers:
             role = block.role
             if decoder_replay is not None and role.layer_id == self.decoder_start:
