@@ -25,12 +25,13 @@ def masked_row_write(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
     values = values.reshape(-1, dst.shape[-1]).view(flat.dtype)
     valid = rows >= 0
     n = rows.shape[0]
-    last_valid = (valid.to(torch.int64) * torch.arange(1, n + 1, device=rows.device)).argmax()
+    # index_select with a 1-element index tensor, not t[0-d tensor] (that would sync the host).
+    last_valid = (valid.to(torch.int64) * torch.arange(1, n + 1, device=rows.device)).argmax().view(1)
     any_valid = valid.any()
-    fallback_row = torch.where(any_valid, rows[last_valid], torch.zeros_like(rows[0]))
-    fallback_val = torch.where(any_valid, values[last_valid], flat[0])
+    fallback_row = torch.where(any_valid, rows.index_select(0, last_valid), torch.zeros_like(rows[:1]))
+    fallback_val = torch.where(any_valid, values.index_select(0, last_valid), flat[:1])
     targets = torch.where(valid, rows, fallback_row)
-    vals = torch.where(valid.unsqueeze(-1), values, fallback_val.unsqueeze(0))
+    vals = torch.where(valid.unsqueeze(-1), values, fallback_val)
     flat.index_copy_(0, targets, vals)
 
 
