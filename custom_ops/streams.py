@@ -82,8 +82,10 @@ def event_wait(tag: str) -> None:
 def mark_stream_use(tensors: list[torch.Tensor]) -> None:
     """Tell the caching allocator these tensors are used on the current stream too, so their
     memory is not handed out again before this stream is done with them (tensors crossing a
-    fork or a join). Inside a CUDA-graph capture the graph's private pool keeps them alive."""
-    if RUNTIME.active() and not torch.cuda.is_current_stream_capturing():
+    fork or a join). Needed inside a CUDA-graph capture as well: there the allocator defers
+    reusing such blocks until the capture ends, else a later kernel on the producing stream
+    could overwrite a block the other stream still reads when the graph replays."""
+    if RUNTIME.active():
         stream = torch.cuda.current_stream()
         for t in tensors:
             if t.is_cuda:
