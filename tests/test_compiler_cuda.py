@@ -12,9 +12,11 @@ from v41graph.session import Session
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
-# fp32 on the GPU, same kernels in both runs apart from the fused ops: logits (|x| ~ 1-5)
-# agree to ~1e-5; 1e-3 leaves room for the Triton fused RMSNorm's atomics.
-ATOL = 1e-3
+# fp32 on the GPU: the compiled run uses the fused Triton Linear+RMSNorm (atomic partial sums,
+# so last-bit differences) where eager runs Linear then RMSNorm; over 100 decode steps those
+# ulps compound to ~2e-3 on logits of magnitude ~1-5 (measured); 1e-2 is well below any real
+# error (a wrong row or cache entry moves logits by O(1)).
+ATOL = 1e-2
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,9 @@ class CompiledModel:
         self._fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=False)
         self._prefill_fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=None)
         self._decode: dict[int, DecodeGraph] = {}
+        # Captured buckets share one memory pool (they never run at the same time); it lives
+        # as long as this object, so a later model never captures into a released pool.
+        self.graph_pool = None
 
     @property
     def config(self):
@@ -200,22 +203,13 @@ class DecodeGraph:
                 self._step()
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=_shared_pool()):
+        if self.compiled.graph_pool is None:   # one pool for all buckets of this model
+            self.compiled.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.compiled.graph_pool):
             self.output = self._step()
         for t, old in zip(self.caches.tensors(), saved):   # capture must not advance state
             t.copy_(old)
         self.cuda_graph = graph
-
-
-_POOL = None
-
-
-def _shared_pool():
-    """One memory pool for every captured bucket (they never run at the same time)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = torch.cuda.graph_pool_handle()
-    return _POOL
 
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
