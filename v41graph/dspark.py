@@ -1,0 +1,306 @@
+"""DSpark: the 3-stage speculative draft head of DeepSeek-V4.1-Flash (MODEL.md §8).
+
+    head = load_dspark(checkpoint_dir, config)          # official `mtp.{0,1,2}.*` tensors
+    state = head.new_state(num_slots)                   # per-sequence window rings
+    main_x = head.context([in_37, in_38, in_39])        # residual streams entering the targets
+    head.append_context(state, slot, positions, main_x) # fill every stage's window
+    ids, logits, conf = head.draft(state, slot, anchor, anchor_pos, embed, lm_head)
+
+Structure (as this module implements it; what the golden vectors confirm is reported by
+tests/test_dspark_golden.py):
+  context   main_x = main_norm(main_proj([mean_c X_37 ; mean_c X_38 ; mean_c X_39]))  (stage 0's
+            weights), one row per target token; every stage writes kv_norm(wkv(main_x)) with RoPE
+            at the token's position, FP8-QDQ'd like the backbone's window KV, into its own ring of
+            `sliding_window` slots.
+  block     [anchor, noise x (k-1)] at positions anchor_pos .. anchor_pos+k-1, embedded with the
+            shared embedding, copied to the hc streams; each stage is a normal mHC block
+            (single-pass `pre` shift, stage 0 collapses with the one-hot) whose attention is
+            window-only: the block's queries see the valid ring slots (in slot order) and all k
+            block positions (non-causal inside the block); MoE with dspark_n_routed_experts /
+            dspark_num_experts_per_tok. Block KV is not written to the ring.
+  heads     last stage: collapse with the last ffn `pre`, norm, shared fp32 head -> U [k, V];
+            Markov: logits_j = U_j + markov.head(markov.embed(x_{j-1})) (x_0 = anchor, greedy
+            x_j = argmax logits_j); confidence c_j = proj([h_j ; markov.embed(x_{j-1})]) (raw logit;
+            sigmoid gives the acceptance estimate).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from v41graph.custom_ops import codecs
+from .attention import Attention
+from .config import V41Config
+from .layer_plan import LayerRole
+from .layers import Linear, RMSNorm, apply_rope, rope_rotation, weight_fmt
+from .mhc import HyperConnection, collapse, expand
+from .moe import MoE
+
+ops = torch.ops.v41graph
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, rank)
+        self.head = Linear(rank, vocab, dtype=torch.float32)
+
+    def bias(self, prev_ids: torch.Tensor):
+        """(logit bias [N, V] fp32, the low-rank embedding [N, r]) of the previous tokens."""
+        e = self.embed(prev_ids)
+        return F.linear(e.float(), self.head.weight.float()), e
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = Linear(dim, 1, dtype=torch.float32)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([h.float(), e.float()], dim=-1)
+        return F.linear(x, self.proj.weight.float()).squeeze(-1)
+
+
+class DSparkStage(nn.Module):
+    def __init__(self, config: V41Config, index: int, last: bool):
+        super().__init__()
+        d, hc = config.hidden_size, config.hc_mult
+        args = (hc, d, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        self.hc_attn, self.hc_ffn = HyperConnection(*args), HyperConnection(*args)
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        role = LayerRole(config.num_hidden_layers + index, "window", 0, None, None, None, False, None)
+        self.attn = Attention(config, role)       # window-only: plain RoPE, no compressor/indexer
+        self.ffn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ffn = MoE(config, config.dspark_n_routed_experts, config.dspark_num_experts_per_tok)
+        if index == 0:
+            n_targets = len(config.dspark_target_layer_ids)
+            self.main_proj = Linear(n_targets * d, d, fmt=weight_fmt(config, "fp8"))
+            self.main_norm = RMSNorm(d, config.rms_norm_eps)
+        if last:
+            self.norm = RMSNorm(d, config.rms_norm_eps)
+            self.markov_head = MarkovHead(config.vocab_size, config.dspark_markov_rank)
+            self.confidence_head = ConfidenceHead(d + config.dspark_markov_rank)
+
+    # ------------------------------------------------------------------ attention
+    def window_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        a = self.attn
+        kv = apply_rope(a.kv_norm(a.wkv(x)), rope_rotation(positions, a.inv_freqs))
+        return codecs.qdq_fp8_ue8m0(kv, 32)
+
+    def attention(self, x: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor,
+                  ring_valid: torch.Tensor) -> torch.Tensor:
+        """x [k, d] block tokens; ring [W, D] this sequence's window KV, ring_valid [W] bool."""
+        a = self.attn
+        k = x.shape[0]
+        rotation = rope_rotation(positions, a.inv_freqs)
+        qr = a.q_norm(a.wq_a(x))
+        kv = codecs.qdq_fp8_ue8m0(apply_rope(a.kv_norm(a.wkv(x)), rotation), 32)
+        q = apply_rope(a.wq_b(qr).unflatten(-1, (a.n_heads, a.head_dim)), rotation)
+        w = ring.shape[0]
+        pool = torch.cat([ring.to(kv.dtype), kv])
+        slots = torch.where(ring_valid, torch.arange(w, device=x.device), -1)
+        slots = slots[torch.argsort((slots < 0).to(torch.int8), stable=True)]   # valid first
+        rows = torch.cat([slots, w + torch.arange(k, device=x.device)]).expand(k, -1).contiguous()
+        empty_rows = torch.empty((k, 0), dtype=torch.int64, device=x.device)
+        empty_kv = torch.empty((0, 1), dtype=torch.uint8, device=x.device)
+        o = ops.sparse_attention(q, pool, rows, empty_kv, empty_kv, empty_rows, a.attn_sink,
+                                 a.softmax_scale)
+        o = apply_rope(o, rotation, inverse=True).reshape(k, a.o_groups, -1)
+        wo_a = a.wo_a.weight.view(a.o_groups, a.o_rank, -1).to(o.dtype)
+        o = torch.einsum("ngd,grd->ngr", o, wo_a)
+        return a.wo_b(o.flatten(1))
+
+
+class DSparkState:
+    """Per-slot window rings of every stage (the values the window holds, post-QDQ)."""
+
+    def __init__(self, num_stages: int, num_slots: int, window: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        self.window = window
+        self.kv = [torch.zeros(num_slots, window, head_dim, dtype=dtype, device=device)
+                   for _ in range(num_stages)]
+        self.length = [0] * num_slots        # context tokens seen per slot
+
+    def reset(self, slot: int) -> None:
+        self.length[slot] = 0
+
+    def snapshot(self, slot: int):
+        return [r[slot].clone() for r in self.kv], self.length[slot]
+
+    def restore(self, slot: int, snap) -> None:
+        rings, n = snap
+        for r, old in zip(self.kv, rings):
+            r[slot].copy_(old)
+        self.length[slot] = n
+
+
+class DSparkHead(nn.Module):
+    def __init__(self, config: V41Config):
+        super().__init__()
+        self.config = config
+        n = config.num_nextn_predict_layers
+        self.stages = nn.ModuleList(DSparkStage(config, i, i == n - 1) for i in range(n))
+        self.block_size = config.dspark_block_size
+        self.noise_id = config.dspark_noise_token_id
+
+    def set_numerics(self, numerics: str) -> "DSparkHead":
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.numerics = numerics
+                m._dense_cache = None
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.stages[0].attn.wo_a.weight.dtype
+
+    def new_state(self, num_slots: int) -> DSparkState:
+        c = self.config
+        return DSparkState(len(self.stages), num_slots, c.sliding_window, c.head_dim, self.dtype,
+                           self.stages[0].attn_norm.weight.device)
+
+    # ------------------------------------------------------------------ context
+    def context(self, target_inputs) -> torch.Tensor:
+        """target_inputs: the residual streams [N, hc, d] entering each dspark_target_layer
+        -> main_x [N, d]."""
+        s0 = self.stages[0]
+        x = torch.cat([t.mean(dim=-2) for t in target_inputs], dim=-1)
+        return s0.main_norm(s0.main_proj(x))
+
+    def append_context(self, state: DSparkState, slot: int, positions: torch.Tensor,
+                       main_x: torch.Tensor) -> None:
+        """Write the window KV of these context tokens (consecutive positions) of one slot."""
+        w = state.window
+        keep = positions >= positions.max() - w + 1
+        for stage, ring in zip(self.stages, state.kv):
+            kv = stage.window_kv(main_x, positions)
+            ring[slot, positions[keep] % w] = kv[keep].to(ring.dtype)
+        state.length[slot] = int(positions.max()) + 1
+
+    # ------------------------------------------------------------------ drafting
+    def draft(self, state: DSparkState, slot: int, anchor: int, anchor_pos: int, embed: nn.Embedding,
+              lm_head: torch.Tensor, debug: dict | None = None):
+        """Draft one block: (ids [k+1] = anchor + k greedy drafts, logits [k, V] fp32 (base +
+        Markov bias), confidence [k] raw logits)."""
+        cfg, k = self.config, self.block_size
+        dev = lm_head.device
+        ids = torch.tensor([anchor] + [self.noise_id] * (k - 1), dtype=torch.int64, device=dev)
+        positions = anchor_pos + torch.arange(k, device=dev)
+        h = embed(ids)
+        streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+        pre = (torch.arange(cfg.hc_mult, device=dev) == 0).to(torch.float32).expand(k, cfg.hc_mult)
+        n_ctx = state.length[slot]
+        valid = torch.arange(state.window, device=dev) < min(n_ctx, state.window)
+        for i, (stage, ring) in enumerate(zip(self.stages, state.kv)):
+            pre_attn, post, comb = stage.hc_attn(streams)
+            x = stage.attn_norm(collapse(streams, pre))
+            out = stage.attention(x, positions, ring[slot], valid)
+            streams = expand(out, streams, post, comb)
+            pre_ffn, post, comb = stage.hc_ffn(streams)
+            out, chosen = stage.ffn(stage.ffn_norm(collapse(streams, pre_attn)))
+            if debug is not None:
+                debug[f"moe_gate_indices.stage{i}"] = chosen
+                debug[f"attn_out.stage{i}"] = out
+            streams, pre = expand(out, streams, post, comb), pre_ffn
+            if debug is not None:
+                debug[f"block_out.stage{i}"] = streams
+        last = self.stages[-1]
+        collapsed = collapse(streams, pre)
+        hid = last.norm(collapsed)
+        if debug is not None:
+            debug["collapsed"] = collapsed
+        base = F.linear(hid.float(), lm_head.float())          # [k, V]
+        out_ids, logits, conf = [anchor], [], []
+        prev = torch.tensor([anchor], device=dev)
+        for j in range(k):
+            bias, e = last.markov_head.bias(prev)
+            lj = base[j] + bias[0]
+            logits.append(lj)
+            conf.append(last.confidence_head(hid[j:j + 1], e)[0])
+            nxt = int(lj.argmax())
+            out_ids.append(nxt)
+            prev = torch.tensor([nxt], device=dev)
+        if debug is not None:
+            debug["hidden"] = hid
+        return torch.tensor(out_ids), torch.stack(logits), torch.stack(conf)
+
+
+# ============================================================================ loading
+def dspark_module_name(official: str) -> str:
+    """`mtp.{i}.X` -> `stages.{i}.X` (hc_attn_fn -> hc_attn.fn, as the backbone loader does)."""
+    m = re.fullmatch(r"mtp\.(\d+)\.(.+)", official)
+    if m is None:
+        raise KeyError(f"{official}: not a DSpark (mtp.*) tensor")
+    i, rest = m.groups()
+    if rest.startswith("hc_"):
+        sub, field = rest.rsplit("_", 1)
+        rest = f"{sub}.{field}"
+    return f"stages.{i}.{rest}"
+
+
+def load_dspark_state_dict(head: DSparkHead, tensors: dict) -> None:
+    """Copy official `mtp.*` tensors into the head (FP8/FP4/E8M0 kept as bytes). Raises one
+    ValueError listing every missing / unexpected / mismatched tensor."""
+    params = dict(head.named_parameters())
+    problems, loaded = [], set()
+    for name, t in tensors.items():
+        if not name.startswith("mtp."):
+            continue
+        target = dspark_module_name(name)
+        p = params.get(target)
+        if p is None:
+            if name.endswith((".embed.weight", ".head.weight")) and "markov" not in name:
+                continue          # aliases of the shared embedding / head
+            problems.append(f"unexpected: {name}")
+            continue
+        if p.dtype == torch.uint8:
+            t = t.view(torch.uint8)
+        if tuple(t.shape) != tuple(p.shape):
+            problems.append(f"shape: {name} is {list(t.shape)}, expected {list(p.shape)}")
+            continue
+        with torch.no_grad():
+            p.copy_(t.to(p.dtype))
+        loaded.add(target)
+    problems += [f"missing: {n}" for n in sorted(set(params) - loaded)]
+    if problems:
+        raise ValueError("DSpark tensors do not match the head:\n  " + "\n  ".join(problems))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_dspark(path: str | Path, config: V41Config, numerics: str = "reference") -> DSparkHead:
+    """Build the DSpark head from a checkpoint directory (or .safetensors file) holding the
+    official `mtp.*` tensors. `config` is the backbone's (e.g. `from_pretrained(...).config`)."""
+    from safetensors import safe_open
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for name in fh.keys():
+                if name.startswith("mtp."):
+                    tensors[name] = fh.get_tensor(name)
+    if not tensors:
+        raise ValueError(f"{path}: no DSpark (mtp.*) tensors")
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(config.torch_dtype, torch.bfloat16)
+    with _default_dtype(dtype):
+        head = DSparkHead(config)
+    load_dspark_state_dict(head, tensors)
+    return head.set_numerics(numerics).eval()
+
+
+__all__ = ["DSparkHead", "DSparkStage", "DSparkState", "load_dspark", "load_dspark_state_dict",
+           "dspark_module_name"]

@@ -1,0 +1,334 @@
+"""A small vLLM-like serving engine on top of the model contract.
+
+    eng = Engine(model_or_compiled, max_batch_size=8, max_seq_len=256, block_size=16)
+    rid = eng.add_request([5, 6, 7], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seed=1))
+    while eng.has_unfinished():
+        for rid, new_tokens, finished in eng.step():
+            ...
+    outs = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))   # greedy
+    for tokens in eng.stream([1, 2, 3], SamplingParams(max_tokens=8)): ...   # streaming
+
+Scheduling (continuous batching): every step runs ONE model call over a flat batch that holds
+  * a decode token for every running request whose prompt is done (always scheduled), then
+  * prefill chunks of running requests still in their prompt, oldest first, one chunk per
+    request per step, each at most `prefill_chunk_size` tokens, within the step's token budget
+    `max_num_batched_tokens`.
+Waiting requests are admitted FIFO whenever a cache slot and their blocks are free.
+
+Memory: each request gets a cache slot (window ring, compressor ring, Engram history row) and,
+on admission, every block its longest possible context (prompt + max_tokens - 1) can need, so a
+running request never runs out of memory mid-generation and no preemption is needed. Slot
+`max_batch_size` is the scratch slot a compiled model's padded decode batches write into. Blocks
+and slot are freed on finish and on abort.
+
+Validation (`add_request`) happens before anything is queued: empty prompts, token ids outside
+the vocabulary, contexts longer than `max_seq_len` / `max_position_embeddings`, and requests that
+need more blocks than the whole pool raise `RequestError` / `CacheCapacityError`; nothing about
+the other requests changes.
+
+A request's tokens depend only on its own prompt, params and seed: sampling uses one
+torch.Generator per request, and the model computes each sequence independently (up to
+fp32 summation order in differently shaped batches, see tests/test_model_consistency.py).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .cache import BlockAllocator, CacheCapacityError, ModelCaches, build_metadata, positions_of
+from .sampling import SamplingParams, sample_batch
+
+
+class RequestError(ValueError):
+    """A request that can never be served (bad token ids, too long, ...)."""
+
+
+StreamCallback = Callable[[int, list, bool], None]
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: list
+    params: SamplingParams
+    generator: torch.Generator | None
+    callback: StreamCallback | None = None
+    slot: int | None = None
+    blocks: list = field(default_factory=list)
+    num_cached: int = 0                 # tokens of prompt + output already in the cache
+    output: list = field(default_factory=list)
+    status: str = "waiting"             # waiting | running | finished
+    finish_reason: str | None = None    # stop | length | abort
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.output
+
+    @property
+    def max_context(self) -> int:
+        """Tokens the cache must hold at most: the last generated token is never fed back."""
+        return len(self.prompt) + self.params.max_tokens - 1
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list
+    token_ids: list
+    finish_reason: str | None
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+class Engine:
+    def __init__(self, model, max_batch_size: int, max_seq_len: int, block_size: int = 128,
+                 num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
+                 prefill_chunk_size: int | None = None):
+        """model: a V41Model or a v41graph.compile()d CompiledModel (same call signature)."""
+        self.model = model
+        base = getattr(model, "model", model)
+        self.config = base.config
+        cfg = self.config
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} > max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        sizes = getattr(model, "batch_sizes", None)
+        if sizes and getattr(model, "capture", False) and max_batch_size > max(sizes):
+            raise ValueError(f"max_batch_size {max_batch_size} > the compiled model's largest decode "
+                             f"bucket {max(sizes)}; compile with larger batch_sizes")
+        self.max_batch_size, self.max_seq_len, self.block_size = max_batch_size, max_seq_len, block_size
+        self.max_blocks = math.ceil(max_seq_len / block_size)
+        self.num_blocks = num_blocks if num_blocks is not None else max_batch_size * self.max_blocks
+        self.max_num_batched_tokens = max_num_batched_tokens or max(256, max_batch_size)
+        if self.max_num_batched_tokens < max_batch_size:
+            raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} < max_batch_size "
+                             f"{max_batch_size}: every running decode must fit in one step")
+        self.prefill_chunk_size = prefill_chunk_size or self.max_num_batched_tokens
+        self.device = base.embed.weight.device
+        # One slot more than the batch: the scratch slot of padded (compiled) decode batches.
+        self.caches = ModelCaches.allocate(cfg, max_batch_size + 1, self.num_blocks, block_size, self.device)
+        self.allocator = BlockAllocator(self.num_blocks)
+        self.free_slots = list(range(max_batch_size - 1, -1, -1))
+        self.requests: dict[int, Request] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self.stats = collections.Counter()
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, token_ids, params: SamplingParams) -> list:
+        """The checks add_request does, without queueing anything. Returns the prompt as ints."""
+        cfg = self.config
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.dtype not in (torch.int32, torch.int64) or token_ids.dim() != 1:
+                raise RequestError(f"token_ids tensor must be 1-D integer, got {token_ids.dtype} "
+                                   f"{list(token_ids.shape)}")
+            token_ids = token_ids.tolist()
+        try:
+            prompt = [int(t) for t in token_ids]
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"token_ids must be a sequence of integers: {e}") from None
+        if not prompt:
+            raise RequestError("empty prompt: a request needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} outside the vocabulary 0..{cfg.vocab_size - 1}")
+        ctx = len(prompt) + params.max_tokens - 1
+        if ctx > self.max_seq_len:
+            raise RequestError(f"request too long: prompt {len(prompt)} + max_tokens {params.max_tokens} "
+                               f"- 1 = {ctx} tokens of context > max_seq_len {self.max_seq_len}")
+        need = math.ceil(ctx / self.block_size)
+        if need > self.num_blocks:
+            raise CacheCapacityError(f"request needs {need} cache blocks but the pool has only "
+                                     f"{self.num_blocks}")
+        return prompt
+
+    def add_request(self, token_ids, params: SamplingParams | None = None,
+                    callback: StreamCallback | None = None) -> int:
+        """Queue a request; returns its id. callback(request_id, new_token_ids, finished) is
+        called from step() whenever the request produces tokens (streaming)."""
+        params = params if params is not None else SamplingParams()
+        prompt = self.validate(token_ids, params)
+        rid = next(self._ids)
+        gen = None if params.greedy else params.make_generator(self.device)
+        req = Request(rid, prompt, params, gen, callback, arrival_time=time.perf_counter())
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request and free its memory. Returns False if it was already finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request id {request_id}")
+        if req.status == "finished":
+            return False
+        if req.status == "waiting":
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+        if req.callback is not None:
+            req.callback(req.request_id, [], True)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def output(self, request_id: int) -> RequestOutput:
+        r = self.requests[request_id]
+        return RequestOutput(r.request_id, list(r.prompt), list(r.output), r.finish_reason,
+                             r.arrival_time, r.first_token_time, r.finish_time)
+
+    def release(self, request_id: int) -> RequestOutput:
+        """Output of a finished request, forgetting it (keeps a long-running engine small)."""
+        if self.requests[request_id].status != "finished":
+            raise ValueError(f"request {request_id} has not finished")
+        out = self.output(request_id)
+        del self.requests[request_id]
+        return out
+
+    # ------------------------------------------------------------------ scheduling
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            need = math.ceil(req.max_context / self.block_size)
+            if need > self.allocator.num_free:
+                break                       # FIFO: wait for memory rather than overtaking
+            self.waiting.popleft()
+            req.blocks = self.allocator.allocate(need)
+            req.slot = self.free_slots.pop()
+            req.status = "running"
+            self.running.append(req)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.status == "running":
+            self.running.remove(req)
+            self.allocator.free(req.blocks)
+            self.free_slots.append(req.slot)
+        req.blocks, req.slot = [], None
+        req.status, req.finish_reason = "finished", reason
+        req.finish_time = time.perf_counter()
+        self.stats[f"finished_{reason}"] += 1
+
+    def _schedule(self) -> list:
+        """[(request, chunk of tokens)] for this step: decodes first, then prefill chunks."""
+        budget = self.max_num_batched_tokens
+        batch = []
+        for req in self.running:
+            pending = len(req.tokens) - req.num_cached
+            if req.output and pending == 1:
+                batch.append((req, req.tokens[req.num_cached:]))
+                budget -= 1
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.output:
+                continue
+            pending = req.prompt[req.num_cached:]
+            n = min(len(pending), self.prefill_chunk_size, budget)
+            batch.append((req, pending[:n]))
+            budget -= n
+        return batch
+
+    def step(self) -> list:
+        """One engine step. Returns [(request id, new token ids, finished)] for the requests that
+        produced tokens (a prefill chunk that does not end the prompt produces none)."""
+        self._admit()
+        batch = self._schedule()
+        if not batch:
+            return []
+        meta = build_metadata([r.slot for r, _ in batch], [r.num_cached for r, _ in batch],
+                              [len(c) for _, c in batch], [r.blocks for r, _ in batch],
+                              self.max_blocks, device=self.device)
+        ids = torch.tensor([t for _, c in batch for t in c], dtype=torch.int64, device=self.device)
+        with torch.no_grad():
+            logits = self.model(ids, positions_of(meta), self.caches, meta)
+        self.stats["steps"] += 1
+        self.stats["tokens"] += ids.shape[0]
+        done = []   # (row, request) whose chunk reached the end of the known tokens
+        for i, (req, chunk) in enumerate(batch):
+            req.num_cached += len(chunk)
+            if req.num_cached == len(req.tokens):
+                done.append((i, req))
+        events = []
+        if done:
+            rows = torch.tensor([i for i, _ in done], device=logits.device)
+            toks = sample_batch(logits.index_select(0, rows), [r.params for _, r in done],
+                                [r.generator for _, r in done])
+            now = time.perf_counter()
+            for (_, req), tok in zip(done, toks):
+                req.output.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                reason = None
+                if tok in req.params.stop_ids:
+                    reason = "stop"
+                elif len(req.output) >= req.params.max_tokens:
+                    reason = "length"
+                if reason is not None:
+                    self._finish(req, reason)
+                events.append((req.request_id, [tok], reason is not None))
+                if req.callback is not None:
+                    req.callback(req.request_id, [tok], reason is not None)
+        return events
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list:
+        """Run these prompts to completion (together with whatever else is queued). Every
+        request is validated before any is queued. Returns one RequestOutput per prompt."""
+        params = params if params is not None else SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        for p, sp in zip(prompts, plist):
+            self.validate(p, sp)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while any(self.requests[r].status != "finished" for r in rids):
+            self.step()
+        return [self.release(r) for r in rids]
+
+    def stream(self, token_ids, params: SamplingParams | None = None) -> Iterator[list]:
+        """Add a request and yield its new tokens as they are generated (drives step(); other
+        queued requests progress too). Closing the iterator early aborts the request."""
+        rid = self.add_request(token_ids, params)
+        req = self.requests[rid]
+        seen = 0
+        try:
+            while req.status != "finished":
+                self.step()
+                if len(req.output) > seen:
+                    yield req.output[seen:]
+                    seen = len(req.output)
+        finally:
+            if req.status != "finished":
+                self.abort(rid)
+            self.requests.pop(rid, None)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+
+__all__ = ["Engine", "Request", "RequestError", "RequestOutput", "SamplingParams"]
