@@ -38,23 +38,8 @@ def triton_kernels():
     return _TK or None
 
 
-# ----------------------------------------------------------------------------- references
-# (the same code as the op bodies in ops.py, kept here so a fallback never re-dispatches)
-def _wkv_rmsnorm_ref(x, wkv, norm_weight, eps):
-    y = torch.nn.functional.linear(x, wkv).float()
-    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
-    return (norm_weight.float() * y).to(x.dtype)
-
-
-def _sparse_attention_ref(q, window_pool, window_rows, global_cache, global_scale, global_rows,
-                          sink, softmax_scale):
-    win = window_pool.index_select(0, window_rows.clamp_min(0).flatten()).view(
-        *window_rows.shape, window_pool.shape[-1])
-    parts, valid = [win.to(q.dtype)], [window_rows >= 0]
-    if global_rows.shape[-1] > 0:
-        parts.append(ref.gather_global_kv(global_cache, global_scale, global_rows, q.dtype))
-        valid.append(global_rows >= 0)
-    return ref.sparse_attention(q, torch.cat(parts, 1), torch.cat(valid, 1), sink, softmax_scale)
+_wkv_rmsnorm_ref = ref.wkv_rmsnorm                      # fallbacks that never re-dispatch
+_sparse_attention_ref = ref.sparse_attention_over_caches
 
 
 # ----------------------------------------------------------------------------- registrations

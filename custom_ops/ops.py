@@ -50,13 +50,8 @@ def sparse_attention(q: torch.Tensor, window_pool: torch.Tensor, window_rows: to
     """q [N,H,D]; window_pool [P,D] (dequantized window rows: ring + this call's rows);
     window_rows [N,W] into the pool; global cache FP4 [R,D/2] + E4M3 scales [R,D/16];
     global_rows [N,K] (may have K = 0). -1 = empty. Window rows come first in the list."""
-    win = window_pool.index_select(0, window_rows.clamp_min(0).flatten()).view(
-        *window_rows.shape, window_pool.shape[-1])
-    parts, valid = [win.to(q.dtype)], [window_rows >= 0]
-    if global_rows.shape[-1] > 0:
-        parts.append(ref.gather_global_kv(global_cache, global_scale, global_rows, q.dtype))
-        valid.append(global_rows >= 0)
-    return ref.sparse_attention(q, torch.cat(parts, 1), torch.cat(valid, 1), sink, softmax_scale)
+    return ref.sparse_attention_over_caches(q, window_pool, window_rows, global_cache, global_scale,
+                                            global_rows, sink, softmax_scale)
 
 
 @sparse_attention.register_fake
@@ -130,9 +125,7 @@ def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Ten
     """RMSNorm(x @ wkv^T) in one op: the ratio-1 compressor (the seed's P1). x [..., K] and
     wkv [N, K] of one float dtype; the norm runs in fp32 and the result has x's dtype.
     P1 (passes/fuse_wkv_rmsnorm.py) rewrites every matching Linear -> RMSNorm into this op."""
-    y = torch.nn.functional.linear(x, wkv).float()
-    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
-    return (norm_weight.float() * y).to(x.dtype)
+    return ref.wkv_rmsnorm(x, wkv, norm_weight, eps)
 
 
 @fused_wkv_rmsnorm.register_fake

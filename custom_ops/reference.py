@@ -117,6 +117,26 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     return (acc / denom.unsqueeze(-1)).to(q.dtype)
 
 
+def sparse_attention_over_caches(q, window_pool, window_rows, global_cache, global_scale,
+                                 global_rows, sink, softmax_scale):
+    """The `sparse_attention` op: gather the window rows from the pool and the FP4 global rows
+    from the paged cache (window first), then `sparse_attention`."""
+    win = window_pool.index_select(0, window_rows.clamp_min(0).flatten()).view(
+        *window_rows.shape, window_pool.shape[-1])
+    parts, valid = [win.to(q.dtype)], [window_rows >= 0]
+    if global_rows.shape[-1] > 0:
+        parts.append(gather_global_kv(global_cache, global_scale, global_rows, q.dtype))
+        valid.append(global_rows >= 0)
+    return sparse_attention(q, torch.cat(parts, 1), torch.cat(valid, 1), sink, softmax_scale)
+
+
+def wkv_rmsnorm(x, wkv, norm_weight, eps):
+    """The `fused_wkv_rmsnorm` op: RMSNorm(x @ wkv^T), norm in fp32, result in x's dtype."""
+    y = torch.nn.functional.linear(x, wkv).float()
+    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
+    return (norm_weight.float() * y).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- indexer
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                    visible: torch.Tensor) -> torch.Tensor:
