@@ -21,7 +21,8 @@ tests/test_dspark_golden.py):
   heads     last stage: collapse with the last ffn `pre`, norm, shared fp32 head -> U [k, V];
             Markov: logits_j = U_j + markov.head(markov.embed(x_{j-1})) (x_0 = anchor, greedy
             x_j = argmax logits_j); confidence c_j = proj([h_j ; markov.embed(x_{j-1})]) (raw logit;
-            sigmoid gives the acceptance estimate).
+            sigmoid gives the acceptance estimate), h_j = the last stage's collapsed residual BEFORE
+            the final norm.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         x = torch.cat([h.float(), e.float()], dim=-1)
-        return F.linear(x, self.proj.weight.float()).squeeze(-1)
+        return x @ self.proj.weight.float()[0]      # (matches the reference's rounding exactly)
 
 
 class DSparkStage(nn.Module):
@@ -202,9 +203,11 @@ class DSparkHead(nn.Module):
             out = stage.attention(x, positions, ring[slot], valid)
             streams = expand(out, streams, post, comb)
             pre_ffn, post, comb = stage.hc_ffn(streams)
-            out, chosen = stage.ffn(stage.ffn_norm(collapse(streams, pre_attn)))
+            ffn_in = stage.ffn_norm(collapse(streams, pre_attn))
+            out, chosen = stage.ffn(ffn_in)
             if debug is not None:
                 debug[f"moe_gate_indices.stage{i}"] = chosen
+                debug[f"moe_gate_weights.stage{i}"] = stage.ffn.gate(ffn_in)[0]
                 debug[f"attn_out.stage{i}"] = out
             streams, pre = expand(out, streams, post, comb), pre_ffn
             if debug is not None:
@@ -215,19 +218,20 @@ class DSparkHead(nn.Module):
         if debug is not None:
             debug["collapsed"] = collapsed
         base = F.linear(hid.float(), lm_head.float())          # [k, V]
-        out_ids, logits, conf = [anchor], [], []
+        out_ids, logits = [anchor], []
         prev = torch.tensor([anchor], device=dev)
-        for j in range(k):
-            bias, e = last.markov_head.bias(prev)
+        for j in range(k):                    # Markov bias token by token (greedy drafts)
+            bias, _ = last.markov_head.bias(prev)
             lj = base[j] + bias[0]
             logits.append(lj)
-            conf.append(last.confidence_head(hid[j:j + 1], e)[0])
             nxt = int(lj.argmax())
             out_ids.append(nxt)
             prev = torch.tensor([nxt], device=dev)
+        ids_out = torch.tensor(out_ids, device=dev)
+        conf = last.confidence_head(collapsed, last.markov_head.embed(ids_out[:-1]))
         if debug is not None:
             debug["hidden"] = hid
-        return torch.tensor(out_ids), torch.stack(logits), torch.stack(conf)
+        return ids_out, torch.stack(logits), conf
 
 
 # ============================================================================ loading
