@@ -75,3 +75,21 @@ def test_side_stream_kernels_overlap_main_stream(model):
     overlaps = sum(1 for side in by_size[1:] for (s0, s1) in side for (m0, m1) in main
                    if s0 < m1 and m0 < s1)
     assert overlaps > 0
+
+
+def test_side_streams_change_no_bits(model):
+    """Race check: with deterministic kernels, the captured decode with P4 + P6 (side streams)
+    must give bit-identical logits to the same compile without them, step after step. (Tells a
+    cross-stream race apart from the fused kernels' atomic-order noise, which the eager
+    comparison above cannot.)"""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        prompt = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(1))
+        runs = []
+        for disable in ((), ("hoist_engram", "dual_stream")):
+            compiled = v41graph.compile(model, backend="cuda", batch_sizes=(4,), disable=disable)
+            runs.append(_greedy(Session(compiled, 3, 160, block_size=16), prompt, 100))
+        for step, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+    finally:
+        torch.use_deterministic_algorithms(False)
