@@ -251,6 +251,14 @@ def test_compile_api_end_to_end_with_padding_and_errors(tiny):
         nxt = a.argmax(-1, keepdim=True)
         a, b = eager.decode(nxt), comp.decode(nxt)
         assert torch.allclose(a, b, atol=ATOL, rtol=0)
+    # A second session (other caches) on the same compiled model gets its own decode graph.
+    eager2, comp2 = Session(tiny, 3, 48, block_size=16), Session(compiled, 3, 48, block_size=16)
+    prompt2 = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(10))
+    a, b = eager2.prefill(prompt2), comp2.prefill(prompt2)
+    for _ in range(2):
+        nxt = a.argmax(-1, keepdim=True)
+        a, b = eager2.decode(nxt), comp2.decode(nxt)
+        assert torch.allclose(a, b, atol=ATOL, rtol=0)
     records = compiled.pass_manager.records[-1]
     assert [r["pass"] for r in records] == list(ALL)
     with pytest.raises(ValueError, match="larger than the largest captured bucket 4"):

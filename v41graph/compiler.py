@@ -19,6 +19,7 @@ write nothing any real sequence reads.
 from __future__ import annotations
 
 import bisect
+import os
 import sys
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -77,6 +78,7 @@ class CompiledModel:
         self.model = model.eval().requires_grad_(False)
         self.device = model.embed.weight.device
         self.platform = _resolve_platform(backend, self.device)
+        dump_dir = dump_dir or os.environ.get("V41GRAPH_DUMP") or None
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform)
         self.capture = capture
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
@@ -86,7 +88,7 @@ class CompiledModel:
         # count dynamic after the first recompile.
         self._fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=False)
         self._prefill_fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=None)
-        self._decode: dict[int, DecodeGraph] = {}
+        self._decode: dict[tuple, DecodeGraph] = {}
         # Captured buckets share one memory pool (they never run at the same time); it lives
         # as long as this object, so a later model never captures into a released pool.
         self.graph_pool = None
@@ -120,9 +122,11 @@ class CompiledModel:
     def _decode_step(self, input_ids, positions, caches, metadata):
         n = input_ids.shape[0]
         bucket = self.bucket_for(n)
-        graph = self._decode.get(bucket)
-        if graph is None:
-            graph = self._decode[bucket] = DecodeGraph(self, bucket, caches, metadata.block_table.shape[1])
+        # One graph per bucket and cache set: a captured graph is bound to its buffers' addresses.
+        key = (bucket, id(caches))
+        graph = self._decode.get(key)
+        if graph is None or graph.caches is not caches:
+            graph = self._decode[key] = DecodeGraph(self, bucket, caches, metadata.block_table.shape[1])
         return graph.run(input_ids, positions, metadata)[:n]
 
     def warmup(self, caches: ModelCaches, max_blocks: int, show_progress: bool = True) -> None:
@@ -131,8 +135,8 @@ class CompiledModel:
             if show_progress:
                 print(f"[v41graph] decode bucket {b}: compile + capture ({i + 1}/{len(self.batch_sizes)})",
                       file=sys.stderr, flush=True)
-            if b not in self._decode:
-                graph = self._decode[b] = DecodeGraph(self, b, caches, max_blocks)
+            if (b, id(caches)) not in self._decode:
+                graph = self._decode[(b, id(caches))] = DecodeGraph(self, b, caches, max_blocks)
                 graph.prepare()
 
 
