@@ -192,12 +192,15 @@ class Attention(nn.Module):
         ops.index_k_write(caches.index_k[lid], caches.index_scale[lid], k, slot)
         ops.global_kv_write(caches.global_kv[lid], caches.global_scale[lid], apply_rope(latent, rotation), slot)
 
+    def _compressed_capacity(self, ctx: StepContext) -> int:
+        """Compressed positions a sequence can hold: its block table's width in rows."""
+        return ctx.meta.block_table.shape[1] * ctx.caches.block_size // self.role.ratio
+
     def _select(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, ctx: StepContext):
         """Full / reindex layers: the indexer's top-k compressed positions [N, K]."""
         role, caches = self.role, ctx.caches
         src = role.kv_source
-        capacity = caches.global_kv[src].shape[0] * caches.global_kv[src].shape[1]
-        capacity = min(capacity, ctx.meta.block_table.shape[1] * caches.block_size // role.ratio)
+        capacity = self._compressed_capacity(ctx)
         rows = ctx.compressed_rows(role.ratio, capacity)
         visible_count = (ctx.positions + 1) // role.ratio
         visible = (torch.arange(capacity, device=rows.device) < visible_count.unsqueeze(-1)) & (rows >= 0)
@@ -225,6 +228,8 @@ class Attention(nn.Module):
         kv = codecs.qdq_fp8_ue8m0(kv, 32)     # exactly what the window cache will hold
         lid = role.layer_id
         ring_kv, ring_scale = caches.window_kv[lid], caches.window_scale[lid]
+        # The window pool: every slot's ring, dequantized, then this call's rows. (The reference
+        # path dequantizes whole rings; a kernel reads the FP8 rows it needs in place.)
         pool = torch.cat([reference.gather_window_kv(
             ring_kv, ring_scale, torch.arange(caches.num_slots * self.window, device=x.device), kv.dtype), kv])
         window_rows = self._window_rows(ctx)
@@ -238,8 +243,7 @@ class Attention(nn.Module):
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation)
         if role.ratio:
             topk = ctx.topk[role.index_source]
-            capacity = ctx.meta.block_table.shape[1] * caches.block_size // role.ratio
-            rows = ctx.compressed_rows(role.ratio, capacity)
+            rows = ctx.compressed_rows(role.ratio, self._compressed_capacity(ctx))
             global_rows = torch.where(topk >= 0, rows.gather(1, topk.clamp_min(0)), -1)
             gkv, gsc = caches.global_kv[role.kv_source], caches.global_scale[role.kv_source]
         else:
