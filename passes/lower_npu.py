@@ -52,3 +52,23 @@ def lower_stream_ops_to_air(gm: fx.GraphModule) -> int:
         count += 1
     gm.recompile()
     return count
+
+
+def torchair_backend(manager, aclgraph: bool = True):
+    """torch.compile backend for Ascend: torchair's npu backend with our pass manager plugged in
+    as its post-grad pass (then our stream ops lowered to air ops). With aclgraph=True torchair
+    runs in "reduce-overhead" mode and captures ACL graphs itself (npugraph_ex); torchair adds
+    the fork/join closure of the air stream scopes and keeps its fusions inside one label."""
+    require_torch_npu()
+    import torchair
+
+    config = torchair.CompilerConfig()
+    if aclgraph:
+        config.mode = "reduce-overhead"
+
+    def post_grad_pass(gm, example_inputs, compiler_config):
+        manager(gm)
+        lower_stream_ops_to_air(gm)
+
+    config.post_grad_custom_post_pass = post_grad_pass
+    return torchair.get_npu_backend(compiler_config=config)

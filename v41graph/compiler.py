@@ -36,12 +36,12 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu"):
     from torch._inductor.decomposition import select_decomp_table
 
     manager = PassManager(passes, disable, dump_dir)
+    if platform == "npu":   # torchair compiles and captures; our passes run as its post-grad pass
+        from v41graph.passes.lower_npu import torchair_backend
+        return torchair_backend(manager), manager
 
     def fw_compiler(gm, example_inputs):
         manager(gm)
-        if platform == "npu":
-            from v41graph.passes.lower_npu import lower_stream_ops_to_air
-            lower_stream_ops_to_air(gm)
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table(),
@@ -189,7 +189,7 @@ class DecodeGraph:
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         self._load(input_ids, positions, meta)
-        if self.compiled.platform != "cuda":
+        if self.compiled.platform != "cuda":   # cpu: plain graph; npu: torchair captures itself
             return self._step()
         if self.cuda_graph is None:
             self._capture()
