@@ -35,6 +35,16 @@ from pathlib import Path
 
 import torch.fx as fx
 
+try:   # private torch names: fall back if a torch version lacks them
+    from torch._ops import HigherOrderOperator
+except ImportError:  # pragma: no cover
+    HigherOrderOperator = ()
+try:
+    from torch.fx.node import _get_qualified_name
+except ImportError:  # pragma: no cover
+    def _get_qualified_name(t) -> str:
+        return f"{t.__module__}.{t.__qualname__}"
+
 from .base import STREAM_KEY, GraphPass, module_path
 from .cleanup import Cleanup
 from .defunctionalize import Defunctionalize
@@ -75,9 +85,22 @@ def resolve_passes(passes=None, disable=()) -> list[str]:
     return ordered
 
 
+def _op_key(n: fx.Node) -> str:
+    """Deterministic name of what a node does: `aten.mm.default`, `_operator.getitem`, `placeholder`."""
+    if n.op != "call_function":
+        return n.op
+    t = n.target
+    if hasattr(t, "_schema") or isinstance(t, HigherOrderOperator):
+        return str(t)
+    try:
+        return _get_qualified_name(t)
+    except Exception:
+        return getattr(t, "__name__", type(t).__name__)
+
+
 def op_counts(gm: fx.GraphModule) -> dict:
-    return dict(sorted(Counter(
-        str(n.target) if n.op == "call_function" else n.op for n in gm.graph.nodes).items()))
+    """Node counts by op (call_function target, else the node kind), sorted by name."""
+    return dict(sorted(Counter(_op_key(n) for n in gm.graph.nodes).items()))
 
 
 def target_name(n: fx.Node) -> str:
@@ -115,22 +138,38 @@ def readable(gm: fx.GraphModule) -> str:
 
 # ---------------------------------------------------------------------------- what a pass did
 def _snapshot(gm: fx.GraphModule) -> dict:
-    """name -> (position, input names, stream label) of every node."""
-    return {n.name: (i, [a.name for a in n.all_input_nodes], n.meta.get(STREAM_KEY))
+    """name -> (position, input names, stream label, meta["val"]) of every node (the values are
+    kept alive so identity comparisons after the pass are sound)."""
+    return {n.name: (i, [a.name for a in n.all_input_nodes], n.meta.get(STREAM_KEY), n.meta.get("val"))
             for i, n in enumerate(gm.graph.nodes)}
 
 
-def _replaced_by(node: fx.Node, before: dict, removed: set) -> list[str]:
-    """The removed nodes a new node stands for: the removed inputs (in the graph before the pass)
-    of the node's users, and everything removed that only fed them, in original order."""
-    seeds = [i for u in node.users if u.name in before for i in before[u.name][1] if i in removed]
-    seen, stack = set(), list(seeds)
+def _roots(new_nodes: list, before: dict, removed: set) -> dict:
+    """For each new node, the removed node it stands in for: the one whose value object it took
+    over (passes copy `meta["val"]` from the node they replace), else the removed input (before
+    the pass) of one of its users."""
+    by_val = {id(before[nm][3]): nm for nm in removed if before[nm][3] is not None}
+    roots = {}
+    for n in new_nodes:
+        val = n.meta.get("val")
+        root = by_val.get(id(val)) if val is not None else None
+        if root is None:
+            root = next((i for u in n.users if u.name in before for i in before[u.name][1] if i in removed), None)
+        if root is not None:
+            roots[n.name] = root
+    return roots
+
+
+def _replaced_by(root: str, before: dict, removed: set, stop: set) -> list[str]:
+    """The removed nodes that only computed `root`: `root` and its removed producers, up to
+    (not into) the roots of other new nodes, in original order."""
+    seen, stack = set(), [root]
     while stack:
         name = stack.pop()
         if name in seen:
             continue
         seen.add(name)
-        stack.extend(i for i in before[name][1] if i in removed and i not in seen)
+        stack.extend(i for i in before[name][1] if i in removed and i not in seen and i not in stop)
     return sorted(seen, key=lambda nm: before[nm][0])
 
 
@@ -155,19 +194,22 @@ def change_record(p: GraphPass, before: dict, gm: fx.GraphModule) -> dict:
     added = [nm for nm in after_names if nm not in before]
     added_set = set(added)
     moved: dict[str, list] = {}
-    fused = []
+    fused_nodes = [n for n in gm.graph.nodes if n.name in added_set and
+                   (n.meta.get("fused_from") is not None or "fused" in target_name(n))]
+    roots = _roots(fused_nodes, before, removed_set)
     for n in gm.graph.nodes:
         label = n.meta.get(STREAM_KEY)
         if n.name in before and label not in (None, "main") and label != before[n.name][2]:
             moved.setdefault(label, []).append(n.name)
-        if n.name in added_set and (n.meta.get("fused_from") is not None or "fused" in target_name(n)):
-            replaced = _explicit_replaced(p, n)
-            if replaced is None:
-                replaced = _replaced_by(n, before, removed_set)
-            kind = n.meta.get("fused_from")
-            fused.append({"node": n.name, "target": target_name(n),
-                          "kind": kind if isinstance(kind, str) else "",
-                          "replaced": replaced})
+    fused = []
+    for n in fused_nodes:
+        replaced = _explicit_replaced(p, n)
+        if replaced is None:
+            root = roots.get(n.name)
+            replaced = _replaced_by(root, before, removed_set, set(roots.values()) - {root}) if root else []
+        kind = n.meta.get("fused_from")
+        fused.append({"node": n.name, "target": target_name(n),
+                      "kind": kind if isinstance(kind, str) else "", "replaced": replaced})
     return {"num_nodes_before": len(before), "num_nodes_after": len(after_names),
             "added": added, "removed": removed, "moved_to_stream": dict(sorted(moved.items())),
             "fused": fused}

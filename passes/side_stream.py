@@ -56,7 +56,7 @@ def move_to_side_stream(gm: fx.GraphModule, group: set, stream: str, tag: str) -
     graph = gm.graph
     nodes = [n for n in graph.nodes if n in group]
     order = {n: i for i, n in enumerate(graph.nodes)}
-    written = {b for n in nodes for b in mutated_bases(n)}
+    written = list(dict.fromkeys(b for n in nodes for b in mutated_bases(n)))   # ordered: deterministic dumps
     # Dependencies: inputs from outside the group, and earlier readers of caches it writes.
     deps = [i for n in nodes for i in n.all_input_nodes if i not in group]
     first = order[nodes[0]]

@@ -1,11 +1,14 @@
 """A few hundred mixed requests through v41graph.Engine on the tiny model (CPU), random weights.
 
     python scripts/serve_example.py [--requests 300] [--batch 8] [--compile]
+                                    [--spec K [--schedule fixed|confidence]]
 
 Requests arrive a few per engine step (Poisson-ish), with prompt lengths 4..64, 4..32 new
 tokens, half greedy and half sampled (temperature / top-p, per-request seeds), some with stop
 ids, a few aborted midway. Prints throughput and latency / time-to-first-token percentiles.
-(DSpark speculative decoding is not wired into the engine yet, so no acceptance length.)
+With --spec K, DSpark speculative decoding (random-weight draft head, K drafts per step) runs
+in the engine and the DSpark mean acceptance length (tokens committed per verification) is
+printed; with random weights the drafts are almost never accepted, so expect ~1.0.
 """
 from __future__ import annotations
 
@@ -31,13 +34,21 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="run through v41graph.compile (slow warm-up)")
+    ap.add_argument("--spec", type=int, default=0, help="DSpark drafts per step (0 = off)")
+    ap.add_argument("--schedule", default="fixed", choices=("fixed", "confidence"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = v41graph.V41Config.tiny()
     model = init_random_(V41Model(cfg), seed=0).eval()
     runner = v41graph.compile(model, batch_sizes=(1, 2, 4, 8, 16)) if args.compile else model
+    spec_kw = {}
+    if args.spec:
+        from v41graph.dspark import DSparkHead
+        from v41graph.speculative import SpecConfig, init_random_dspark_
+        spec_kw = dict(speculative=SpecConfig(num_draft=args.spec, schedule=args.schedule),
+                       draft_head=init_random_dspark_(DSparkHead(cfg), seed=1).eval())
     eng = Engine(runner, max_batch_size=args.batch, max_seq_len=128, block_size=16,
-                 max_num_batched_tokens=128, prefill_chunk_size=32)
+                 max_num_batched_tokens=128, prefill_chunk_size=32, **spec_kw)
     g = torch.Generator().manual_seed(0)
 
     def rnd(lo, hi):
@@ -76,6 +87,11 @@ def main():
           f"{len(done) / wall:.1f} req/s")
     print("latency ms  p50 {:.1f}  p90 {:.1f}  p99 {:.1f}".format(*(pct(lat, q) for q in (50, 90, 99))))
     print("TTFT ms     p50 {:.1f}  p90 {:.1f}  p99 {:.1f}".format(*(pct(ttft, q) for q in (50, 90, 99))))
+    if eng.spec is not None:
+        st = eng.stats
+        print(f"DSpark acceptance length: {eng.spec.acceptance_length:.3f} tokens/verification "
+              f"({st['spec_verifies']} verifications, {st['spec_accepted']}/{st['spec_drafted']} "
+              f"drafts accepted, {st['spec_rejections']} with a rejection)")
     assert eng.num_free_blocks == eng.num_blocks, "blocks leaked"
     print("blocks all free after the run: yes")
 

@@ -50,6 +50,7 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu"):
 
 
 def _registered_backend(gm, example_inputs, **kwargs):
+    kwargs.setdefault("dump_dir", os.environ.get("V41GRAPH_DUMP") or None)
     backend, _ = make_backend(**kwargs)
     return backend(gm, example_inputs)
 

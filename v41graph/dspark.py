@@ -185,9 +185,12 @@ class DSparkHead(nn.Module):
 
     # ------------------------------------------------------------------ drafting
     def draft(self, state: DSparkState, slot: int, anchor: int, anchor_pos: int, embed: nn.Embedding,
-              lm_head: torch.Tensor, debug: dict | None = None):
+              lm_head: torch.Tensor, debug: dict | None = None, choose=None):
         """Draft one block: (ids [k+1] = anchor + k greedy drafts, logits [k, V] fp32 (base +
-        Markov bias), confidence [k] raw logits)."""
+        Markov bias), confidence [k] raw logits).
+
+        choose(logits_j [V]) -> token id picks each draft token (default: argmax, the greedy
+        drafts); speculative sampling passes a sampler so drafts are drawn from q_j."""
         cfg, k = self.config, self.block_size
         dev = lm_head.device
         ids = torch.tensor([anchor] + [self.noise_id] * (k - 1), dtype=torch.int64, device=dev)
@@ -224,7 +227,7 @@ class DSparkHead(nn.Module):
             bias, _ = last.markov_head.bias(prev)
             lj = base[j] + bias[0]
             logits.append(lj)
-            nxt = int(lj.argmax())
+            nxt = int(lj.argmax()) if choose is None else int(choose(lj))
             out_ids.append(nxt)
             prev = torch.tensor([nxt], device=dev)
         ids_out = torch.tensor(out_ids, device=dev)

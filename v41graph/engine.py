@@ -101,8 +101,11 @@ class RequestOutput:
 class Engine:
     def __init__(self, model, max_batch_size: int, max_seq_len: int, block_size: int = 128,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
-                 prefill_chunk_size: int | None = None):
-        """model: a V41Model or a v41graph.compile()d CompiledModel (same call signature)."""
+                 prefill_chunk_size: int | None = None, speculative=None, draft_head=None):
+        """model: a V41Model or a v41graph.compile()d CompiledModel (same call signature).
+
+        speculative=SpecConfig(num_draft=k) with draft_head=DSparkHead: lossless DSpark
+        speculative decoding (v41graph.speculative); every step then runs the eager V41Model."""
         self.model = model
         base = getattr(model, "model", model)
         self.config = base.config
@@ -134,6 +137,10 @@ class Engine:
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.stats = collections.Counter()
+        self.spec = None
+        if speculative is not None:
+            from .speculative import SpeculativeDecoder
+            self.spec = SpeculativeDecoder(self, draft_head, speculative)
 
     # ------------------------------------------------------------------ requests
     def validate(self, token_ids, params: SamplingParams) -> list:
@@ -255,6 +262,8 @@ class Engine:
         """One engine step. Returns [(request id, new token ids, finished)] for the requests that
         produced tokens (a prefill chunk that does not end the prompt produces none)."""
         self._admit()
+        if self.spec is not None:
+            return self.spec.step()
         batch = self._schedule()
         if not batch:
             return []
@@ -278,20 +287,29 @@ class Engine:
                                 [r.generator for _, r in done])
             now = time.perf_counter()
             for (_, req), tok in zip(done, toks):
-                req.output.append(tok)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                reason = None
-                if tok in req.params.stop_ids:
-                    reason = "stop"
-                elif len(req.output) >= req.params.max_tokens:
-                    reason = "length"
-                if reason is not None:
-                    self._finish(req, reason)
-                events.append((req.request_id, [tok], reason is not None))
-                if req.callback is not None:
-                    req.callback(req.request_id, [tok], reason is not None)
+                events.append(self._emit(req, [tok], now))
         return events
+
+    def _emit(self, req: Request, toks: list, now: float | None = None) -> tuple:
+        """Append newly committed tokens (stopping at a stop id or max_tokens), finish the
+        request if it is done, stream them. Returns the step() event."""
+        new, reason = [], None
+        for tok in toks:
+            req.output.append(tok)
+            new.append(tok)
+            if tok in req.params.stop_ids:
+                reason = "stop"
+            elif len(req.output) >= req.params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+        if req.first_token_time is None:
+            req.first_token_time = now if now is not None else time.perf_counter()
+        if reason is not None:
+            self._finish(req, reason)
+        if req.callback is not None:
+            req.callback(req.request_id, new, reason is not None)
+        return req.request_id, new, reason is not None
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -1,0 +1,423 @@
+"""Graph dump inspection (issue 6): the dump writer, the Python API, the CLI and the pictures.
+
+One tiny compile for the whole module (~45 s on CPU): the `dumps` fixture runs the real CLI
+(`v41graph dump --config tiny --out A`, in process) with PassManager patched so every graph it
+compiles is also passed and dumped a second time, from a copy of the same input graph, into B.
+Everything else reads those two dumps.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+
+import v41graph
+from v41graph import cli
+from v41graph.inspect import DumpError, MissingDependency, draw_timeline, load_dump, to_dot
+from v41graph.passes.pass_manager import ARTIFACT, PASS_CLASSES, PassManager, resolve_passes
+
+REPO = Path(__file__).resolve().parents[1]
+GATHER, INDEXER = "v41graph.engram_gather.default", "v41graph.indexer_topk.default"
+WINDOW, INDEX_K = "v41graph.window_kv_write.default", "v41graph.index_k_write.default"
+
+
+def _clone(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dumps")
+    a, b = root / "a", root / "b"
+    original = PassManager.__call__
+
+    def and_twin(self, gm):
+        if self.dump_dir == a:     # the same input graph, passed and dumped again into b
+            twin = PassManager(self.names, dump_dir=b)
+            twin.graph_index = self.graph_index
+            twin(_clone(gm))
+        return original(self, gm)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(PassManager, "__call__", and_twin)
+    try:
+        assert cli.main(["dump", "--config", "tiny", "--out", str(a)]) == 0
+    finally:
+        mp.undo()
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def dump(dumps):
+    return load_dump(dumps[0])
+
+
+def _expected_linear_rmsnorm_pairs(cfg) -> int:
+    """From the layer plan: wkv->kv_norm and wq_a->q_norm in every layer, the indexer's
+    wk->k_norm in every Full layer, and the ratio-1 compressor's wkv->norm (ratio 2 pools first)."""
+    n = 0
+    for role in v41graph.build_layer_plan(cfg):
+        n += 2
+        if role.mode == "full":
+            n += 1 + (1 if role.ratio == 1 else 0)
+    return n
+
+
+# ---------------------------------------------------------------------------- the dump
+def test_dump_lists_every_pass(dump, dumps):
+    expected = resolve_passes()
+    assert dump.graphs == [0, 1]                       # prefill and decode
+    assert dump.manifest["passes"] == expected
+    for g in dump.graphs:
+        records = dump.passes(g)
+        assert [r["pass"] for r in records] == expected
+        assert [r["uuid"] for r in records] == [PASS_CLASSES[n]().uuid() for n in expected]
+        assert dump.stages(g) == ["input"] + expected
+        for i, name in enumerate(expected):
+            for when in ("before", "after"):
+                assert (dumps[0] / f"graph{g}" / f"{i:02d}_{name}.{when}.txt").is_file()
+        # node counts by op add up to the node totals, and the added/removed lists explain the change
+        for r in records:
+            assert sum(r["nodes_before"].values()) == r["num_nodes_before"]
+            assert sum(r["nodes_after"].values()) == r["num_nodes_after"]
+            assert r["num_nodes_after"] - r["num_nodes_before"] == len(r["added"]) - len(r["removed"])
+            assert len(dump.stage_nodes(f"{r['pass']}.before", g)) == r["num_nodes_before"]
+            assert len(dump.stage_nodes(r["pass"], g)) == r["num_nodes_after"]
+
+
+def test_p1_record_matches_linear_rmsnorm_pairs_and_names_what_each_fused_op_replaced(dump):
+    expected = _expected_linear_rmsnorm_pairs(v41graph.V41Config.tiny())
+    assert expected == 24
+    for g in dump.graphs:
+        r = dump.pass_record("P1", g)
+        assert r["matched_count"] == expected
+        fused = dump.fused_ops(g)
+        assert len(fused) == expected and {f.pass_name for f in fused} == {"fuse_wkv_rmsnorm"}
+        before = {n.name: n for n in dump.stage_nodes("P1.before", g)}
+        after = {n.name: n for n in dump.stage_nodes("P1", g)}
+        assert sum(1 for n in after.values() if n.target == "v41graph.fused_wkv_rmsnorm.default") == expected
+        replaced_all = []
+        for f in fused:
+            assert f.node in after and f.node not in before
+            assert after[f.node].target == "v41graph.fused_wkv_rmsnorm.default"
+            targets = [before[n].target for n in f.replaced]
+            # one Linear (mm) and one RMSNorm (rsqrt) each, nothing of them left after the pass
+            assert targets.count("aten.mm.default") == 1 and targets.count("aten.rsqrt.default") == 1
+            assert not set(f.replaced) & set(after)
+            replaced_all += f.replaced
+        assert len(replaced_all) == len(set(replaced_all)) == len(r["removed"])
+        assert set(replaced_all) == set(r["removed"])
+        # the diff of the pass shows the replaced nodes going and the fused ones coming
+        diff = dump.diff("P1.before", "P1", g)
+        removed_lines = {m.group(1) for m in re.finditer(r"^-\[[^\]]*\] (\S+) ", diff, re.M)}
+        added_lines = {m.group(1) for m in re.finditer(r"^\+\[[^\]]*\] (\S+) ", diff, re.M)}
+        assert set(replaced_all) <= removed_lines
+        assert {f.node for f in fused} <= added_lines
+
+
+def test_p6_stream_map_puts_every_indexer_and_window_write_on_an_aux_stream(dump):
+    for g in dump.graphs:
+        nodes = dump.nodes(g)
+        by_target = {}
+        for n in nodes:
+            by_target.setdefault(n.target, []).append(n)
+        # 3 Full layers + 1 Reindex layer have an indexer; all 10 layers write the window cache
+        assert len(by_target[INDEXER]) == 4 and len(by_target[WINDOW]) == 10
+        assert {n.stream for n in by_target[INDEXER]} == {"aux:select"}
+        assert {n.stream for n in by_target[INDEX_K]} == {"aux:select"}
+        assert {n.stream for n in by_target[WINDOW]} == {"aux:window"}
+        assert set(dump.nodes_on_stream("aux:select", g)) >= {n.name for n in by_target[INDEXER]}
+        # ... already so right after P6 (the stage text carries the same labels)
+        after_p6 = {n.name: n.stream for n in dump.stage_nodes("P6", g)}
+        assert all(after_p6[n.name] == "aux:select" for n in by_target[INDEXER])
+        assert all(after_p6[n.name] == "aux:window" for n in by_target[WINDOW])
+        # each one sits in a fork/join region whose join the main stream waits for
+        chains = {c.tag: c for c in dump.event_chains(g)}
+        for n in by_target[INDEXER] + by_target[WINDOW]:
+            c = chains[n.side_tag]
+            assert n.name in c.nodes and c.stream == n.stream
+            assert c.fork_record and c.join_record and any(s == "main" for _, s in c.join_waits)
+        # every wait follows a record of its tag; forks go main -> aux, joins come back aux -> main
+        order = {n.name: i for i, n in enumerate(nodes)}
+        for e in dump.events(g):
+            assert e["record"] is not None and order[e["record"]] < order[e["wait"]]
+            if e["tag"].startswith("fork:"):
+                assert e["record_stream"] == "main" and e["wait_stream"].startswith("aux:")
+            else:
+                assert e["record_stream"].startswith("aux:")
+        assert len([e for e in dump.events(g) if e["tag"].startswith("join:") and e["wait_stream"] == "main"]) == 15
+
+
+def test_p4_puts_every_engram_gather_before_block0s_first_mm(dump):
+    for g in dump.graphs:
+        for stage_nodes in (dump.stage_nodes("P4", g), dump.nodes(g)):   # right after P4 and final
+            gathers = [i for i, n in enumerate(stage_nodes) if n.target == GATHER]
+            first_mm = min(i for i, n in enumerate(stage_nodes) if n.target == "aten.mm.default"
+                           and n.module.startswith("layers.0."))
+            assert len(gathers) == 2 and max(gathers) < first_mm
+            assert {stage_nodes[i].stream for i in gathers} == {"aux:engram"}
+        # before P4 they came later than block 0's first mm
+        before = dump.stage_nodes("P4.before", g)
+        first_mm = min(i for i, n in enumerate(before) if n.target == "aten.mm.default"
+                       and n.module.startswith("layers.0."))
+        assert min(i for i, n in enumerate(before) if n.target == GATHER) > first_mm
+
+
+def test_two_dumps_of_the_same_graph_are_byte_identical(dumps):
+    a, b = dumps
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b and len(files_a) == 1 + 2 * (12 + 3)
+    compared = 0
+    for rel in files_a:
+        if rel.name == "timings.json":      # the only file with times in it
+            continue
+        data = (a / rel).read_bytes()
+        assert data == (b / rel).read_bytes(), f"{rel} differs"
+        assert not re.search(rb"0x[0-9a-f]{6,}", data), f"{rel} holds an object address"
+        compared += 1
+    assert compared == 1 + 2 * 14
+    assert all("seconds" not in r for r in json.loads((a / "graph1" / "passes.json").read_text()))
+
+
+# ---------------------------------------------------------------------------- CLI and pictures
+def test_cli_inspect_end_to_end(dumps, capsys):
+    a = str(dumps[0])
+    assert cli.main(["inspect", a, "--summary"]) == 0
+    out = capsys.readouterr().out
+    for g in (0, 1):
+        assert f"## graph {g}" in out
+    for name in resolve_passes():
+        assert re.search(rf"^\| \d \| {name} \| \d+ \|", out, re.M), name
+    assert re.search(r"^\| 1 \| fuse_wkv_rmsnorm \| 24 \|", out, re.M)
+
+    assert cli.main(["inspect", a, "--graph", "1", "--diff", "P4.before", "P4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--- graph1/hoist_engram.before\n+++ graph1/hoist_engram\n")
+    assert re.search(r"^\+\[\s*aux:engram\] engram_gather ", out, re.M)
+
+    assert cli.main(["inspect", a, "--graph", "1", "--streams", "--fused", "--pass", "P1"]) == 0
+    out = capsys.readouterr().out
+    for s in ("main", "aux:engram", "aux:select", "aux:window"):
+        assert re.search(rf"^  {s}\s+\d+ nodes", out, re.M), s
+    assert "fork:select.6" in out and "join:window.9" in out
+    assert len(re.findall(r"^  fused fused_wkv_rmsnorm_default\S* = ", out, re.M)) == 24
+
+    assert cli.main(["inspect", a, "--graph", "1", "--stage", "final"]) == 0
+    assert capsys.readouterr().out == (dumps[0] / "graph1" / "05_stream_check.after.txt").read_text()
+    assert cli.main(["inspect", a]) == 0                     # no option: the summary
+    assert capsys.readouterr().out.startswith("# v41graph dump")
+
+
+def test_cli_timeline_writes_a_png_with_one_lane_per_stream(dumps, tmp_path, capsys):
+    mpl_image = pytest.importorskip("matplotlib.image")
+    png = tmp_path / "timeline.png"
+    assert cli.main(["inspect", str(dumps[0]), "--graph", "1", "--timeline", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "4 lanes: main, aux:engram, aux:select, aux:window" in out
+    img = mpl_image.imread(str(png))
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > img.shape[0] and img.std() > 0
+    one = tmp_path / "layer6.png"
+    assert cli.main(["inspect", str(dumps[0]), "--graph", "1", "--timeline", str(one), "--layer", "6"]) == 0
+    assert "3 lanes: main, aux:select, aux:window" in capsys.readouterr().out
+    assert mpl_image.imread(str(one)).shape[0] < img.shape[0]      # fewer lanes, a lower picture
+
+
+def test_timeline_lanes_whole_graph_and_one_layer(dump, tmp_path):
+    mpl_image = pytest.importorskip("matplotlib.image")
+    plan = v41graph.build_layer_plan(v41graph.V41Config.tiny())
+    # independent of the stream map: the labels on the final stage's text lines
+    final_streams = {n.stream for n in dump.stage_nodes("final", 1) if n.op == "call_function"}
+    whole = draw_timeline(dump, tmp_path / "all.png", graph=1)
+    assert set(whole["lanes"]) == final_streams == {"main", "aux:engram", "aux:select", "aux:window"}
+    assert whole["lanes"][0] == "main" and whole["arrows"] == len(dump.events(1)) == 31
+    for layer in (0, 6):
+        info = draw_timeline(dump, tmp_path / f"layer{layer}.png", graph=1, layer=layer)
+        # a layer with an indexer (Full ratio-1 layer 6) uses the select stream; a window-only
+        # layer only the window stream; both write the window cache on the side
+        expected = {"main", "aux:window"} | ({"aux:select"} if plan[layer].mode == "full" else set())
+        assert set(info["lanes"]) == expected and len(info["lanes"]) == (3 if layer == 6 else 2)
+        assert 0 < info["nodes"] < whole["nodes"] and info["arrows"] >= 2
+        img = mpl_image.imread(info["path"])
+        assert img.ndim == 3 and img.std() > 0
+    dot = to_dot(dump, graph=1, layer=0)
+    assert dot.startswith("digraph") and 'label="aux:window"' in dot and "style=dashed" in dot
+
+
+def test_svg_needs_pydot(dump, tmp_path):
+    try:
+        import pydot  # noqa: F401
+    except ImportError:
+        with pytest.raises(MissingDependency, match="pydot"):
+            from v41graph.inspect import write_svg
+            write_svg(dump, tmp_path / "g.svg", graph=1, layer=0)
+        return
+    if shutil.which("dot") is None:
+        pytest.skip("Graphviz dot not installed")
+    from v41graph.inspect import write_svg
+    assert Path(write_svg(dump, tmp_path / "g.svg", graph=1, layer=0)).read_text().lstrip().startswith("<")
+
+
+def test_missing_matplotlib_is_a_clear_error(dump, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingDependency, match=r"needs matplotlib.*pip install"):
+        draw_timeline(dump, tmp_path / "x.png", graph=1)
+
+
+def test_cli_help_explains_every_option(capsys):
+    expected = {"dump": {"--config", "--out", "--disable", "--seed", "--prompt-len"},
+                "inspect": {"--graph", "--pass", "--diff", "--stage", "--streams", "--summary", "--fused",
+                            "--timeline", "--layer", "--dot", "--svg"}}
+    sub = next(a for a in cli._parser()._actions if a.dest == "command")
+    for command, options in expected.items():
+        actions = {o: a for a in sub.choices[command]._actions for o in a.option_strings}
+        assert options <= set(actions)
+        for opt in options:
+            assert actions[opt].help and len(actions[opt].help) > 15, opt
+        with pytest.raises(SystemExit) as e:
+            cli.main([command, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        for opt in options:
+            assert opt in out
+            # argparse puts the explanation right after the option (same or next line)
+            first_words = actions[opt].help.split()[:2]
+            assert " ".join(first_words) in " ".join(out.split()), opt
+
+
+def test_console_script_runs_inspect(dumps):
+    """The `v41graph` console script (or `python -m v41graph.cli` where it is not installed)."""
+    script = shutil.which("v41graph")
+    cmd = [script] if script else [sys.executable, "-m", "v41graph.cli"]
+    r = subprocess.run(cmd + ["inspect", str(dumps[0]), "--graph", "1", "--fused"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert len(re.findall(r"^  fused_wkv_rmsnorm_default\S* = ", r.stdout, re.M)) == 24
+
+
+def test_cli_dump_rejects_an_unknown_pass(tmp_path, capsys):
+    assert cli.main(["dump", "--out", str(tmp_path / "d"), "--disable", "P9"]) == 1
+    assert "unknown pass 'P9'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- bad dumps
+def test_missing_or_corrupt_dump_is_a_clear_error(dumps, tmp_path, capsys):
+    with pytest.raises(DumpError, match="no such dump directory"):
+        load_dump(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DumpError, match="not a v41graph dump"):
+        load_dump(tmp_path / "empty")
+
+    def copy(name):
+        dst = tmp_path / name
+        shutil.copytree(dumps[0], dst)
+        return dst
+
+    d = copy("bad_json")
+    p = d / "graph1" / "passes.json"
+    p.write_text(p.read_text()[:200])
+    with pytest.raises(DumpError, match=re.escape(str(p)) + r": not valid JSON"):
+        load_dump(d)
+    assert cli.main(["inspect", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert str(p) in err and "not valid JSON" in err
+
+    d = copy("no_stage")
+    f = d / "graph0" / "03_hoist_engram.after.txt"
+    f.unlink()
+    with pytest.raises(DumpError, match=re.escape(str(f)) + ": missing"):
+        load_dump(d)
+
+    d = copy("no_passes")
+    (d / "graph0" / "passes.json").unlink()
+    with pytest.raises(DumpError, match=r"passes.json: missing; the last stage written is"):
+        load_dump(d)
+
+    d = copy("bad_streams")
+    (d / "graph1" / "streams.json").write_text(json.dumps({"nodes": []}))
+    with pytest.raises(DumpError, match=r"graph1/streams.json: expected an object with keys"):
+        load_dump(d)
+
+    d = copy("bad_record")
+    p = d / "graph0" / "passes.json"
+    records = json.loads(p.read_text())
+    del records[2]["matched_count"]
+    p.write_text(json.dumps(records))
+    with pytest.raises(DumpError, match=r"record 2 \(defunctionalize\) lacks matched_count"):
+        load_dump(d)
+
+    d = copy("bad_stage_line")
+    f = d / "graph0" / "01_fuse_wkv_rmsnorm.after.txt"
+    f.write_text(f.read_text() + "garbage\n")
+    dd = load_dump(d)
+    with pytest.raises(DumpError, match=re.escape(str(f)) + r":\d+: cannot parse"):
+        dd.stage_nodes("P1", 0)
+    with pytest.raises(ValueError, match="unknown stage 'P7'"):
+        dd.stage("P7", 0)
+    with pytest.raises(ValueError, match="no graph 5"):
+        dd.passes(5)
+
+
+# ---------------------------------------------------------------------------- writer details, torch tools
+def _small_graph():
+    def f(x, w):
+        return torch.relu(x @ w) + 1
+    return fx.symbolic_trace(f)
+
+
+def test_redump_with_fewer_passes_leaves_no_stale_stage_files(tmp_path):
+    PassManager(dump_dir=tmp_path)(_small_graph())
+    assert (tmp_path / "graph0" / "01_fuse_wkv_rmsnorm.after.txt").exists()
+    PassManager(disable=["P1", "P4", "P6"], dump_dir=tmp_path)(_small_graph())
+    names = sorted(p.name for p in (tmp_path / "graph0").glob("*.txt"))
+    assert not any("fuse_wkv_rmsnorm" in n or "dual_stream" in n for n in names)
+    d = load_dump(tmp_path)
+    assert d.stages(0) == ["input", "cleanup", "defunctionalize", "stream_check"]
+    assert d.streams(0) == ["main"] and d.event_chains(0) == []
+
+
+def test_passes_reach_torch_logging_and_structured_trace():
+    import logging
+
+    import torch._logging._internal as internal
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    logged, traced = Keep(), Keep()
+    torch._logging.set_logs(modules={ARTIFACT: True})
+    artifact_log = logging.getLogger(f"v41graph.passes.pass_manager.__{ARTIFACT}")
+    artifact_log.addHandler(logged)
+    internal.trace_log.handlers.insert(0, traced)   # first: the lazy handler may remove itself
+    try:
+        PassManager()(_small_graph())
+    finally:
+        internal.trace_log.removeHandler(traced)
+        artifact_log.removeHandler(logged)
+        torch._logging.set_logs()
+    text = [r.getMessage() for r in logged.records]
+    n = len(resolve_passes())
+    assert len(text) == 2 * n
+    assert "===== v41graph graph0 00_cleanup before =====" in text[0] and "def forward" in text[0]
+    meta = [r.metadata for r in traced.records]
+    dumps_ = [m["graph_dump"]["name"] for m in meta if "graph_dump" in m]
+    artifacts = [m["artifact"]["name"] for m in meta if "artifact" in m]
+    assert len(dumps_) == 2 * n and dumps_[0] == "v41graph_graph0_00_cleanup_before"
+    assert artifacts[-1] == "v41graph_graph0_streams" and len(artifacts) == n + 1
+    cleanup = next(r for r in traced.records if r.metadata.get("artifact", {}).get("name") == "v41graph_graph0_00_cleanup")
+    record = json.loads(cleanup.payload)
+    assert record["pass"] == "cleanup" and record["num_nodes_before"] == 6   # x, w, matmul, relu, add, output

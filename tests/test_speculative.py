@@ -1,0 +1,205 @@
+"""DSpark speculative decoding in the engine (v41graph.speculative) on tiny() (fp32, dense, CPU).
+
+Greedy equality with the plain engine relies on the verify chunks' logits agreeing with the
+one-token decodes' to ~1e-5 (see test_engine.py / test_model_consistency.py); the prompts
+below have no near-tie. Drafts come from
+  * a random-weight DSpark head (almost every draft rejected: rollback on nearly every step),
+  * a zero-weight head (forced rejection),
+  * an "oracle" that proposes the plain engine's own continuation with some drafts corrupted
+    (partial acceptance: accepted prefixes, rejected suffixes, full acceptance + bonus).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v41graph.dspark import DSparkHead
+from v41graph.engine import Engine
+from v41graph.sampling import SamplingParams
+from v41graph.speculative import SpecConfig, init_random_dspark_
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+BLOCK = 16
+MAX_SEQ = 96
+N_NEW = 20
+
+
+def _prompts(lengths, seed=1, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# lengths cross the window (8) and ratio-2 group boundaries (odd and even), incl. a 1-token prompt
+PROMPTS = _prompts([5, 13, 40, 3, 21, 1])
+
+
+def _engine(model, **kw):
+    kw.setdefault("max_num_batched_tokens", 40)
+    kw.setdefault("prefill_chunk_size", 16)
+    return Engine(model, kw.pop("max_batch_size", 4), MAX_SEQ, block_size=BLOCK, **kw)
+
+
+@pytest.fixture(scope="module")
+def head(tiny_model):
+    return init_random_dspark_(DSparkHead(tiny_model.config), seed=1).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    outs = _engine(tiny_model).generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    return [o.token_ids for o in outs]
+
+
+def _all_free(eng):
+    return eng.num_free_blocks == eng.num_blocks and len(eng.free_slots) == eng.max_batch_size
+
+
+def _oracle(eng, prompts, refs, k=5):
+    """Draft function proposing the reference continuation, corrupting one draft on 2 of 3
+    calls (so accepted prefixes of every length and full acceptance all occur)."""
+    full = {tuple(p): p + r for p, r in zip(prompts, refs)}
+    calls = [0]
+
+    def draft(req, anchor, pos):
+        seq = full[tuple(req.prompt)]
+        d = list(seq[pos + 1: pos + 1 + k])
+        d += [0] * (k - len(d))
+        calls[0] += 1
+        if calls[0] % 3:
+            j = calls[0] % k
+            d[j] = (d[j] + 1) % eng.config.vocab_size
+        return d, None, torch.zeros(k)
+    return draft
+
+
+# =============================================================================== greedy equality
+def test_greedy_identical_random_head(tiny_model, head, reference):
+    eng = _engine(tiny_model, speculative=SpecConfig(num_draft=5), draft_head=head)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference
+    assert eng.stats["spec_rejections"] > 0 and eng.stats["spec_verifies"] > 0
+    assert _all_free(eng)
+
+
+def test_greedy_identical_zero_head_forced_rejection(tiny_model, reference):
+    zero = DSparkHead(tiny_model.config).eval()
+    with torch.no_grad():
+        for p in zero.parameters():
+            p.zero_()
+    eng = _engine(tiny_model, speculative=SpecConfig(num_draft=4), draft_head=zero)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference
+    assert eng.stats["spec_rejections"] > 0
+    assert _all_free(eng)
+
+
+def test_greedy_identical_partial_acceptance(tiny_model, head, reference):
+    eng = _engine(tiny_model, speculative=SpecConfig(num_draft=5), draft_head=head)
+    eng.spec.draft_fn = _oracle(eng, PROMPTS, reference)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference
+    s = eng.stats
+    assert s["spec_rejections"] > 0 and s["spec_accepted"] > s["spec_verifies"]
+    assert s["spec_rejections"] < s["spec_verifies"]            # some fully accepted (+ bonus)
+    assert eng.spec.acceptance_length > 2.0
+    assert _all_free(eng)
+
+
+def test_rollback_is_needed(tiny_model, head, reference):
+    """Sanity check of the tests above: without the rollback, outputs change."""
+    eng = _engine(tiny_model, speculative=SpecConfig(num_draft=5), draft_head=head)
+    eng.spec.draft_fn = _oracle(eng, PROMPTS, reference)
+    eng.spec.rollback = False
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] != reference
+
+
+def test_confidence_schedule_and_budget(tiny_model, head, reference):
+    # a tight budget: 4 decodes x (1 + 5) > 12, so verify lengths are cut by the scheduler
+    eng = _engine(tiny_model, max_num_batched_tokens=12, prefill_chunk_size=8,
+                  speculative=SpecConfig(num_draft=5, schedule="confidence", token_cost=0.0),
+                  draft_head=head)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference
+    assert _all_free(eng)
+
+
+def test_stop_ids_with_speculation(tiny_model, head, reference):
+    ref = reference[2]
+    stop = ref[6]
+    eng = _engine(tiny_model, speculative=SpecConfig(num_draft=5), draft_head=head)
+    eng.spec.draft_fn = _oracle(eng, PROMPTS, reference)
+    out = eng.generate([PROMPTS[2]], SamplingParams(max_tokens=N_NEW, stop_ids=(stop,)))[0]
+    assert out.token_ids == ref[: ref.index(stop) + 1] and out.finish_reason == "stop"
+    assert _all_free(eng)
+
+
+# =============================================================================== cache state
+def _slot_state(eng, slot):
+    c = eng.caches
+    return ([t[slot].clone() for t in c.window_kv], [t[slot].clone() for t in c.window_scale],
+            {l: t[slot].clone() for l, t in c.compressor_state.items()},
+            c.engram_history[slot].clone())
+
+
+def test_caches_match_plain_engine_after_every_step(tiny_model, head, reference):
+    """For one request, after every speculative step the window rings, compressor rings and
+    Engram history of its slot equal the plain engine's at the same cached length."""
+    prompt, ref = PROMPTS[4], reference[4]
+    plain = _engine(tiny_model, max_batch_size=1)
+    rid = plain.add_request(prompt, SamplingParams(max_tokens=N_NEW))
+    states = {}
+    while plain.has_unfinished():
+        req = plain.requests[rid]
+        plain.step()
+        if req.status == "running":
+            states[req.num_cached] = _slot_state(plain, req.slot)
+    spec = _engine(tiny_model, max_batch_size=1, speculative=SpecConfig(num_draft=5), draft_head=head)
+    spec.spec.draft_fn = _oracle(spec, [prompt], [ref])
+    rid = spec.add_request(prompt, SamplingParams(max_tokens=N_NEW))
+    compared = 0
+    while spec.has_unfinished():
+        req = spec.requests[rid]
+        spec.step()
+        if req.status != "running" or req.num_cached not in states:
+            continue
+        wkv, wsc, comp, hist = _slot_state(spec, req.slot)
+        rkv, rsc, rcomp, rhist = states[req.num_cached]
+        assert torch.equal(hist, rhist)
+        for a, b in zip(wkv + wsc, rkv + rsc):
+            assert (a != b).float().mean() < 0.01          # fp8 bytes: rounding flips only
+        for l in comp:
+            torch.testing.assert_close(comp[l], rcomp[l], atol=1e-4, rtol=1e-4)
+        compared += 1
+    assert spec.output(rid).token_ids == ref
+    assert compared >= 3 and spec.stats["spec_rejections"] > 0
+
+
+# =============================================================================== sampling
+def test_sampling_reproducible(tiny_model, head):
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=N_NEW, seed=s) for s in range(4)]
+
+    def run():
+        eng = _engine(tiny_model, speculative=SpecConfig(num_draft=5), draft_head=head)
+        outs = [o.token_ids for o in eng.generate(PROMPTS[:4], params)]
+        assert _all_free(eng)
+        return outs
+    a, b = run(), run()
+    assert a == b and all(len(o) == N_NEW for o in a)
+
+
+def test_sampling_batched_equals_alone(tiny_model, head):
+    params = [SamplingParams(temperature=1.0, max_tokens=12, seed=10 + s) for s in range(3)]
+    kw = dict(speculative=SpecConfig(num_draft=3), draft_head=head)
+    batched = [o.token_ids for o in _engine(tiny_model, **kw).generate(PROMPTS[:3], params)]
+    alone = [_engine(tiny_model, max_batch_size=1, **kw).generate([p], [sp])[0].token_ids
+             for p, sp in zip(PROMPTS[:3], params)]
+    assert batched == alone
+
+
+def test_bad_config(tiny_model, head):
+    with pytest.raises(ValueError):
+        _engine(tiny_model, speculative=SpecConfig(num_draft=8), draft_head=head)   # > W - 1, > block
+    with pytest.raises(ValueError):
+        _engine(tiny_model, speculative=SpecConfig(num_draft=2))                     # no head

@@ -1,0 +1,173 @@
+"""The `v41graph` command line: compile-and-dump, and inspect a dump.
+
+    v41graph dump --config tiny --out DIR [--disable P1 ...]
+    v41graph inspect DIR [--graph N] [--summary] [--pass NAME] [--diff A B] [--stage S]
+                         [--streams] [--fused] [--timeline OUT.png [--layer N]] [--dot OUT.dot] [--svg OUT.svg]
+
+Also runs as `python -m v41graph.cli ...`. Run `v41graph <command> --help` for every option.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = ("tiny",)
+
+STAGE_HELP = ("A stage is an index into the graph's stage list (0 = input, k = after the k-th pass), "
+              "'input', 'final', a pass name or alias P1/P4/P6 (the graph after that pass) or "
+              "'<pass>.before'.")
+
+
+def _progress(msg: str) -> None:
+    print(f"[v41graph] {msg}", file=sys.stderr, flush=True)
+
+
+def run_dump(out, config: str = "tiny", disable=(), seed: int = 0, prompt_len: int = 12,
+             progress=_progress):
+    """Build `config` with random weights, compile it with dump_dir=out, run one prefill (graph
+    0) and one decode step (graph 1) so both graphs are dumped. Returns the compiled model."""
+    import torch
+
+    from .compiler import compile as v41compile
+    from .config import V41Config
+    from .model import V41Model, init_random_
+    from .session import Session
+
+    if config not in CONFIGS:
+        raise ValueError(f"unknown config {config!r}; choices: {', '.join(CONFIGS)}")
+    cfg = getattr(V41Config, config)()
+    torch.manual_seed(seed)
+    model = init_random_(V41Model(cfg), seed=seed).eval().requires_grad_(False)
+    compiled = v41compile(model, backend="cpu", disable=tuple(disable), batch_sizes=(1,), dump_dir=str(out))
+    session = Session(compiled, max_batch_size=1, max_seq_len=prompt_len + 2, block_size=16)
+    prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    t0 = time.perf_counter()
+    progress(f"compiling and running the prefill graph (graph0, {prompt_len} tokens)...")
+    logits = session.prefill(prompt)
+    progress(f"  done in {time.perf_counter() - t0:.1f} s; compiling and running one decode step (graph1)...")
+    t0 = time.perf_counter()
+    session.decode(logits.argmax(-1, keepdim=True))
+    progress(f"  done in {time.perf_counter() - t0:.1f} s; dump written to {out}")
+    return compiled
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="v41graph", description="v41graph: compile DeepSeek-V4.1 with "
+                                 "graph dumps, and inspect what every pass did.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{dump,inspect}")
+
+    d = sub.add_parser("dump", help="build a model with random weights, compile it and write a dump",
+                       description="Build the model with random weights, compile it with every pass "
+                       "(minus --disable) and dump_dir=OUT, and run one prefill and one decode step, so "
+                       "OUT/graph0 (prefill) and OUT/graph1 (decode) are written. CPU; ~1 min for tiny.")
+    d.add_argument("--config", default="tiny", choices=CONFIGS, help="model size (default: tiny)")
+    d.add_argument("--out", required=True, metavar="DIR", help="dump directory to write (created if needed)")
+    d.add_argument("--disable", nargs="+", default=[], metavar="PASS",
+                   help="passes to switch off, by name or alias (P1, P4, P6), e.g. --disable P1 P6")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt (default 0)")
+    d.add_argument("--prompt-len", type=int, default=12, help="prefill prompt length (default 12)")
+
+    i = sub.add_parser("inspect", help="read a dump: summary, per-pass changes, diffs, streams, pictures",
+                       description="Read a dump directory. Without options prints the per-pass summary. "
+                       "Options combine; their outputs print in the order listed here. " + STAGE_HELP,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    i.add_argument("dir", metavar="DIR", help="dump directory (from `v41graph dump` or compile(dump_dir=))")
+    i.add_argument("--graph", type=int, default=0, metavar="N",
+                   help="which compiled graph (graph<N>/; with `v41graph dump`, 0 = prefill, 1 = decode)")
+    i.add_argument("--summary", action="store_true",
+                   help="Markdown table per graph: matched count, node counts, added/removed/moved nodes, "
+                        "fused ops and time of every pass")
+    i.add_argument("--pass", dest="pass_name", metavar="NAME",
+                   help="one pass (name or P1/P4/P6): its record (matched count, nodes added, removed, moved "
+                        "to side streams, fused ops) and the diff of the graph before and after it")
+    i.add_argument("--diff", nargs=2, metavar=("A", "B"), help="unified diff between stages A and B")
+    i.add_argument("--stage", metavar="S", help="print the readable graph of stage S")
+    i.add_argument("--streams", action="store_true",
+                   help="final graph's streams: nodes per stream, fork/join regions, event record -> wait pairs")
+    i.add_argument("--fused", action="store_true", help="every fused op and the node names it replaced")
+    i.add_argument("--timeline", metavar="OUT.png",
+                   help="draw the stream timeline (one lane per stream, nodes in execution order, event "
+                        "arrows record -> wait) as a PNG; needs matplotlib (pip install 'v41graph[viz]')")
+    i.add_argument("--layer", type=int, metavar="N",
+                   help="restrict --timeline / --dot / --svg to block N (module path layers.N) and its side regions")
+    i.add_argument("--dot", metavar="OUT.dot", help="write Graphviz DOT text of the final graph (no extra packages)")
+    i.add_argument("--svg", metavar="OUT.svg", help="render the Graphviz picture as SVG (needs pydot and Graphviz)")
+    return ap
+
+
+def _inspect(args) -> int:
+    from .inspect import load_dump, to_dot, write_svg
+
+    dump = load_dump(args.dir)
+    g = args.graph
+    dump.passes(g)                      # a clear error for a bad --graph
+    shown = False
+    if args.summary:
+        print(dump.summary_markdown())
+        shown = True
+    if args.pass_name:
+        r = dump.pass_record(args.pass_name, g)
+        nb, na = r.get("num_nodes_before", "?"), r.get("num_nodes_after", "?")
+        print(f"graph {g} pass {r['index']} {r['pass']} (uuid {r.get('uuid', '?')}): matched {r['matched_count']}, "
+              f"{nb} -> {na} nodes")
+        print(f"  added ({len(r.get('added', []))}): {', '.join(r.get('added', []))}")
+        print(f"  removed ({len(r.get('removed', []))}): {', '.join(r.get('removed', []))}")
+        for s, names in r.get("moved_to_stream", {}).items():
+            print(f"  moved to {s} ({len(names)}): {', '.join(names)}")
+        for f in r.get("fused", []):
+            print(f"  fused {f['node']} = {f['target']} replaced {len(f['replaced'])}: {', '.join(f['replaced'])}")
+        print(dump.diff(f"{r['pass']}.before", r["pass"], g) or "  (graph text unchanged)")
+        shown = True
+    if args.diff:
+        print(dump.diff(args.diff[0], args.diff[1], g) or f"stages {args.diff[0]} and {args.diff[1]} are identical")
+        shown = True
+    if args.stage is not None:
+        print(dump.stage(args.stage, g), end="")
+        shown = True
+    if args.streams:
+        print(dump.streams_report(g), end="")
+        shown = True
+    if args.fused:
+        print(dump.fused_report(g), end="")
+        shown = True
+    if args.timeline:
+        info = dump.timeline(args.timeline, graph=g, layer=args.layer)
+        print(f"timeline: {info['path']} ({info['nodes']} nodes, {len(info['lanes'])} lanes: "
+              f"{', '.join(info['lanes'])}; {info['arrows']} event arrows)")
+        shown = True
+    if args.dot:
+        Path(args.dot).write_text(to_dot(dump, g, args.layer))
+        print(f"dot: {args.dot}")
+        shown = True
+    if args.svg:
+        print(f"svg: {write_svg(dump, args.svg, g, args.layer)}")
+        shown = True
+    if not shown:
+        print(dump.summary_markdown())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .inspect import DumpError, MissingDependency
+
+    try:
+        if args.command == "dump":
+            import torch
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)    # the tiny model's ops are far too small to gain from threads
+            try:
+                run_dump(args.out, args.config, args.disable, args.seed, args.prompt_len)
+            finally:
+                torch.set_num_threads(threads)
+            return 0
+        return _inspect(args)
+    except (DumpError, MissingDependency, ValueError) as e:
+        print(f"v41graph {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

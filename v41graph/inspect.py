@@ -1,0 +1,514 @@
+"""Read a v41graph dump directory back and ask it questions (reads files only; runs no model).
+
+    from v41graph.inspect import load_dump
+    d = load_dump("dump/")                  # written by v41graph.compile(model, dump_dir="dump/")
+    d.graphs                                # [0, 1]: prefill and decode graph
+    d.passes(graph=1)                       # one record per pass (matched_count, node counts...)
+    d.stages(graph=1)                       # ["input", "cleanup", "fuse_wkv_rmsnorm", ...]
+    print(d.stage("P1", graph=1))           # the graph after P1, one line per node
+    print(d.diff("input", "final", graph=1))
+    d.nodes_on_stream("aux:select", graph=1)
+    d.event_chains(graph=1)                 # fork -> join regions with the nodes in between
+    d.fused_ops(graph=1)                    # each fused node and the nodes it replaced
+    print(d.summary_markdown())             # per-pass table of every graph
+    d.timeline("t.png", graph=1, layer=6)   # stream timeline (needs matplotlib)
+
+The dump layout is described in `v41graph/passes/pass_manager.py`. A missing or damaged dump
+raises `DumpError` naming the file and what is wrong with it.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["DumpError", "MissingDependency", "Dump", "NodeInfo", "EventChain", "FusedOp",
+           "load_dump", "draw_timeline", "to_dot", "write_svg"]
+
+ALIASES = {"P1": "fuse_wkv_rmsnorm", "P4": "hoist_engram", "P6": "dual_stream"}
+STREAM_OPS = {f"v41graph.{op}.default" for op in
+              ("stream_enter", "stream_exit", "event_record", "event_wait", "mark_stream_use")}
+_GRAPH_DIR = re.compile(r"^graph(\d+)$")
+_LINE = re.compile(r"^\[\s*(?P<stream>[^\]]*)\] (?P<name>\S+) (?P<shape>.*?) = "
+                   r"(?P<op>placeholder|call_function|call_method|call_module|get_attr|output):"
+                   r"(?P<call>.*?)(?:  # (?P<module>\S+))?$")
+_REQUIRED_RECORD_KEYS = ("pass", "matched_count", "nodes_before", "nodes_after")
+_REQUIRED_STREAM_KEYS = ("streams", "nodes", "events", "regions")
+
+
+class DumpError(Exception):
+    """A dump directory is missing, incomplete or damaged; the message names the file."""
+
+
+class MissingDependency(ImportError):
+    """An optional package (matplotlib, pydot) is needed for a picture."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    op: str
+    target: str
+    stream: str
+    module: str = ""
+    side_tag: str = ""
+    event: str = ""        # the tag of an event_record / event_wait
+    shape: str = ""
+    args: str = ""
+
+    @property
+    def is_stream_op(self) -> bool:
+        return self.target in STREAM_OPS
+
+
+@dataclass(frozen=True)
+class EventChain:
+    """One fork/join region: side work on `stream` between event `fork:<tag>` and `join:<tag>`."""
+    tag: str
+    stream: str
+    fork_record: str                 # event_record("fork:T") on the main stream
+    join_record: str                 # event_record("join:T") at the end of the side work
+    join_waits: tuple                # ((node, stream), ...): who waits for the side work
+    nodes: tuple                     # the side work itself (no stream / event ops)
+    ops: tuple                       # every node of the region, stream and event ops included
+    overlap_count: int               # main-stream compute nodes between the region and its join
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    graph: int
+    pass_name: str
+    node: str
+    target: str
+    kind: str
+    replaced: tuple = field(default_factory=tuple)
+
+
+def _read_json(path: Path):
+    if not path.is_file():
+        raise DumpError(f"{path}: missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DumpError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                        f"the dump is damaged, write it again") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DumpError(f"{path}: cannot be read ({e})") from None
+
+
+def load_dump(path) -> "Dump":
+    """Open a dump directory; raises DumpError if it is missing or damaged."""
+    return Dump(path)
+
+
+class Dump:
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise DumpError(f"{self.path}: no such dump directory (write one with "
+                            f"v41graph.compile(model, dump_dir=...) or `v41graph dump --out DIR`)")
+        if not self.path.is_dir():
+            raise DumpError(f"{self.path}: not a directory; a dump is a directory of graph<N>/ folders")
+        self.manifest = None
+        manifest = self.path / "manifest.json"
+        if manifest.exists():
+            self.manifest = _read_json(manifest)
+            if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("graphs"), list):
+                raise DumpError(f"{manifest}: expected an object with a 'graphs' list")
+            names = self.manifest["graphs"]
+        else:
+            names = sorted((p.name for p in self.path.iterdir() if p.is_dir() and _GRAPH_DIR.match(p.name)),
+                           key=lambda s: int(s[5:]))
+        if not names:
+            raise DumpError(f"{self.path}: no graph<N>/ folders and no manifest.json: not a v41graph dump")
+        self._dirs: dict[int, Path] = {}
+        for name in names:
+            m = _GRAPH_DIR.match(str(name))
+            if not m:
+                raise DumpError(f"{manifest}: bad graph folder name {name!r}")
+            d = self.path / name
+            if not d.is_dir():
+                raise DumpError(f"{d}: missing (listed in {manifest})")
+            self._dirs[int(m.group(1))] = d
+        self.graphs: list[int] = sorted(self._dirs)
+        self._records = {g: self._load_records(g) for g in self.graphs}
+        self._streams = {g: self._load_streams(g) for g in self.graphs}
+        self._texts: dict = {}
+        self._nodes: dict = {}
+
+    # ------------------------------------------------------------------ loading
+    def _graph(self, graph: int) -> int:
+        if graph not in self._dirs:
+            raise ValueError(f"no graph {graph} in {self.path}; graphs: {self.graphs}")
+        return graph
+
+    def _load_records(self, g: int) -> list[dict]:
+        d = self._dirs[g]
+        path = d / "passes.json"
+        if not path.is_file():
+            stages = sorted(p.name for p in d.glob("*.txt"))
+            hint = f"; the last stage written is {stages[-1]} (did the compile fail in that pass?)" if stages else ""
+            raise DumpError(f"{path}: missing{hint}")
+        records = _read_json(path)
+        if not isinstance(records, list) or not records:
+            raise DumpError(f"{path}: expected a non-empty list of pass records")
+        for i, r in enumerate(records):
+            if not isinstance(r, dict):
+                raise DumpError(f"{path}: record {i} is not an object")
+            missing = [k for k in _REQUIRED_RECORD_KEYS if k not in r]
+            if missing:
+                raise DumpError(f"{path}: record {i} ({r.get('pass', '?')}) lacks {', '.join(missing)}")
+            r.setdefault("index", i)
+            for when in ("before", "after"):
+                f = d / f"{r['index']:02d}_{r['pass']}.{when}.txt"
+                if not f.is_file():
+                    raise DumpError(f"{f}: missing (passes.json lists pass {r['pass']!r} at index {r['index']})")
+        return records
+
+    def _load_streams(self, g: int) -> dict:
+        path = self._dirs[g] / "streams.json"
+        data = _read_json(path)
+        if not isinstance(data, dict) or any(k not in data for k in _REQUIRED_STREAM_KEYS):
+            raise DumpError(f"{path}: expected an object with keys {', '.join(_REQUIRED_STREAM_KEYS)}")
+        for i, n in enumerate(data["nodes"]):
+            if not isinstance(n, dict) or "name" not in n or "stream" not in n:
+                raise DumpError(f"{path}: node entry {i} lacks 'name' or 'stream'")
+        return data
+
+    # ------------------------------------------------------------------ passes and stages
+    def passes(self, graph: int = 0) -> list[dict]:
+        """The pass records of one graph, in order (see pass_manager.py for the keys)."""
+        return self._records[self._graph(graph)]
+
+    def pass_record(self, name: str, graph: int = 0) -> dict:
+        name = ALIASES.get(name, name)
+        for r in self.passes(graph):
+            if r["pass"] == name:
+                return r
+        raise ValueError(f"no pass {name!r} in graph {graph}; passes: "
+                         f"{', '.join(r['pass'] for r in self.passes(graph))}")
+
+    def stages(self, graph: int = 0) -> list[str]:
+        """Stage names: "input" (before the first pass), then each pass's name (its result)."""
+        return ["input"] + [r["pass"] for r in self.passes(graph)]
+
+    def _stage_file(self, stage, graph: int) -> tuple[str, Path]:
+        g = self._graph(graph)
+        records, names = self._records[g], self.stages(g)
+
+        def file(idx: int) -> tuple[str, Path]:
+            if idx == 0:
+                r = records[0]
+                return "input", self._dirs[g] / f"{r['index']:02d}_{r['pass']}.before.txt"
+            r = records[idx - 1]
+            return r["pass"], self._dirs[g] / f"{r['index']:02d}_{r['pass']}.after.txt"
+
+        if isinstance(stage, str) and re.fullmatch(r"-?\d+", stage):
+            stage = int(stage)
+        if isinstance(stage, int):
+            if not -len(names) <= stage < len(names):
+                raise ValueError(f"stage index {stage} out of range; stages: {self._stage_help(g)}")
+            return file(stage % len(names))
+        s = str(stage)
+        if s in ("input", "before"):
+            return file(0)
+        if s in ("final", "output", "after"):
+            return file(len(names) - 1)
+        m = re.fullmatch(r"(?:\d\d_)?(.+?)(?:\.(before|after))?(?:\.txt)?", s)
+        base, when = ALIASES.get(m.group(1), m.group(1)), m.group(2) or "after"
+        for i, r in enumerate(records):
+            if r["pass"] == base:
+                return (f"{base}.{when}" if when == "before" else base,
+                        self._dirs[g] / f"{r['index']:02d}_{r['pass']}.{when}.txt")
+        raise ValueError(f"unknown stage {stage!r}; stages: {self._stage_help(g)}")
+
+    def _stage_help(self, g: int) -> str:
+        return ", ".join(f"{i}={n}" for i, n in enumerate(self.stages(g))) + \
+            " (also final, <pass>.before, P1/P4/P6)"
+
+    def stage(self, name_or_index, graph: int = 0) -> str:
+        """The readable text of a stage: an index into `stages()`, "input", "final", a pass
+        name or alias (the graph after it) or "<pass>.before"."""
+        _, path = self._stage_file(name_or_index, graph)
+        if path not in self._texts:
+            try:
+                self._texts[path] = path.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise DumpError(f"{path}: cannot be read ({e})") from None
+        return self._texts[path]
+
+    def stage_nodes(self, name_or_index, graph: int = 0) -> list[NodeInfo]:
+        """A stage's nodes parsed from its text (stream label, shape, call, module path)."""
+        label, path = self._stage_file(name_or_index, graph)
+        if path in self._nodes:
+            return self._nodes[path]
+        out = []
+        for lineno, line in enumerate(self.stage(name_or_index, graph).splitlines(), 1):
+            m = _LINE.match(line)
+            if not m:
+                raise DumpError(f"{path}:{lineno}: cannot parse this line: {line[:120]!r}")
+            call = m.group("call")
+            target, _, args = call.partition("(")
+            event = ""
+            if target in ("v41graph.event_record.default", "v41graph.event_wait.default"):
+                event = args[:-1]
+            out.append(NodeInfo(name=m.group("name"), op=m.group("op"), target=target,
+                                stream=m.group("stream").strip(), module=m.group("module") or "",
+                                event=event, shape=m.group("shape"), args=args[:-1]))
+        self._nodes[path] = out
+        return out
+
+    def diff(self, a, b, graph: int = 0, context: int = 3) -> str:
+        """Unified diff between two stages (names or indices as in `stage`)."""
+        la, _ = self._stage_file(a, graph)
+        lb, _ = self._stage_file(b, graph)
+        lines = difflib.unified_diff(self.stage(a, graph).splitlines(keepends=True),
+                                     self.stage(b, graph).splitlines(keepends=True),
+                                     fromfile=f"graph{graph}/{la}", tofile=f"graph{graph}/{lb}", n=context)
+        return "".join(lines)
+
+    # ------------------------------------------------------------------ streams
+    def streams(self, graph: int = 0) -> list[str]:
+        """Stream labels of the final graph, main first."""
+        return list(self._streams[self._graph(graph)]["streams"])
+
+    def nodes(self, graph: int = 0) -> list[NodeInfo]:
+        """The final graph's nodes in execution order with their streams (from streams.json)."""
+        g = self._graph(graph)
+        key = ("streams", g)
+        if key not in self._nodes:
+            self._nodes[key] = [NodeInfo(name=n["name"], op=n.get("op", ""), target=n.get("target", ""),
+                                         stream=n["stream"], module=n.get("module", ""),
+                                         side_tag=n.get("side_tag", ""), event=n.get("event", ""))
+                                for n in self._streams[g]["nodes"]]
+        return self._nodes[key]
+
+    def nodes_on_stream(self, stream: str, graph: int = 0) -> list[str]:
+        """Names of the final graph's nodes on `stream`, in execution order."""
+        streams = self.streams(graph)
+        if stream not in streams:
+            raise ValueError(f"no stream {stream!r} in graph {graph}; streams: {', '.join(streams)}")
+        return [n.name for n in self.nodes(graph) if n.stream == stream]
+
+    def events(self, graph: int = 0) -> list[dict]:
+        """Event pairs: {tag, record, record_stream, wait, wait_stream}, one per wait."""
+        return list(self._streams[self._graph(graph)]["events"])
+
+    def event_chains(self, graph: int = 0) -> list[EventChain]:
+        """Fork/join regions in graph order, each with the side work between fork and join."""
+        by_name = {n.name: n for n in self.nodes(graph)}
+        out = []
+        for r in self._streams[self._graph(graph)]["regions"]:
+            ops = tuple(r.get("nodes", ()))
+            out.append(EventChain(
+                tag=r["tag"], stream=r.get("stream") or "", fork_record=r.get("fork_record") or "",
+                join_record=r.get("join_record") or "",
+                join_waits=tuple((w["node"], w["stream"]) for w in r.get("join_waits", ())),
+                nodes=tuple(n for n in ops if n in by_name and not by_name[n].is_stream_op),
+                ops=ops, overlap_count=int(r.get("overlap_count", 0))))
+        return out
+
+    def fused_ops(self, graph: int = 0) -> list[FusedOp]:
+        """Every fused node the passes made in this graph and the node names it replaced."""
+        return [FusedOp(graph=graph, pass_name=r["pass"], node=f["node"], target=f.get("target", ""),
+                        kind=f.get("kind", ""), replaced=tuple(f.get("replaced", ())))
+                for r in self.passes(graph) for f in r.get("fused", ())]
+
+    # ------------------------------------------------------------------ reports
+    def timings(self, graph: int = 0) -> dict:
+        path = self._dirs[self._graph(graph)] / "timings.json"
+        return _read_json(path) if path.exists() else {}
+
+    def summary_markdown(self) -> str:
+        """Per-pass Markdown table for every graph."""
+        out = [f"# v41graph dump `{self.path}`", ""]
+        if self.manifest:
+            out += [f"passes: {', '.join(self.manifest.get('passes', []))}  ", f"uuid: `{self.manifest.get('uuid', '')}`", ""]
+        for g in self.graphs:
+            t = self.timings(g)
+            streams = self._streams[g]
+            out += [f"## graph {g}", "",
+                    "| # | pass | matched | nodes before | nodes after | added | removed | moved to side streams | fused | ms |",
+                    "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+            for r in self.passes(g):
+                nb = r.get("num_nodes_before", sum(r["nodes_before"].values()))
+                na = r.get("num_nodes_after", sum(r["nodes_after"].values()))
+                moved = ", ".join(f"{k}: {len(v)}" for k, v in r.get("moved_to_stream", {}).items()) or "-"
+                ms = f"{1000 * t[r['pass']]:.0f}" if r["pass"] in t else "-"
+                out.append(f"| {r['index']} | {r['pass']} | {r['matched_count']} | {nb} | {na} | "
+                           f"{len(r.get('added', []))} | {len(r.get('removed', []))} | {moved} | "
+                           f"{len(r.get('fused', []))} | {ms} |")
+            per_stream = {s: sum(1 for n in streams["nodes"] if n["stream"] == s) for s in streams["streams"]}
+            out += ["", "streams: " + ", ".join(f"{s} ({c} nodes)" for s, c in per_stream.items()) +
+                    f"; {len(streams['events'])} event waits, {len(streams['regions'])} fork/join regions", ""]
+        return "\n".join(out)
+
+    def streams_report(self, graph: int = 0) -> str:
+        """Text report: nodes per stream, the fork/join regions and every event pair."""
+        lines = [f"graph {graph}: streams"]
+        nodes = self.nodes(graph)
+        for s in self.streams(graph):
+            on = [n for n in nodes if n.stream == s]
+            work = sum(1 for n in on if n.op == "call_function" and not n.is_stream_op)
+            lines.append(f"  {s:<12} {len(on):5d} nodes ({work} compute)")
+        lines.append("fork/join regions:")
+        for c in self.event_chains(graph):
+            waits = ", ".join(f"{n}@{s}" for n, s in c.join_waits)
+            lines.append(f"  {c.tag:<12} {c.stream:<11} fork {c.fork_record} -> {len(c.nodes)} nodes "
+                         f"({c.nodes[0] if c.nodes else '-'} .. {c.nodes[-1] if c.nodes else '-'}) -> join "
+                         f"{c.join_record} -> waits {waits}; overlaps {c.overlap_count} main nodes")
+        lines.append("events (record -> wait):")
+        for e in self.events(graph):
+            lines.append(f"  {e['tag']:<16} {e['record']}@{e['record_stream']} -> {e['wait']}@{e['wait_stream']}")
+        return "\n".join(lines) + "\n"
+
+    def fused_report(self, graph: int = 0) -> str:
+        lines = [f"graph {graph}: fused ops"]
+        for f in self.fused_ops(graph):
+            lines.append(f"  {f.node} = {f.target} [{f.pass_name}{', ' + f.kind if f.kind else ''}] "
+                         f"replaced {len(f.replaced)}: {', '.join(f.replaced)}")
+        return "\n".join(lines) + "\n"
+
+    # ------------------------------------------------------------------ pictures
+    def layer_nodes(self, layer: int, graph: int = 0) -> list[NodeInfo]:
+        """The final graph's nodes of block `layer` (module path layers.<layer>.*) plus the
+        stream and event ops of the side regions that carry its work."""
+        nodes = self.nodes(graph)
+        prefix = f"layers.{layer}"
+        in_layer = {n.name for n in nodes if n.module == prefix or n.module.startswith(prefix + ".")}
+        keep = set(in_layer)
+        by_name = {n.name: n for n in nodes}
+        for c in self.event_chains(graph):
+            if c.tag.endswith(f".{layer}") or any(n in in_layer for n in c.nodes):
+                keep.update(n for n in c.ops if by_name[n].is_stream_op)
+                keep.add(c.fork_record)
+                keep.update(n for n, _ in c.join_waits)
+                if c.tag.endswith(f".{layer}"):
+                    keep.update(c.nodes)
+        order = [n for n in nodes if n.name in keep]
+        if not in_layer:
+            raise ValueError(f"no node of layer {layer} in graph {graph} (module paths layers.<N>.*)")
+        return order
+
+    def timeline(self, out, graph: int = 0, layer: int | None = None) -> dict:
+        return draw_timeline(self, out, graph=graph, layer=layer)
+
+
+# ---------------------------------------------------------------------------- pictures
+def _require(module: str, what: str):
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingDependency(f"{what} needs {module.split('.')[0]}, which is not installed: "
+                                f"pip install 'v41graph[viz]' (or pip install {module.split('.')[0]})") from None
+
+
+_KIND_COLORS = {"compute": "#4C72B0", "other": "#B0BEC5", "record": "#2CA02C", "wait": "#D62728",
+                "stream": "#8C564B", "custom": "#9467BD"}
+
+
+def _kind(n: NodeInfo) -> str:
+    if n.target == "v41graph.event_record.default":
+        return "record"
+    if n.target == "v41graph.event_wait.default":
+        return "wait"
+    if n.is_stream_op:
+        return "stream"
+    if n.target.startswith("v41graph."):
+        return "custom"
+    if any(k in n.target for k in ("mm.", "bmm.", "addmm.", "_grouped_mm")):
+        return "compute"
+    return "other"
+
+
+def draw_timeline(dump: Dump, out, graph: int = 0, layer: int | None = None) -> dict:
+    """Stream timeline PNG: the final graph's nodes in execution order, one lane per stream,
+    an arrow from each event record to its wait. Returns {"path", "lanes", "nodes", "arrows"};
+    "lanes" are the lane labels as drawn on the figure's y axis."""
+    _require("matplotlib", "the stream timeline")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    nodes = dump.layer_nodes(layer, graph) if layer is not None else dump.nodes(graph)
+    nodes = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
+    present = {n.stream for n in nodes}
+    lanes = [s for s in dump.streams(graph) if s in present]
+    lane_y = {s: len(lanes) - 1 - i for i, s in enumerate(lanes)}        # main on top
+    x_of = {n.name: i for i, n in enumerate(nodes)}
+    width = min(60.0, max(8.0, 4 + len(nodes) / 120))
+    fig = Figure(figsize=(width, 1.4 + 0.9 * len(lanes)), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for s in lanes:
+        for kind, color in _KIND_COLORS.items():
+            bars = [(x_of[n.name], 0.9) for n in nodes if n.stream == s and _kind(n) == kind]
+            if bars:
+                h = 0.7 if kind in ("compute", "custom", "other") else 0.9
+                ax.broken_barh(bars, (lane_y[s] - h / 2, h), facecolors=color, linewidth=0)
+    arrows = 0
+    for e in dump.events(graph):
+        if e["record"] in x_of and e["wait"] in x_of:
+            x0, x1 = x_of[e["record"]] + 0.45, x_of[e["wait"]] + 0.45
+            y0, y1 = lane_y[e["record_stream"]], lane_y[e["wait_stream"]]
+            color = _KIND_COLORS["record"] if e["tag"].startswith("fork:") else "#FF7F0E"
+            ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
+                        arrowprops=dict(arrowstyle="->", color=color, lw=1.0, shrinkA=0, shrinkB=0))
+            arrows += 1
+    ax.set_yticks([lane_y[s] for s in lanes], labels=lanes)
+    ax.set_ylim(-0.8, len(lanes) - 0.2)
+    ax.set_xlim(-1, max(len(nodes), 1) + 1)
+    ax.set_xlabel("execution order (node index)")
+    scope = f"layer {layer}" if layer is not None else "whole graph"
+    ax.set_title(f"{dump.path.name or dump.path} graph {graph}, {scope}: {len(nodes)} nodes on "
+                 f"{len(lanes)} streams, {arrows} event arrows (green fork, orange join)")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _KIND_COLORS.items()], loc="upper right",
+              fontsize="small", ncol=len(_KIND_COLORS))
+    fig.tight_layout()
+    fig.savefig(str(out))
+    drawn = [t.get_text() for t in ax.get_yticklabels()]
+    drawn_lanes = [lab for _, lab in sorted(zip(ax.get_yticks(), drawn), reverse=True)]
+    return {"path": str(out), "lanes": drawn_lanes, "nodes": len(nodes), "arrows": arrows}
+
+
+def to_dot(dump: Dump, graph: int = 0, layer: int | None = None) -> str:
+    """Graphviz DOT text of the final graph (or one layer): a cluster per stream, data edges
+    from the final stage's arguments, dashed event edges from record to wait."""
+    nodes = dump.layer_nodes(layer, graph) if layer is not None else dump.nodes(graph)
+    keep = {n.name for n in nodes}
+    parsed = {n.name: n for n in dump.stage_nodes("final", graph)}
+    ident = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+    lines = ["digraph v41graph {", "  rankdir=TB; node [shape=box, fontsize=9];"]
+    for i, s in enumerate(dump.streams(graph)):
+        members = [n for n in nodes if n.stream == s]
+        if not members:
+            continue
+        lines.append(f'  subgraph cluster_{i} {{ label="{s}";')
+        lines += [f'    "{n.name}" [label="{n.name}\\n{n.target}"];' for n in members]
+        lines.append("  }")
+    for n in nodes:
+        p = parsed.get(n.name)
+        if p is None:
+            continue
+        for src in dict.fromkeys(ident.findall(p.args)):
+            if src in keep and src != n.name:
+                lines.append(f'  "{src}" -> "{n.name}";')
+    for e in dump.events(graph):
+        if e["record"] in keep and e["wait"] in keep:
+            lines.append(f'  "{e["record"]}" -> "{e["wait"]}" [style=dashed, color=red, label="{e["tag"]}"];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def write_svg(dump: Dump, out, graph: int = 0, layer: int | None = None) -> str:
+    """Graphviz SVG through pydot (and the Graphviz `dot` program)."""
+    pydot = _require("pydot", "the Graphviz picture")
+    graphs = pydot.graph_from_dot_data(to_dot(dump, graph, layer))
+    try:
+        graphs[0].write_svg(str(out))
+    except FileNotFoundError as e:
+        raise MissingDependency(f"the Graphviz picture needs the Graphviz `dot` program ({e})") from None
+    return str(out)

@@ -1,0 +1,314 @@
+"""Lossless DSpark speculative decoding inside the serving engine (MODEL.md §8).
+
+    head = load_dspark(ckpt, model.config)                    # or init_random_dspark_(DSparkHead(cfg))
+    eng = Engine(model, 8, 256, speculative=SpecConfig(num_draft=5), draft_head=head)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=64))
+    eng.spec.acceptance_length                                # mean tokens committed per verification
+
+One engine step with speculation (`SpeculativeDecoder.step`), ONE target call per step:
+  1. draft   for every running request whose prompt is done: the DSpark head drafts a block
+             from the anchor = the pending (last committed, not yet cached) token at position
+             p = num_cached, using the context of positions < p in its per-slot window rings.
+             Greedy requests take the head's greedy drafts; sampled requests draw each draft
+             from q_j = probs_from_logits(draft logits_j, T, top_p) with the request's generator.
+  2. schedule  verify lengths k_r <= num_draft (and <= max_tokens - len(output) - 1, so the
+             chunk never leaves the blocks the request was given at admission) within the
+             step's token budget; `schedule="confidence"` picks them from the survival products
+             a_{r,j} = prod_{i<=j} sigmoid(c_{r,i}) of the confidence head (see `_verify_lengths`),
+             `"fixed"` gives every request num_draft (budget permitting). Prefill chunks fill the
+             rest of the budget, as in the plain engine.
+  3. verify  the target runs once over the flat batch [anchor, d_1..d_k] per decoding request +
+             prefill chunks, all_logits=True. Greedy: `verify_greedy` (accept while the draft
+             equals the target's argmax, plus the correction/bonus token); sampling:
+             `verify_rejection` (Leviathan/Chen, residual resampling, one bonus token).
+  4. rollback  of everything the rejected positions p+m+1..p+k touched (m = accepted drafts):
+       * window rings (every layer): the chunk wrote ring row pos % W for each chunk position;
+         the rows of the rejected positions held positions pos - W that are still inside the
+         window after rollback -> snapshot rows (p+1..p+K) % W before the call, restore the
+         rejected ones after (needs K <= W - 1 so no two chunk positions share a row);
+       * compressor state rings (ratio > 1 sources): same with rows pos % 32 (K <= 31);
+       * Engram history: rewritten from the last n-1 committed tokens (compressed ids);
+       * DSpark's own window rings: only the accepted positions' context is ever appended, so
+         they need no restore (DSparkState.snapshot/restore stays available);
+       * seq_lens / blocks: num_cached advances by m + 1 only; blocks were allocated for the
+         longest context at admission, so nothing is allocated or freed here.
+       * Global KV / index-key rows (paged) written for rejected positions need NO rollback:
+         a sequence only sees compressed rows of complete groups below its seq_len (visibility is
+         computed from positions), and the row is rewritten when the real token at that
+         position is processed (the group's earlier, accepted rows come from the compressor
+         ring, which was restored).
+  5. DSpark context: head.context() of the residual streams entering the target layers
+     (model.debug `block_out.layer{t-1}`) of the accepted positions (and of every prefill
+     token) is appended to the request's DSpark window rings.
+
+Not done yet: batched drafting (drafts are one head call per request), drafting through captured
+graphs (speculation runs the eager V41Model), shared draft/target top-k buffers.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .cache import COMPRESSOR_RING, build_metadata, positions_of
+from .sampling import _draw, probs_from_logits, verify_greedy, verify_rejection
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_draft: int = 5                 # k: drafts verified per request per step (<= block size)
+    schedule: str = "fixed"            # "fixed" | "confidence"
+    # confidence schedule: choose the number of verified drafts n maximising
+    #   (expected committed tokens) / (step_cost + token_cost * verified tokens)
+    step_cost: float = 1.0
+    token_cost: float = 0.05
+    min_survival: float = 0.0          # never verify a draft whose survival product is below this
+
+    def __post_init__(self):
+        if self.num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {self.num_draft}")
+        if self.schedule not in ("fixed", "confidence"):
+            raise ValueError(f"schedule must be 'fixed' or 'confidence', got {self.schedule!r}")
+
+
+class SpeculativeDecoder:
+    def __init__(self, engine, head, config: SpecConfig):
+        if head is None:
+            raise ValueError("speculative decoding needs draft_head= (a DSparkHead)")
+        cfg = engine.config
+        k = config.num_draft
+        if k > head.block_size:
+            raise ValueError(f"num_draft {k} > the DSpark block size {head.block_size}")
+        if k > cfg.sliding_window - 1 or k > COMPRESSOR_RING - 1:
+            raise ValueError(f"num_draft {k} must be <= sliding_window - 1 ({cfg.sliding_window - 1}) "
+                             f"and <= {COMPRESSOR_RING - 1} (ring rollback)")
+        self.engine, self.head, self.config = engine, head, config
+        self.model = getattr(engine.model, "model", engine.model)      # the eager V41Model
+        self.state = head.new_state(engine.max_batch_size + 1)
+        self.stats = engine.stats
+        self.targets = [t - 1 for t in cfg.dspark_target_layer_ids]     # block_out.layer{t-1}
+        self.draft_fn = self._draft                                       # tests may replace it
+        self.rollback = True                # False only to show the tests notice a missing rollback
+
+    # ------------------------------------------------------------------ metrics
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per verification with >= 1 draft (accepted drafts + 1)."""
+        n = self.stats["spec_verifies"]
+        return self.stats["spec_committed"] / n if n else float("nan")
+
+    # ------------------------------------------------------------------ drafting
+    def _draft(self, req, anchor: int, pos: int):
+        """(draft ids [block], draft probs q [block, V] or None (greedy), confidence logits)."""
+        p = req.params
+        choose = None
+        if not p.greedy:
+            def choose(lj):
+                return _draw(probs_from_logits(lj, p.temperature, p.top_p), req.generator)
+        ids, logits, conf = self.head.draft(self.state, req.slot, anchor, pos, self.model.embed,
+                                            self.model.head, choose=choose)
+        q = None if p.greedy else probs_from_logits(logits, p.temperature, p.top_p)
+        return ids[1:].tolist(), q, conf
+
+    def _verify_lengths(self, kmax: list, conf: list, budget: int) -> list:
+        """Verify lengths k_r <= kmax[r] with sum(k_r) <= budget (the extra tokens beyond one
+        per decoding request)."""
+        cands = []          # (survival, j, r): greedy by survival; j keeps prefixes per request
+        for r, (km, c) in enumerate(zip(kmax, conf)):
+            if km <= 0:
+                continue
+            if self.config.schedule == "fixed":
+                surv = [1.0] * km
+            else:
+                surv = torch.sigmoid(c[:km].double()).cumprod(0).tolist()
+            cands += [(s, j, r) for j, s in enumerate(surv) if s >= self.config.min_survival]
+        cands.sort(key=lambda t: (-t[0], t[1], t[2]))
+        cands = cands[:max(budget, 0)]
+        n = len(cands)
+        if self.config.schedule == "confidence" and cands:
+            # expected committed tokens / step cost, over prefixes of the sorted candidates
+            c = self.config
+            base = len(kmax)
+            best, best_n, gain = base / (c.step_cost + c.token_cost * base), 0, 0.0
+            for i, (s, _, _) in enumerate(cands, 1):
+                gain += s
+                v = (base + gain) / (c.step_cost + c.token_cost * (base + i))
+                if v > best:
+                    best, best_n = v, i
+            n = best_n
+        k = [0] * len(kmax)
+        for _, _, r in cands[:n]:
+            k[r] += 1
+        return k
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list:
+        eng, model, head = self.engine, self.model, self.head
+        cfg = eng.config
+        budget = eng.max_num_batched_tokens
+        decodes = [r for r in eng.running if r.output and len(r.tokens) - r.num_cached == 1]
+        drafts, qs, confs, kmax = [], [], [], []
+        with torch.no_grad():
+            for req in decodes:
+                km = min(self.config.num_draft, req.params.max_tokens - len(req.output) - 1)
+                kmax.append(km)
+                if km > 0:
+                    d, q, c = self.draft_fn(req, req.tokens[-1], req.num_cached)
+                else:
+                    d, q, c = [], None, None
+                drafts.append(d)
+                qs.append(q)
+                confs.append(c)
+        ks = self._verify_lengths(kmax, confs, budget - len(decodes))
+        batch = [(req, [req.tokens[-1]] + drafts[i][:ks[i]]) for i, req in enumerate(decodes)]
+        budget -= sum(len(c) for _, c in batch)
+        for req in eng.running:                      # prefill chunks, oldest first
+            if budget <= 0:
+                break
+            if req.output:
+                continue
+            pending = req.prompt[req.num_cached:]
+            n = min(len(pending), eng.prefill_chunk_size, budget)
+            batch.append((req, pending[:n]))
+            budget -= n
+        if not batch:
+            return []
+
+        meta = build_metadata([r.slot for r, _ in batch], [r.num_cached for r, _ in batch],
+                              [len(c) for _, c in batch], [r.blocks for r, _ in batch],
+                              eng.max_blocks, device=eng.device)
+        ids = torch.tensor([t for _, c in batch for t in c], dtype=torch.int64, device=eng.device)
+
+        # Snapshot the ring rows the drafts of each decoding request will overwrite.
+        nd = len(decodes)
+        K = max(ks, default=0)
+        snap = None
+        if K > 0:
+            slots = torch.tensor([r.slot for r in decodes], device=eng.device)
+            base_pos = torch.tensor([r.num_cached for r in decodes], device=eng.device)
+            dpos = base_pos[:, None] + 1 + torch.arange(K, device=eng.device)      # [nd, K]
+            wrows, crows = dpos % cfg.sliding_window, dpos % COMPRESSOR_RING
+            sl = slots[:, None]
+            c = eng.caches
+            snap = ([t[sl, wrows].clone() for t in c.window_kv],
+                    [t[sl, wrows].clone() for t in c.window_scale],
+                    {l: t[sl, crows].clone() for l, t in c.compressor_state.items()})
+
+        old_debug = model.debug
+        model.debug = {}
+        try:
+            with torch.no_grad():
+                logits = model(ids, positions_of(meta), eng.caches, meta, all_logits=True)
+                streams = [model.debug[f"block_out.layer{t}"] for t in self.targets]
+                main_x = head.context(streams)
+        finally:
+            model.debug = old_debug
+        eng.stats["steps"] += 1
+        eng.stats["tokens"] += ids.shape[0]
+        qstart = meta.query_start.tolist()
+        positions = positions_of(meta)
+
+        events = []
+        now = time.perf_counter()
+        accepted = []                                     # m per decoding request
+        commits = []
+        for i, req in enumerate(decodes):
+            k = ks[i]
+            rows = logits[qstart[i]: qstart[i] + k + 1]
+            d = drafts[i][:k]
+            if req.params.greedy:
+                committed = verify_greedy(d, rows)
+            else:
+                p = probs_from_logits(rows, req.params.temperature, req.params.top_p)
+                q = qs[i][:k] if k else torch.empty(0, rows.shape[-1])
+                committed = verify_rejection(d, q, p, req.generator)
+            m = len(committed) - 1
+            accepted.append(m)
+            commits.append(committed)
+            if k > 0:
+                eng.stats["spec_verifies"] += 1
+                eng.stats["spec_drafted"] += k
+                eng.stats["spec_accepted"] += m
+                eng.stats["spec_committed"] += m + 1
+                eng.stats["spec_rejections"] += int(m < k)
+
+        # ---- rollback of the rejected positions' ring rows
+        if snap is not None and self.rollback:
+            acc = torch.tensor(accepted, device=eng.device)
+            rej = torch.arange(K, device=eng.device)[None, :] >= acc[:, None]       # draft j+1 rejected
+            if bool(rej.any()):
+                b_idx, j_idx = rej.nonzero(as_tuple=True)
+                s_idx, w_idx, c_idx = slots[b_idx], wrows[b_idx, j_idx], crows[b_idx, j_idx]
+                c = eng.caches
+                for t, old in zip(c.window_kv, snap[0]):
+                    t[s_idx, w_idx] = old[b_idx, j_idx]
+                for t, old in zip(c.window_scale, snap[1]):
+                    t[s_idx, w_idx] = old[b_idx, j_idx]
+                for l, t in c.compressor_state.items():
+                    t[s_idx, c_idx] = snap[2][l][b_idx, j_idx]
+        # Global KV / index keys of rejected positions: no rollback needed (see module doc).
+
+        # ---- bookkeeping, Engram history, DSpark context, emit
+        lags = eng.caches.engram_history.shape[1]
+        tmap = model.engram_token_map
+        pad = int(tmap[cfg.engram_pad_token_id])
+        for i, req in enumerate(decodes):
+            m, committed = accepted[i], commits[i]
+            p0 = req.num_cached
+            req.num_cached = p0 + m + 1
+            if ks[i] > m and self.rollback:   # the chunk rolled the history past rejected tokens
+                toks = req.tokens + committed          # positions 0.. (pending = committed[-1])
+                n = req.num_cached
+                hist = [int(tmap[toks[n - 1 - j]]) if n - 1 - j >= 0 else pad for j in range(lags)]
+                eng.caches.engram_history[req.slot] = torch.tensor(hist, dtype=torch.int64)
+            r0 = qstart[i]
+            head.append_context(self.state, req.slot, positions[r0: r0 + m + 1], main_x[r0: r0 + m + 1])
+            events.append(eng._emit(req, committed, now))
+        for i in range(nd, len(batch)):                       # prefill chunks
+            req, chunk = batch[i]
+            r0, r1 = qstart[i], qstart[i + 1]
+            if req.num_cached == 0:
+                self.state.reset(req.slot)
+            head.append_context(self.state, req.slot, positions[r0:r1], main_x[r0:r1])
+            req.num_cached += len(chunk)
+            if req.num_cached == len(req.tokens):
+                row = logits[r1 - 1]
+                p = req.params
+                tok = int(row.argmax()) if p.greedy else _draw(
+                    probs_from_logits(row, p.temperature, p.top_p), req.generator)
+                events.append(eng._emit(req, [tok], now))
+        return events
+
+
+def init_random_dspark_(head, seed: int = 0):
+    """Deterministic random weights for a DSparkHead (tests, demo), like model.init_random_."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dtype == torch.uint8:
+                continue
+            if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("attn_sink"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(".fn"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            elif name.endswith((".base", "gate.bias")):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".scale"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        from .layers import Linear
+        for m in head.modules():
+            if isinstance(m, Linear) and m.fmt != "dense":
+                exponent = round(math.log2(m.in_features ** -0.5))
+                codes = torch.randint(0, 256, m.weight.shape, generator=g, dtype=torch.uint8)
+                m.weight.copy_(codes & 0xB7 if m.fmt == "fp8" else codes)
+                m.scale.fill_(127 + exponent + (1 if m.fmt == "fp8" else -1))
+    return head
+
+
+__all__ = ["SpecConfig", "SpeculativeDecoder", "init_random_dspark_"]
