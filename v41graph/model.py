@@ -178,14 +178,14 @@ class V41Model(nn.Module):
         return F.linear(x.float(), self.head.float())
 
 
-def init_random_(model: V41Model, seed: int = 0) -> V41Model:
-    """Deterministic random weights that keep activations in a sensible range (tests, demo,
-    benchmarks). Quantized weights get random codes with power-of-two scales of about
+def init_random_weights_(module: nn.Module, generator: torch.Generator) -> nn.Module:
+    """Random weights for any module built from our layers (model, DSpark head): sensible
+    activation ranges; quantized Linears get random codes with power-of-two scales of about
     in_features^-0.5."""
     import math
-    g = torch.Generator().manual_seed(seed)
+    g = generator
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in module.named_parameters():
             if p.dtype == torch.uint8:
                 continue      # quantized weights and tables: below
             if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
@@ -200,13 +200,22 @@ def init_random_(model: V41Model, seed: int = 0) -> V41Model:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-        for m in model.modules():
+        for m in module.modules():
             if isinstance(m, Linear) and m.fmt != "dense":
                 exponent = round(math.log2(m.in_features ** -0.5))
                 # FP8: clear bits 6 and 3 so no code is NaN and |value| < 1; FP4: any nibble.
                 codes = torch.randint(0, 256, m.weight.shape, generator=g, dtype=torch.uint8)
                 m.weight.copy_(codes & 0xB7 if m.fmt == "fp8" else codes)
                 m.scale.fill_(127 + exponent + (1 if m.fmt == "fp8" else -1))
+    return module
+
+
+def init_random_(model: V41Model, seed: int = 0) -> V41Model:
+    """Deterministic random weights for the model (tests, demo, benchmarks), Engram tables
+    included (FP8 codes without NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    init_random_weights_(model, g)
+    with torch.no_grad():
         for e in model.engram:
             e.embed_weight.copy_(torch.randint(0, 256, e.embed_weight.shape, generator=g,
                                                dtype=torch.uint8) & 0xB7)

@@ -46,7 +46,6 @@ graphs (speculation runs the eager V41Model), shared draft/target top-k buffers.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -103,10 +102,8 @@ class SpeculativeDecoder:
     def _draft(self, req, anchor: int, pos: int):
         """(draft ids [block], draft probs q [block, V] or None (greedy), confidence logits)."""
         p = req.params
-        choose = None
-        if not p.greedy:
-            def choose(lj):
-                return _draw(probs_from_logits(lj, p.temperature, p.top_p), req.generator)
+        choose = None if p.greedy else (
+            lambda lj: _draw(probs_from_logits(lj, p.temperature, p.top_p), req.generator))
         ids, logits, conf = self.head.draft(self.state, req.slot, anchor, pos, self.model.embed,
                                             self.model.head, choose=choose)
         q = None if p.greedy else probs_from_logits(logits, p.temperature, p.top_p)
@@ -284,31 +281,8 @@ class SpeculativeDecoder:
 
 def init_random_dspark_(head, seed: int = 0):
     """Deterministic random weights for a DSparkHead (tests, demo), like model.init_random_."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dtype == torch.uint8:
-                continue
-            if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("attn_sink"):
-                p.copy_(torch.randn(p.shape, generator=g))
-            elif name.endswith(".fn"):
-                p.copy_(0.02 * torch.randn(p.shape, generator=g))
-            elif name.endswith((".base", "gate.bias")):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".scale"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-        from .layers import Linear
-        for m in head.modules():
-            if isinstance(m, Linear) and m.fmt != "dense":
-                exponent = round(math.log2(m.in_features ** -0.5))
-                codes = torch.randint(0, 256, m.weight.shape, generator=g, dtype=torch.uint8)
-                m.weight.copy_(codes & 0xB7 if m.fmt == "fp8" else codes)
-                m.scale.fill_(127 + exponent + (1 if m.fmt == "fp8" else -1))
-    return head
+    from .model import init_random_weights_
+    return init_random_weights_(head, torch.Generator().manual_seed(seed))
 
 
 __all__ = ["SpecConfig", "SpeculativeDecoder", "init_random_dspark_"]
