@@ -147,6 +147,9 @@ class DecodeGraph:
     def __init__(self, compiled: CompiledModel, bucket: int, caches: ModelCaches, max_blocks: int):
         self.compiled, self.bucket, self.caches = compiled, bucket, caches
         dev = compiled.device
+        # Padding rows write into the caches' last slot. Session and Engine allocate one slot
+        # more than their batch and never hand it out; checking it here each step would cost
+        # a host sync per decode step.
         self.scratch_slot = caches.num_slots - 1
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(bucket, **i64)
@@ -164,9 +167,6 @@ class DecodeGraph:
         if meta.block_table.shape[1] != self.meta.block_table.shape[1]:
             raise ValueError(f"block table width {meta.block_table.shape[1]} differs from the captured "
                              f"{self.meta.block_table.shape[1]}")
-        if bool((meta.seq_slot == self.scratch_slot).any()):
-            raise ValueError(f"cache slot {self.scratch_slot} is the padding scratch slot; "
-                             f"allocate caches with one slot more than the batch")
         self.input_ids.zero_()[:n].copy_(input_ids)
         self.positions.zero_()[:n].copy_(positions)
         m = self.meta
