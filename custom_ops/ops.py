@@ -131,3 +131,16 @@ def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Ten
 @fused_wkv_rmsnorm.register_fake
 def _(x, wkv, norm_weight, eps):
     return x.new_empty((*x.shape[:-1], wkv.shape[0]))
+
+
+@custom_op(f"{_NS}::fused_pool_rmsnorm", mutates_args=())
+def fused_pool_rmsnorm(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """The ratio-2 compressor's pooling + RMSNorm in one op (the other half of P1): softmax over
+    each group's r scores per channel, weighted sum of the r kv rows, cast, RMSNorm."""
+    return ref.pool_rmsnorm(kv, score, norm_weight, eps, out_dtype)
+
+
+@fused_pool_rmsnorm.register_fake
+def _(kv, score, norm_weight, eps, out_dtype):
+    return kv.new_empty((kv.shape[0], kv.shape[2]), dtype=out_dtype)

@@ -137,6 +137,15 @@ def wkv_rmsnorm(x, wkv, norm_weight, eps):
     return (norm_weight.float() * y).to(x.dtype)
 
 
+def pool_rmsnorm(kv, score, norm_weight, eps, out_dtype):
+    """The `fused_pool_rmsnorm` op: per-channel softmax pooling over each group's r rows
+    (kv, score [N, r, D] fp32), cast to out_dtype, then RMSNorm (fp32 math) in out_dtype."""
+    latent = (kv * score.softmax(dim=1)).sum(dim=1).to(out_dtype)
+    y = latent.float()
+    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
+    return (norm_weight.float() * y).to(out_dtype)
+
+
 # ----------------------------------------------------------------------------- indexer
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                    visible: torch.Tensor) -> torch.Tensor:

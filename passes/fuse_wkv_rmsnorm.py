@@ -44,6 +44,62 @@ def _single_user(node: fx.Node, user: fx.Node) -> bool:
     return list(node.users) == [user]
 
 
+def match_rmsnorm(rsqrt: fx.Node):
+    """The RMSNorm around an rsqrt node, as the decomposed graph spells it:
+    (normed input yf, output node, norm weight node, eps), or None. Requires keepdim over the
+    last dim and that yf and every intermediate feed only the norm."""
+    add = rsqrt.args[0]
+    if not (is_call(add, aten.add.Tensor, aten.add.Scalar) and isinstance(add.args[1], (int, float))):
+        return None
+    eps, mean = float(add.args[1]), add.args[0]
+    if not (is_call(mean, aten.mean.dim) and _single_user(mean, add) and _single_user(add, rsqrt)):
+        return None
+    square = mean.args[0]
+    dims = list(mean.args[1]) if len(mean.args) > 1 else []
+    keepdim = (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))
+    if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2:
+        yf = square.args[0]
+    elif is_call(square, aten.mul.Tensor) and square.args[0] is square.args[1]:
+        yf = square.args[0]
+    else:
+        return None
+    yv = _val(yf)
+    if yv is None or not keepdim or dims not in ([-1], [yv.dim() - 1]) or not _single_user(square, mean):
+        return None
+    if len(rsqrt.users) != 1:
+        return None
+    norm = next(iter(rsqrt.users))
+    if not (is_call(norm, aten.mul.Tensor) and set(norm.args) == {yf, rsqrt}):
+        return None
+    if set(yf.users) != {square, norm} or len(norm.users) != 1:
+        return None
+    scaled = next(iter(norm.users))
+    if not is_call(scaled, aten.mul.Tensor) or len(scaled.args) != 2:
+        return None
+    g = scaled.args[0] if scaled.args[1] is norm else scaled.args[1]
+    g_inner, _ = _strip_convert(g)
+    if not (isinstance(g_inner, fx.Node) and g_inner.op in ("placeholder", "get_attr")):
+        return None
+    out = scaled
+    if len(scaled.users) == 1:
+        (only,) = scaled.users
+        if is_call(only, CONVERT):
+            out = only
+    return yf, out, g_inner, eps
+
+
+def replace_with(gm: fx.GraphModule, out: fx.Node, target, args, kind: str) -> fx.Node:
+    """Insert target(*args) before `out`, take over its value and users, drop what died."""
+    with gm.graph.inserting_before(out):
+        fused = gm.graph.call_function(target, args)
+    fused.meta.update({k: v for k, v in out.meta.items() if k != "val"})
+    fused.meta["val"] = out.meta.get("val")
+    fused.meta["fused_from"] = kind
+    out.replace_all_uses_with(fused)
+    gm.graph.eliminate_dead_code()
+    return fused
+
+
 class FuseWkvRMSNorm(GraphPass):
     name = "fuse_wkv_rmsnorm"
 
@@ -54,56 +110,17 @@ class FuseWkvRMSNorm(GraphPass):
             if match is None:
                 continue
             out, x, w, g, eps = match
-            with gm.graph.inserting_before(out):
-                fused = gm.graph.call_function(torch.ops.v41graph.fused_wkv_rmsnorm.default, (x, w, g, eps))
-            fused.meta.update({k: v for k, v in out.meta.items() if k != "val"})
-            fused.meta["val"] = out.meta.get("val")
-            fused.meta["fused_from"] = "linear+rmsnorm"
-            out.replace_all_uses_with(fused)
-            gm.graph.eliminate_dead_code()
+            replace_with(gm, out, torch.ops.v41graph.fused_wkv_rmsnorm.default, (x, w, g, eps),
+                         "linear+rmsnorm")
             count += 1
         return count
 
     # ------------------------------------------------------------------ matching
     def _match(self, rsqrt: fx.Node):
-        add = rsqrt.args[0]
-        if not (is_call(add, aten.add.Tensor, aten.add.Scalar) and isinstance(add.args[1], (int, float))):
+        norm = match_rmsnorm(rsqrt)
+        if norm is None:
             return None
-        eps, mean = float(add.args[1]), add.args[0]
-        if not (is_call(mean, aten.mean.dim) and _single_user(mean, add) and _single_user(add, rsqrt)):
-            return None
-        square = mean.args[0]
-        dims = list(mean.args[1]) if len(mean.args) > 1 else []
-        keepdim = (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))
-        if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2:
-            yf = square.args[0]
-        elif is_call(square, aten.mul.Tensor) and square.args[0] is square.args[1]:
-            yf = square.args[0]
-        else:
-            return None
-        yv = _val(yf)
-        if yv is None or not keepdim or dims not in ([-1], [yv.dim() - 1]) or not _single_user(square, mean):
-            return None
-        # normalised value: mul(yf, rsqrt), used only by the weight multiply
-        if len(rsqrt.users) != 1:
-            return None
-        norm = next(iter(rsqrt.users))
-        if not (is_call(norm, aten.mul.Tensor) and set(norm.args) == {yf, rsqrt}):
-            return None
-        if set(yf.users) != {square, norm} or len(norm.users) != 1:
-            return None
-        scaled = next(iter(norm.users))
-        if not is_call(scaled, aten.mul.Tensor) or len(scaled.args) != 2:
-            return None
-        g = scaled.args[0] if scaled.args[1] is norm else scaled.args[1]
-        g_inner, _ = _strip_convert(g)
-        if not (isinstance(g_inner, fx.Node) and g_inner.op in ("placeholder", "get_attr")):
-            return None
-        out = scaled
-        if len(scaled.users) == 1:
-            (only,) = scaled.users
-            if is_call(only, CONVERT):
-                out = only
+        yf, out, g_inner, eps = norm
         # the Linear: (view) <- mm(x2, permute(w)) (<- view)
         y, convert_in = _strip_convert(yf, torch.float32)
         if convert_in is not None and not _single_user(y, convert_in):

@@ -49,16 +49,18 @@ from .base import STREAM_KEY, GraphPass, module_path
 from .cleanup import Cleanup
 from .defunctionalize import Defunctionalize
 from .dual_stream import DualStream
+from .fuse_pool_rmsnorm import FusePoolRMSNorm
 from .fuse_wkv_rmsnorm import FuseWkvRMSNorm
 from .hoist_engram import HoistEngram
 from .stream_check import StreamCheck
 
 PASS_CLASSES = {cls.name: cls for cls in
-                (Cleanup, FuseWkvRMSNorm, Defunctionalize, HoistEngram, DualStream, StreamCheck)}
-DEFAULT_PASSES = ("cleanup", "fuse_wkv_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream",
+                (Cleanup, FuseWkvRMSNorm, FusePoolRMSNorm, Defunctionalize, HoistEngram, DualStream, StreamCheck)}
+DEFAULT_PASSES = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream",
                   "stream_check")
 # Short names from the seed's opportunity points.
-ALIASES = {"P1": "fuse_wkv_rmsnorm", "P4": "hoist_engram", "P6": "dual_stream"}
+ALIASES = {"P1": ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm"), "P4": ("hoist_engram",),
+           "P6": ("dual_stream",)}
 
 DUMP_FORMAT = "v41graph-dump"
 DUMP_VERSION = 1
@@ -68,15 +70,26 @@ STREAM_OP_TARGETS = {f"v41graph.{op}.default": op for op in
 _STAGE_FILE = re.compile(r"^\d\d_.+\.(before|after)\.txt$")
 
 
+def _alias_text() -> str:
+    return ", ".join(k + "=" + "+".join(v) for k, v in ALIASES.items())
+
+
+def _expand(names) -> list[str]:
+    """Pass names with the P-number aliases expanded (P1 is both fusions)."""
+    out = []
+    for n in names:
+        out.extend(ALIASES.get(n, (n,)))
+    return out
+
+
 def resolve_passes(passes=None, disable=()) -> list[str]:
     """The ordered pass names to run, after validating every name the user gave."""
-    names = list(DEFAULT_PASSES if passes is None else passes)
-    disable = [ALIASES.get(d, d) for d in disable]
-    for n in [ALIASES.get(x, x) for x in names] + disable:
+    names = _expand(DEFAULT_PASSES if passes is None else passes)
+    disable = _expand(disable)
+    for n in names + disable:
         if n not in PASS_CLASSES:
             raise ValueError(f"unknown pass {n!r}; available: {', '.join(PASS_CLASSES)} "
-                             f"(aliases {', '.join(f'{k}={v}' for k, v in ALIASES.items())})")
-    names = [ALIASES.get(n, n) for n in names]
+                             f"(aliases {_alias_text()})")
     if "stream_check" in disable:
         raise ValueError("stream_check only validates the graph and cannot be switched off")
     ordered = [n for n in DEFAULT_PASSES if n in names and n not in disable]

@@ -22,7 +22,8 @@ from v41graph.passes.pass_manager import PassManager, resolve_passes
 from v41graph.session import Session
 
 ops = torch.ops.v41graph
-ALL = ("cleanup", "fuse_wkv_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream", "stream_check")
+ALL = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream",
+       "stream_check")
 # fp32 CPU: the fused op and the unfused pair compute the same expression; only BLAS
 # blocking may differ, so logits (|logit| ~ 1-5) agree to ~1e-5.
 ATOL = 1e-4
@@ -113,9 +114,9 @@ def _run(model, fn, prompt, steps=16):
 
 
 # ---------------------------------------------------------------------------- numerics
-@pytest.mark.parametrize("disabled", [(), ("fuse_wkv_rmsnorm",), ("hoist_engram",), ("dual_stream",),
+@pytest.mark.parametrize("disabled", [(), ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm"), ("hoist_engram",), ("dual_stream",),
                                       ("defunctionalize", "hoist_engram", "dual_stream"),
-                                      ("fuse_wkv_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream")])
+                                      ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream")])
 def test_compiled_matches_eager_prefill_and_16_decode_steps(tiny, traced, disabled):
     vb, fn, prompt = traced
     vb.passes = tuple(p for p in ALL if p not in disabled)
@@ -151,7 +152,20 @@ def test_p1_fuses_every_linear_rmsnorm_pair(tiny, traced):
         expected = _expected_linear_rmsnorm_pairs(tiny)
         assert _count(after, ops.fused_wkv_rmsnorm.default) == expected == 24
         # every rsqrt left belongs to an RMSNorm that is not fed by a Linear (mHC, attn/ffn norms...)
-        assert _count(before, torch.ops.aten.rsqrt.default) - _count(after, torch.ops.aten.rsqrt.default) == expected
+        # every rsqrt removed belongs to a fused RMSNorm: the 24 pairs plus the 2 ratio-2 pools
+        assert _count(before, torch.ops.aten.rsqrt.default) - _count(after, torch.ops.aten.rsqrt.default) == expected + 2
+
+
+def test_p1_fuses_each_ratio2_pool_and_rmsnorm(tiny, traced):
+    vb, *_ = traced
+    ratio2_full = sum(1 for b in tiny.layers if b.role.mode == "full" and b.role.ratio == 2)
+    for idx in (0, 1):
+        assert _count(vb.passed(idx), ops.fused_pool_rmsnorm.default) == ratio2_full == 2
+        # without the pool fusion, the pooling softmax (exp over the group) is still there
+        plain = vb.passed(idx, tuple(p for p in ALL if p != "fuse_pool_rmsnorm"))
+        assert _count(plain, ops.fused_pool_rmsnorm.default) == 0
+        assert (_count(plain, torch.ops.aten.exp.default)
+                - _count(vb.passed(idx), torch.ops.aten.exp.default)) == ratio2_full
 
 
 def test_p1_count_matches_ratio1_compressors_in_checkpoint_format():
