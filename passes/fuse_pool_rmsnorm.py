@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .base import GraphPass, is_call
-from .fuse_wkv_rmsnorm import CONVERT, _single_user, _strip_convert, _val, match_rmsnorm, replace_with
+from .base import is_call
+from .fuse_wkv_rmsnorm import RMSNormFusion, _single_user, _strip_convert, _val, match_rmsnorm
 
 aten = torch.ops.aten
 
@@ -30,20 +30,10 @@ def _dims(node: fx.Node) -> list:
     return list(node.args[1]) if len(node.args) > 1 else []
 
 
-class FusePoolRMSNorm(GraphPass):
+class FusePoolRMSNorm(RMSNormFusion):
     name = "fuse_pool_rmsnorm"
-
-    def run(self, gm: fx.GraphModule) -> int:
-        count = 0
-        for rsqrt in [n for n in gm.graph.nodes if is_call(n, aten.rsqrt.default)]:
-            match = self._match(rsqrt)
-            if match is None:
-                continue
-            out, kv, score, g, eps, dtype = match
-            replace_with(gm, out, torch.ops.v41graph.fused_pool_rmsnorm.default,
-                         (kv, score, g, eps, dtype), "pool+rmsnorm")
-            count += 1
-        return count
+    target = torch.ops.v41graph.fused_pool_rmsnorm.default
+    kind = "pool+rmsnorm"
 
     def _match(self, rsqrt: fx.Node):
         norm = match_rmsnorm(rsqrt)
@@ -83,4 +73,4 @@ class FusePoolRMSNorm(GraphPass):
             return None
         if tuple(out_v.shape) != (kv_v.shape[0], kv_v.shape[2]):
             return None
-        return out, kv, score, g, eps, out_v.dtype
+        return out, (kv, score, g, eps, out_v.dtype)

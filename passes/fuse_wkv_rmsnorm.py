@@ -100,20 +100,29 @@ def replace_with(gm: fx.GraphModule, out: fx.Node, target, args, kind: str) -> f
     return fused
 
 
-class FuseWkvRMSNorm(GraphPass):
-    name = "fuse_wkv_rmsnorm"
+class RMSNormFusion(GraphPass):
+    """Shared driver of the RMSNorm fusions: every rsqrt whose surroundings `_match` accepts
+    becomes one `target` call; `_match` returns (node to replace, call args) or None."""
+    target = None
+    kind = ""
 
     def run(self, gm: fx.GraphModule) -> int:
         count = 0
         for rsqrt in [n for n in gm.graph.nodes if is_call(n, aten.rsqrt.default)]:
             match = self._match(rsqrt)
-            if match is None:
-                continue
-            out, x, w, g, eps = match
-            replace_with(gm, out, torch.ops.v41graph.fused_wkv_rmsnorm.default, (x, w, g, eps),
-                         "linear+rmsnorm")
-            count += 1
+            if match is not None:
+                replace_with(gm, match[0], self.target, match[1], self.kind)
+                count += 1
         return count
+
+    def _match(self, rsqrt: fx.Node):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class FuseWkvRMSNorm(RMSNormFusion):
+    name = "fuse_wkv_rmsnorm"
+    target = torch.ops.v41graph.fused_wkv_rmsnorm.default
+    kind = "linear+rmsnorm"
 
     # ------------------------------------------------------------------ matching
     def _match(self, rsqrt: fx.Node):
@@ -144,4 +153,4 @@ class FuseWkvRMSNorm(GraphPass):
             return None
         if tuple(ov.shape) != (*xv.shape[:-1], wv.shape[0]):
             return None
-        return out, x, w, g_inner, eps
+        return out, (x, w, g_inner, eps)
