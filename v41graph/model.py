@@ -181,7 +181,7 @@ class V41Model(nn.Module):
 def init_random_weights_(module: nn.Module, generator: torch.Generator) -> nn.Module:
     """Random weights for any module built from our layers (model, DSpark head): sensible
     activation ranges; quantized Linears get random codes with power-of-two scales of about
-    in_features^-0.5."""
+    in_features^-0.5. The generator's device decides where the numbers are drawn."""
     import math
     g = generator
     with torch.no_grad():
@@ -189,22 +189,23 @@ def init_random_weights_(module: nn.Module, generator: torch.Generator) -> nn.Mo
             if p.dtype == torch.uint8:
                 continue      # quantized weights and tables: below
             if name.endswith("norm.weight") or name.endswith(("q_weight", "k_weight")):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g, device=p.device))
             elif name.endswith("attn_sink"):
-                p.copy_(torch.randn(p.shape, generator=g))
+                p.copy_(torch.randn(p.shape, generator=g, device=p.device))
             elif name.endswith(".fn"):
-                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+                p.copy_(0.02 * torch.randn(p.shape, generator=g, device=p.device))
             elif name.endswith((".base", "gate.bias")):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, device=p.device))
             elif name.endswith(".scale"):
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+                p.copy_(torch.randn(p.shape, generator=g, device=p.device) * p.shape[-1] ** -0.5)
         for m in module.modules():
             if isinstance(m, Linear) and m.fmt != "dense":
                 exponent = round(math.log2(m.in_features ** -0.5))
                 # FP8: clear bits 6 and 3 so no code is NaN and |value| < 1; FP4: any nibble.
-                codes = torch.randint(0, 256, m.weight.shape, generator=g, dtype=torch.uint8)
+                codes = torch.randint(0, 256, m.weight.shape, generator=g, dtype=torch.uint8,
+                                      device=m.weight.device)
                 m.weight.copy_(codes & 0xB7 if m.fmt == "fp8" else codes)
                 m.scale.fill_(127 + exponent + (1 if m.fmt == "fp8" else -1))
     return module
