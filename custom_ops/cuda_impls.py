@@ -51,31 +51,21 @@ def _fused_wkv_rmsnorm_cuda(x, wkv, norm_weight, eps):
     return _wkv_rmsnorm_ref(x, wkv, norm_weight, eps)
 
 
-@torch.library.register_kernel(f"{_NS}::window_kv_write", "cuda")
-def _window_kv_write_cuda(cache, scale, kv, slot_mapping):
-    tk = triton_kernels()
-    if tk is not None and tk.cache_write_supported(cache, scale, kv, slot_mapping, 32):
-        tk.window_kv_write(cache, scale, kv, slot_mapping)
-    else:
-        ref.window_kv_write(cache, scale, kv, slot_mapping)
+def _register_cache_write(op: str, block: int) -> None:
+    """CUDA impl of a cache write: the Triton kernel when it supports the inputs (scale
+    block `block`), else the pure-torch reference."""
+    def impl(cache, scale, values, slot_mapping):
+        tk = triton_kernels()
+        if tk is not None and tk.cache_write_supported(cache, scale, values, slot_mapping, block):
+            getattr(tk, op)(cache, scale, values, slot_mapping)
+        else:
+            getattr(ref, op)(cache, scale, values, slot_mapping)
+    torch.library.register_kernel(f"{_NS}::{op}", "cuda", impl)
 
 
-@torch.library.register_kernel(f"{_NS}::global_kv_write", "cuda")
-def _global_kv_write_cuda(cache, scale, kv, slot_mapping):
-    tk = triton_kernels()
-    if tk is not None and tk.cache_write_supported(cache, scale, kv, slot_mapping, 16):
-        tk.global_kv_write(cache, scale, kv, slot_mapping)
-    else:
-        ref.global_kv_write(cache, scale, kv, slot_mapping)
-
-
-@torch.library.register_kernel(f"{_NS}::index_k_write", "cuda")
-def _index_k_write_cuda(cache, scale, k, slot_mapping):
-    tk = triton_kernels()
-    if tk is not None and tk.cache_write_supported(cache, scale, k, slot_mapping, 32):
-        tk.index_k_write(cache, scale, k, slot_mapping)
-    else:
-        ref.index_k_write(cache, scale, k, slot_mapping)
+_register_cache_write("window_kv_write", 32)    # FP8 + UE8M0 per 32
+_register_cache_write("global_kv_write", 16)    # FP4 + E4M3 per 16
+_register_cache_write("index_k_write", 32)      # FP4 + UE8M0 per 32
 
 
 @torch.library.register_kernel(f"{_NS}::sparse_attention", "cuda")

@@ -24,6 +24,7 @@ import torch
 import v41graph
 from v41graph.accounting import accounting
 from v41graph.cache import ModelCaches, build_metadata, positions_of
+from v41graph.layers import default_dtype
 from v41graph.model import V41Model, init_random_weights_
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
@@ -34,13 +35,8 @@ def build_model(config: str, device: str) -> V41Model:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = getattr(v41graph.V41Config, config)(weight_format="dense",
                                               torch_dtype=str(dtype).replace("torch.", ""))
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):   # parameters and buffers straight on the device
-            model = V41Model(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(dtype), torch.device(device):   # parameters and buffers on the device
+        model = V41Model(cfg)
     g = torch.Generator(device=device).manual_seed(0)
     init_random_weights_(model, g)
     with torch.no_grad():

@@ -26,7 +26,6 @@ tests/test_dspark_golden.py):
 """
 from __future__ import annotations
 
-import contextlib
 import re
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from v41graph.custom_ops import codecs
 from .attention import Attention
 from .config import V41Config
 from .layer_plan import LayerRole
-from .layers import Linear, RMSNorm, apply_rope, rope_rotation, weight_fmt
+from .layers import Linear, RMSNorm, apply_rope, rope_rotation, weight_fmt, default_dtype
 from .mhc import HyperConnection, collapse, expand
 from .moe import MoE
 
@@ -278,16 +277,6 @@ def load_dspark_state_dict(head: DSparkHead, tensors: dict) -> None:
         raise ValueError("DSpark tensors do not match the head:\n  " + "\n  ".join(problems))
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def load_dspark(path: str | Path, config: V41Config, numerics: str = "reference") -> DSparkHead:
     """Build the DSpark head from a checkpoint directory (or .safetensors file) holding the
     official `mtp.*` tensors. `config` is the backbone's (e.g. `from_pretrained(...).config`)."""
@@ -303,7 +292,7 @@ def load_dspark(path: str | Path, config: V41Config, numerics: str = "reference"
     if not tensors:
         raise ValueError(f"{path}: no DSpark (mtp.*) tensors")
     dtype = {"float32": torch.float32, "float16": torch.float16}.get(config.torch_dtype, torch.bfloat16)
-    with _default_dtype(dtype):
+    with default_dtype(dtype):
         head = DSparkHead(config)
     load_dspark_state_dict(head, tensors)
     return head.set_numerics(numerics).eval()

@@ -247,6 +247,10 @@ class Engine:
             if req.output and pending == 1:
                 batch.append((req, req.tokens[req.num_cached:]))
                 budget -= 1
+        return self._add_prefill_chunks(batch, budget)
+
+    def _add_prefill_chunks(self, batch: list, budget: int) -> list:
+        """Append one prefill chunk per prefilling request, oldest first, within `budget`."""
         for req in self.running:
             if budget <= 0:
                 break

@@ -8,6 +8,7 @@ Numerics modes (set per model, see `V41Model.set_numerics`):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -17,6 +18,17 @@ from torch import nn
 from v41graph.custom_ops import codecs
 
 QUANT_BLOCK = 32  # K-block of activation quantization and of the blockwise GEMM
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Build modules under `dtype` as torch's default (DeepSeek's checkpoints assume bf16)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class RMSNorm(nn.Module):

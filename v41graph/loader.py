@@ -29,7 +29,6 @@ source checkpoint.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -53,6 +52,7 @@ from .checkpoint import (DEFAULT_MAX_SHARD_BYTES, ST_DTYPES, TORCH_TO_ST, Checkp
 from .config import V41Config
 from .engram_hash import build_compressed_token_map
 from .layer_plan import build_layer_plan
+from .layers import default_dtype
 from .model import V41Model
 
 __all__ = ["CheckpointError", "ShardSpec", "TensorSpec", "official_to_module_name",
@@ -281,19 +281,9 @@ class _LargeTensorsOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def _build_empty_model(config: V41Config) -> V41Model:
     """V41Model with its large parameters on the meta device (allocated when loaded)."""
-    with _default_dtype(_DTYPES.get(config.torch_dtype, torch.bfloat16)):
+    with default_dtype(_DTYPES.get(config.torch_dtype, torch.bfloat16)):
         with _LargeTensorsOnMeta(4096):
             model = V41Model(config)
         if any(b.is_meta for b in model.buffers()):      # a buffer we cannot rebuild: eager
@@ -872,7 +862,7 @@ def write_random_checkpoint(config: V41Config, out: str | Path, seed: int = 0, *
 
     with CheckpointWriter(out, entries, max_shard_bytes, single_file,
                           metadata={"producer": "v41graph.write_random_checkpoint", "seed": seed},
-                          progress=progress_default(progress, total)) as w, _default_dtype(compute):
+                          progress=progress_default(progress, total)) as w, default_dtype(compute):
         d, vocab = config.hidden_size, config.vocab_size
         for name, dtype in (("embed.weight", compute), ("head.weight", torch.float32)):
             spec = specs[name]

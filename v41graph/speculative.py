@@ -160,16 +160,7 @@ class SpeculativeDecoder:
                 confs.append(c)
         ks = self._verify_lengths(kmax, confs, budget - len(decodes))
         batch = [(req, [req.tokens[-1]] + drafts[i][:ks[i]]) for i, req in enumerate(decodes)]
-        budget -= sum(len(c) for _, c in batch)
-        for req in eng.running:                      # prefill chunks, oldest first
-            if budget <= 0:
-                break
-            if req.output:
-                continue
-            pending = req.prompt[req.num_cached:]
-            n = min(len(pending), eng.prefill_chunk_size, budget)
-            batch.append((req, pending[:n]))
-            budget -= n
+        batch = eng._add_prefill_chunks(batch, budget - sum(len(c) for _, c in batch))
         if not batch:
             return []
 
