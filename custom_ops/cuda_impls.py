@@ -69,15 +69,14 @@ _register_cache_write("index_k_write", 32)      # FP4 + UE8M0 per 32
 
 
 @torch.library.register_kernel(f"{_NS}::sparse_attention", "cuda")
-def _sparse_attention_cuda(q, window_pool, window_rows, global_cache, global_scale, global_rows,
-                           sink, softmax_scale):
+def _sparse_attention_cuda(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
+                           global_scale, global_rows, sink, softmax_scale):
+    args = (q, window_kv, window_scale, fresh_kv, window_rows, global_cache, global_scale,
+            global_rows, sink)
     tk = triton_kernels()
-    if tk is not None and tk.sparse_attention_supported(q, window_pool, window_rows, global_cache,
-                                                        global_scale, global_rows, sink):
-        return tk.sparse_attention(q, window_pool, window_rows, global_cache, global_scale,
-                                   global_rows, sink, softmax_scale)
-    return _sparse_attention_ref(q, window_pool, window_rows, global_cache, global_scale,
-                                 global_rows, sink, softmax_scale)
+    if tk is not None and tk.sparse_attention_supported(*args):
+        return tk.sparse_attention(*args, softmax_scale)
+    return _sparse_attention_ref(*args, softmax_scale)
 
 
 @torch.library.register_kernel(f"{_NS}::engram_gather", "cuda")

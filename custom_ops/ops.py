@@ -43,19 +43,25 @@ def state_write(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> 
 
 # ----------------------------------------------------------------------------- attention
 @custom_op(f"{_NS}::sparse_attention", mutates_args=())
-def sparse_attention(q: torch.Tensor, window_pool: torch.Tensor, window_rows: torch.Tensor,
+def sparse_attention(q: torch.Tensor, window_kv: torch.Tensor, window_scale: torch.Tensor,
+                     fresh_kv: torch.Tensor, window_rows: torch.Tensor,
                      global_cache: torch.Tensor, global_scale: torch.Tensor,
                      global_rows: torch.Tensor, sink: torch.Tensor,
                      softmax_scale: float) -> torch.Tensor:
-    """q [N,H,D]; window_pool [P,D] (dequantized window rows: ring + this call's rows);
-    window_rows [N,W] into the pool; global cache FP4 [R,D/2] + E4M3 scales [R,D/16];
-    global_rows [N,K] (may have K = 0). -1 = empty. Window rows come first in the list."""
-    return ref.sparse_attention_over_caches(q, window_pool, window_rows, global_cache, global_scale,
-                                            global_rows, sink, softmax_scale)
+    """q [N,H,D]; the window ring read in place: window_kv [slots,W,D] uint8 (FP8 E4M3) +
+    window_scale [slots,W,D/32] uint8 (UE8M0); fresh_kv [F,D] float (this call's rows, already
+    FP8-QDQ'd, so identical to what the ring will hold); window_rows [N,W']: r < slots*W is ring
+    row r (dequantized), r >= slots*W is fresh_kv[r - slots*W]; global cache FP4 [R,D/2] + E4M3
+    scales [R,D/16]; global_rows [N,K] (may have K = 0). -1 = empty. Window rows come first in
+    the list."""
+    return ref.sparse_attention_over_caches(q, window_kv, window_scale, fresh_kv, window_rows,
+                                            global_cache, global_scale, global_rows, sink,
+                                            softmax_scale)
 
 
 @sparse_attention.register_fake
-def _(q, window_pool, window_rows, global_cache, global_scale, global_rows, sink, softmax_scale):
+def _(q, window_kv, window_scale, fresh_kv, window_rows, global_cache, global_scale, global_rows,
+      sink, softmax_scale):
     return torch.empty_like(q)
 
 

@@ -47,7 +47,11 @@ def window_kv_write(cache: torch.Tensor, scale: torch.Tensor, kv: torch.Tensor,
 def global_kv_write(cache: torch.Tensor, scale: torch.Tensor, kv: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
     """Main (global) KV: FP4 E2M1 packed + one E4M3 scale per 16 channels (288 B per 512-d row).
-    cache [..., D/2] uint8, scale [..., D/16] uint8 (E4M3 bits)."""
+    cache [..., D/2] uint8, scale [..., D/16] uint8 (E4M3 bits). A float cache [..., D] (the
+    BF16 comparison variant, empty scale) stores the rows as they are."""
+    if cache.is_floating_point():
+        masked_row_write(cache, slot_mapping, kv.to(cache.dtype))
+        return
     q, s = quant_fp4_e4m3(kv, 16)
     masked_row_write(cache, slot_mapping, q)
     masked_row_write(scale, slot_mapping, s.view(torch.uint8))
@@ -75,6 +79,8 @@ def gather_window_kv(cache: torch.Tensor, scale: torch.Tensor, rows: torch.Tenso
 
 def gather_global_kv(cache: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
+    if cache.is_floating_point():                   # BF16 comparison variant
+        return _gather_rows(cache, rows).to(dtype)
     s = _gather_rows(scale, rows).view(torch.float8_e4m3fn)
     return dequant_fp4_e4m3(_gather_rows(cache, rows), s, 16).to(dtype)
 
@@ -117,12 +123,30 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sin
     return (acc / denom.unsqueeze(-1)).to(q.dtype)
 
 
-def sparse_attention_over_caches(q, window_pool, window_rows, global_cache, global_scale,
-                                 global_rows, sink, softmax_scale):
-    """The `sparse_attention` op: gather the window rows from the pool and the FP4 global rows
-    from the paged cache (window first), then `sparse_attention`."""
-    win = window_pool.index_select(0, window_rows.clamp_min(0).flatten()).view(
-        *window_rows.shape, window_pool.shape[-1])
+def gather_window_or_fresh(window_kv, window_scale, fresh_kv, rows):
+    """Window rows [..., M] -> values [..., M, D] in fresh_kv's dtype: row r < R (R = rows of the
+    FP8 ring window_kv [slots, W, D]) is ring row r, dequantized (E4M3 x UE8M0 per 32); row
+    r >= R is fresh_kv[r - R]. Only the listed ring rows are read; -1 rows give a finite filler
+    (ring row 0, or fresh row 0 when the ring is empty) that callers mask out."""
+    d = fresh_kv.shape[-1]
+    n_ring = window_kv.numel() // d if d else 0
+    valid = rows >= 0
+    is_ring = valid & (rows < n_ring)
+    if n_ring > 0:
+        ring = gather_window_kv(window_kv, window_scale, torch.where(is_ring, rows, 0), fresh_kv.dtype)
+    if fresh_kv.shape[0] == 0:
+        return ring if n_ring > 0 else fresh_kv.new_zeros((*rows.shape, d))
+    fresh_rows = torch.where(valid & ~is_ring, rows - n_ring, 0)
+    fresh = fresh_kv.index_select(0, fresh_rows.flatten()).view(*rows.shape, d)
+    return torch.where(is_ring.unsqueeze(-1), ring, fresh) if n_ring > 0 else fresh
+
+
+def sparse_attention_over_caches(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
+                                 global_scale, global_rows, sink, softmax_scale):
+    """The `sparse_attention` op: gather the window rows (FP8 ring rows dequantized, or this
+    call's fresh rows) and the FP4 global rows from the paged cache (window first), then
+    `sparse_attention`."""
+    win = gather_window_or_fresh(window_kv, window_scale, fresh_kv, window_rows)
     parts, valid = [win.to(q.dtype)], [window_rows >= 0]
     if global_rows.shape[-1] > 0:
         parts.append(gather_global_kv(global_cache, global_scale, global_rows, q.dtype))

@@ -10,11 +10,13 @@ tests/test_kernels_cuda.py:
   window_kv_write     FP8 E4M3 + UE8M0 per 32            } one program per few rows, quantize in
   global_kv_write     FP4 E2M1 + E4M3 per 16             } registers, scatter by slot; slot -1
   index_k_write       FP4 E2M1 + UE8M0 per 32            } rows are skipped. Bit-identical.
-  sparse_attention    decode/prefill attention over (window pool rows ++ FP4 global rows) with a
-                      per-head sink; FP4 dequantized in registers; one program serves a tile of
-                      BH query heads, so each KV row is loaded once for all heads of the tile
-                      (BH = H: once per token). Optional split over the row list + combine.
-                      Also runs on a bf16 global cache (the comparison variant).
+  sparse_attention    decode/prefill attention over (window rows ++ FP4 global rows) with a
+                      per-head sink; window rows are read in place from the FP8 E4M3 + UE8M0
+                      ring (or from this call's fresh rows), FP8 and FP4 dequantized in
+                      registers; one program serves a tile of BH query heads, so each KV row is
+                      loaded once for all heads of the tile (BH = H: once per token). Optional
+                      split over the row list + combine. Also runs on a bf16 global cache (the
+                      comparison variant).
   engram_gather       FP8 rows + E8M0/32 scales, dequantized; the table may be a device tensor
                       or a pinned host tensor read directly over PCIe (UVA).
 
@@ -396,6 +398,36 @@ def _decode_raw(ra, rb, BS: tl.constexpr, D2: tl.constexpr, DTYPE: tl.constexpr,
 
 
 @triton.jit
+def _load_ring_raw(ring_ptr, rsc_ptr, rows, is_ring, D2: tl.constexpr, NB32: tl.constexpr):
+    """Raw bytes of FP8 ring rows [BS] (what is carried one block ahead when prefetching): int16
+    words [BS, D/32, 16] (word i holds E4M3 elements 2i (low byte) and 2i+1 (high byte)) and the
+    UE8M0 scale bytes [BS, D/32]. Masked lanes issue no loads (their addresses need no clamp)."""
+    b = tl.arange(0, NB32)
+    j = tl.arange(0, 16)
+    word = b[:, None] * 16 + j[None, :]
+    rw = tl.load(ring_ptr + rows[:, None, None] * D2 + word[None, :, :],
+                 mask=is_ring[:, None, None], other=0)
+    rs = tl.load(rsc_ptr + rows[:, None] * NB32 + b[None, :], mask=is_ring[:, None], other=0)
+    return rw, rs
+
+
+@triton.jit
+def _decode_window(rw, rs, fa, fb, is_ring, BS: tl.constexpr, D2: tl.constexpr,
+                   DTYPE: tl.constexpr, IS16: tl.constexpr):
+    """Window raw rows -> (even, odd) halves [BS, D/2] in DTYPE: ring rows dequantized in
+    registers, E4M3 x 2^(e-127) in fp32 (exact, as codecs.dequant_fp8_ue8m0), fresh rows as is."""
+    w = rw.to(tl.int32)
+    sc = rs.to(tl.int32)
+    s = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(e-127)
+    lo = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+    hi = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+    fe, fo = _decode_raw(fa, fb, BS, D2, DTYPE, False, IS16)
+    ke = tl.where(is_ring[:, None], tl.reshape(lo.to(DTYPE), (BS, D2)), fe)
+    ko = tl.where(is_ring[:, None], tl.reshape(hi.to(DTYPE), (BS, D2)), fo)
+    return ke, ko
+
+
+@triton.jit
 def _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, IEEE: tl.constexpr):
     if IEEE:
         s = tl.dot(qe, tl.trans(ke), input_precision="ieee")
@@ -459,6 +491,54 @@ def _attn_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_hi, dat
 
 
 @triton.jit
+def _attn_window_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_hi, ring_ptr,
+                         rsc_ptr, fresh_ptr, n_ring, sm_scale, D: tl.constexpr, D2: tl.constexpr,
+                         NB16: tl.constexpr, NB32: tl.constexpr, BS: tl.constexpr,
+                         DTYPE: tl.constexpr, IS16: tl.constexpr, IEEE: tl.constexpr,
+                         PREFETCH: tl.constexpr):
+    """_attn_segment over the window row list: row r < n_ring is FP8 ring row r, row r >= n_ring
+    fresh row r - n_ring. Prefetching carries only the ring bytes one block ahead (at decode
+    nearly every row is a ring row); the few fresh rows are loaded in the block that uses them."""
+    jj = tl.arange(0, BS)
+    base = idx_ptr + n.to(tl.int64) * L
+    if PREFETCH:   # next block's indices and ring bytes are in flight while this block computes
+        j = blk_lo * BS + jj
+        rows = tl.load(base + j, mask=(j < L) & (blk_lo < blk_hi), other=-1)
+        valid = rows >= 0
+        is_ring = valid & (rows < n_ring)
+        rw, rs = _load_ring_raw(ring_ptr, rsc_ptr, rows, is_ring, D2, NB32)
+        for b in range(blk_lo, blk_hi):
+            jn = (b + 1) * BS + jj
+            rows_n = tl.load(base + jn, mask=(jn < L) & (b + 1 < blk_hi), other=-1)
+            valid_n = rows_n >= 0
+            is_ring_n = valid_n & (rows_n < n_ring)
+            rw_n, rs_n = _load_ring_raw(ring_ptr, rsc_ptr, rows_n, is_ring_n, D2, NB32)
+            fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D,
+                               D2, NB16, False, IS16)
+            ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, DTYPE, IS16)
+            m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
+                                              sm_scale, IEEE)
+            rw = rw_n
+            rs = rs_n
+            rows = rows_n
+            valid = valid_n
+            is_ring = is_ring_n
+    else:
+        for b in range(blk_lo, blk_hi):
+            j = b * BS + jj
+            rows = tl.load(base + j, mask=j < L, other=-1)
+            valid = rows >= 0
+            is_ring = valid & (rows < n_ring)
+            rw, rs = _load_ring_raw(ring_ptr, rsc_ptr, rows, is_ring, D2, NB32)
+            fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D,
+                               D2, NB16, False, IS16)
+            ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, DTYPE, IS16)
+            m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
+                                              sm_scale, IEEE)
+    return m, l, acc_e, acc_o
+
+
+@triton.jit
 def _store_pairs(ptr, off, mask, oe, oo, D2: tl.constexpr, DTYPE: tl.constexpr,
                  IS16: tl.constexpr):
     """Store (even, odd) halves [BH, D/2] interleaved into rows starting at element `off`."""
@@ -474,14 +554,17 @@ def _store_pairs(ptr, off, mask, oe, oo, D2: tl.constexpr, DTYPE: tl.constexpr,
 
 
 @triton.jit
-def _sparse_attn_kernel(q_ptr, pool_ptr, wrows_ptr, gc_ptr, gs_ptr, grows_ptr, sink_ptr, out_ptr,
-                        ws_acc_ptr, ws_ml_ptr, H, W, KG, sm_scale, blocks_per_split, n_split,
-                        D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr,
+def _sparse_attn_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_ptr, gs_ptr, grows_ptr,
+                        sink_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr, H, W, KG, n_ring, sm_scale,
+                        blocks_per_split, n_split,
+                        D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr, NB32: tl.constexpr,
                         BH: tl.constexpr, BS: tl.constexpr,
                         DTYPE: tl.constexpr, IS16: tl.constexpr, GLOBAL_FP4: tl.constexpr,
                         IEEE: tl.constexpr, DIRECT: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (n, head tile, split): query token n, heads hb*BH.., blocks of its row list
-    [window rows ++ global rows] in split sp. All BH heads share each loaded KV block."""
+    [window rows ++ global rows] in split sp. All BH heads share each loaded KV block. Window
+    rows < n_ring are FP8 ring rows (ring_ptr: int16 words, rsc_ptr: UE8M0 bytes), the others
+    rows of fresh_ptr (this call's rows, q's dtype)."""
     n = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -498,9 +581,10 @@ def _sparse_attn_kernel(q_ptr, pool_ptr, wrows_ptr, gc_ptr, gs_ptr, grows_ptr, s
     nbg = tl.cdiv(KG, BS)
     b0 = sp * blocks_per_split
     b1 = tl.minimum(b0 + blocks_per_split, nbw + nbg)
-    m, l, acc_e, acc_o = _attn_segment(qe, qo, m, l, acc_e, acc_o, wrows_ptr, n, W,
-                                       b0, tl.minimum(b1, nbw), pool_ptr, pool_ptr, sm_scale,
-                                       D, D2, NB16, BS, DTYPE, False, IS16, IEEE, PREFETCH)
+    m, l, acc_e, acc_o = _attn_window_segment(qe, qo, m, l, acc_e, acc_o, wrows_ptr, n, W,
+                                              b0, tl.minimum(b1, nbw), ring_ptr, rsc_ptr,
+                                              fresh_ptr, n_ring, sm_scale, D, D2, NB16, NB32, BS,
+                                              DTYPE, IS16, IEEE, PREFETCH)
     m, l, acc_e, acc_o = _attn_segment(qe, qo, m, l, acc_e, acc_o, grows_ptr, n, KG,
                                        tl.maximum(b0, nbw) - nbw, b1 - nbw, gc_ptr, gs_ptr,
                                        sm_scale, D, D2, NB16, BS, DTYPE, GLOBAL_FP4, IS16, IEEE,
@@ -557,16 +641,27 @@ def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_s
     _store_pairs(out_ptr, hrow * D, hmask, oe, oo, D2, DTYPE, IS16)
 
 
-def sparse_attention_supported(q, window_pool, window_rows, global_cache, global_scale,
-                               global_rows, sink) -> bool:
+def sparse_attention_supported(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
+                               global_scale, global_rows, sink) -> bool:
     if not (q.is_cuda and q.dim() == 3 and q.dtype in _FLOAT_DTYPES):
         return False
     d = q.shape[-1]
-    if not (_pow2(d) and d >= 32 and window_pool.shape[-1] == d and window_rows.dim() == 2
-            and global_rows.dim() == 2 and sink.numel() == q.shape[1]):
+    if not (_pow2(d) and d >= 32 and window_rows.dim() == 2 and global_rows.dim() == 2
+            and sink.numel() == q.shape[1]):
+        return False
+    # ring: FP8 bytes [.., D] + one UE8M0 byte per 32, contiguous (read in place)
+    if not (window_kv.element_size() == 1 and window_scale.element_size() == 1
+            and window_kv.shape[-1] == d and window_scale.shape[-1] == d // 32
+            and window_kv.numel() // d == window_scale.numel() // (d // 32)
+            and window_kv.is_contiguous() and window_scale.is_contiguous()):
+        return False
+    # fresh rows: ring values are dequantized straight to q's dtype, which equals the
+    # reference's fp32 -> fresh dtype -> q dtype when the fresh dtype holds them exactly
+    if not (fresh_kv.dim() == 2 and fresh_kv.shape[-1] == d
+            and fresh_kv.dtype in (q.dtype, torch.bfloat16, torch.float32)):
         return False
     if global_rows.shape[-1] > 0:
-        if global_scale is None:                      # bf16 global cache variant
+        if global_scale is None or global_cache.is_floating_point():   # bf16 global cache variant
             return global_cache.shape[-1] == d and global_cache.dtype in _FLOAT_DTYPES
         return (global_cache.dtype == torch.uint8 and global_cache.shape[-1] == d // 2
                 and global_scale.shape[-1] == d // 16 and global_cache.is_contiguous()
@@ -597,23 +692,33 @@ def attention_config(n: int, h: int, w: int, kg: int, device, block_h=None, bloc
 ATTN_PREFETCH = True    # default; the bench compares both
 
 
-def sparse_attention(q, window_pool, window_rows, global_cache, global_scale, global_rows, sink,
-                     softmax_scale, *, block_h=None, block_s=None, n_split=None, prefetch=None,
-                     out=None):
-    """torch.ops.v41graph.sparse_attention semantics. `global_scale=None` with a float
-    `global_cache` [R, D] runs the same algorithm on a bf16/fp32 global cache."""
+def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
+                     global_scale, global_rows, sink, softmax_scale, *, block_h=None,
+                     block_s=None, n_split=None, prefetch=None, out=None):
+    """torch.ops.v41graph.sparse_attention semantics: window rows r < slots*W read the FP8 ring
+    window_kv / window_scale in place, rows r >= slots*W are fresh_kv[r - slots*W].
+    `global_scale=None` (or a float `global_cache`) with a float `global_cache` [R, D] runs the
+    same algorithm on a bf16/fp32 global cache."""
     n, h, d = q.shape
     dt = q.dtype
     is16 = dt != torch.float32
     qc = q.contiguous()
-    pool = window_pool.reshape(-1, d)
-    pool = (pool if pool.dtype == dt else pool.to(dt)).contiguous()
+    n_ring = window_kv.numel() // d
+    if n_ring > 0:   # E4M3 element pairs (2i, 2i+1) read as one int16 word
+        ring = window_kv.reshape(-1, d).contiguous().view(torch.uint8).view(torch.int16)
+        rsc = window_scale.reshape(-1, d // 32).contiguous().view(torch.uint8)
+    else:
+        ring, rsc = qc.view(torch.int16), qc.view(torch.uint8)    # never read
+    fresh = fresh_kv.reshape(-1, d)
+    fresh = (fresh if fresh.dtype == dt else fresh.to(dt)).contiguous()
+    if fresh.shape[0] == 0:
+        fresh = qc.view(-1, d)                          # never read
     wrows = window_rows.contiguous()
     grows = global_rows.contiguous()
     w, kg = wrows.shape[1], grows.shape[1]
-    fp4 = global_scale is not None
+    fp4 = global_scale is not None and not global_cache.is_floating_point()
     if kg == 0:
-        gc = gs = pool                                  # never read
+        gc = gs = fresh                                 # never read
         fp4 = False
     elif fp4:
         gc, gs = global_cache, global_scale.view(torch.uint8)
@@ -642,9 +747,9 @@ def sparse_attention(q, window_pool, window_rows, global_cache, global_scale, gl
         ws_ml = torch.empty((n, n_split, h, 2), dtype=torch.float32, device=q.device)
     grid = (n, triton.cdiv(h, bh), n_split)
     _sparse_attn_kernel[grid](
-        i32(qc), i32(pool), wrows, i32(gc) if not fp4 else gc, gs, grows, sink, i32(out),
-        ws_acc, ws_ml, h, w, kg, float(softmax_scale), per, n_split,
-        D=d, D2=d // 2, NB16=d // 16, BH=bh, BS=bs, DTYPE=dtl, IS16=is16, GLOBAL_FP4=fp4,
+        i32(qc), ring, rsc, i32(fresh), wrows, i32(gc) if not fp4 else gc, gs, grows, sink,
+        i32(out), ws_acc, ws_ml, h, w, kg, n_ring, float(softmax_scale), per, n_split,
+        D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, DTYPE=dtl, IS16=is16, GLOBAL_FP4=fp4,
         IEEE=(dt == torch.float32), DIRECT=direct, PREFETCH=bool(prefetch),
         num_warps=warps, num_stages=1)
     if not direct:

@@ -12,7 +12,8 @@ Needs a CUDA GPU and Triton. Everything is measured side by side in one process:
   - cache writes (window FP8, global FP4, index FP4) vs the torch references;
   - sparse attention on the FP4 global cache vs the same kernel on a bf16 cache and vs the torch
     composite (gather + dequant + blockwise online softmax), B = 1, 8, 64 at contexts 8K and 64K
-    (each sequence owns `ctx` cache rows; 512 random rows per token) and prefill T = 4096;
+    (each sequence owns `ctx` cache rows; 512 random rows per token; window rows read in place
+    from each sequence's FP8 ring plus this call's fresh rows) and prefill T = 4096;
   - Engram gather from a device table and from a pinned host table (UVA) vs the copy ceilings.
 Each fast result is checked against its baseline before it is timed. Prints a short table last;
 writes bench.log, bench.json and bench_ops.md (the docs section) to --out (default $OUT).
@@ -217,7 +218,8 @@ def bench_writes(tk, bw, quick):
 # =============================================================================== sparse attention
 def bench_attention(tk, bw, quick):
     from v41graph import custom_ops  # noqa: F401
-    from v41graph.custom_ops import cuda_impls
+    from v41graph.custom_ops import codecs, cuda_impls
+    from v41graph.custom_ops import reference as ref
     h, d, w, kg = 64, 512, 128, 512
     scale = d ** -0.5
     sink = torch.randn(h, device="cuda")
@@ -235,11 +237,24 @@ def bench_attention(tk, bw, quick):
             torch.randint(0, 8, (rows_total, d // 16), device="cuda")
         gs = ((e << 3) | mnt).to(torch.uint8)                   # E4M3 scales in [2^-3, 2^1]
         gbf = torch.randn(rows_total, d, device="cuda").bfloat16()
-        pool = torch.randn(nseq * w + ntok, d, device="cuda").bfloat16()
+        # window: each sequence's FP8 ring [nseq, W, D] (+ UE8M0 / 32) read in place, and this
+        # call's fresh rows [ntok, D]; decode lists the W-1 previous ring rows + its own fresh
+        # row, prefill the causal window over the fresh rows
+        ring = torch.zeros(nseq, w, d, dtype=torch.uint8, device="cuda")
+        ring_sc = torch.zeros(nseq, w, d // 32, dtype=torch.uint8, device="cuda")
+        ref.window_kv_write(ring, ring_sc, torch.randn(nseq * w, d, device="cuda").bfloat16(),
+                            torch.arange(nseq * w, device="cuda"))
+        fresh = codecs.qdq_fp8_ue8m0(torch.randn(ntok, d, device="cuda"), 32).bfloat16()
         q = torch.randn(ntok, h, d, device="cuda").bfloat16()
         seq = torch.zeros(ntok, dtype=torch.int64, device="cuda") if prefill else \
             torch.arange(ntok, device="cuda")
-        wrows = seq[:, None] * w + torch.arange(w, device="cuda")
+        tok = torch.arange(ntok, device="cuda")
+        if prefill:
+            fpos = tok[:, None] - w + 1 + torch.arange(w, device="cuda")
+            wrows = torch.where(fpos >= 0, nseq * w + fpos, -1)
+        else:
+            wrows = seq[:, None] * w + torch.arange(w, device="cuda")
+            wrows[:, -1] = nseq * w + tok
         if prefill:
             grows = torch.rand(ntok, ctx, device="cuda").topk(kg, dim=-1).indices.sort(-1).values
         else:
@@ -247,14 +262,16 @@ def bench_attention(tk, bw, quick):
                 + seq[:, None] * ctx
         shape = (f"prefill T=4096 ctx={ctx}" if prefill else f"B={b} ctx={ctx // 1024}K") + \
             " H=64 D=512 W=128 K=512"
-        per_tok_fp4 = 2 * h * d * 2 + w * d * 2 + kg * (d // 2 + d // 16) + (w + kg) * 8
-        per_tok_bf16 = 2 * h * d * 2 + w * d * 2 + kg * d * 2 + (w + kg) * 8
+        per_tok_fp4 = 2 * h * d * 2 + w * (d + d // 32) + kg * (d // 2 + d // 16) + (w + kg) * 8
+        per_tok_bf16 = 2 * h * d * 2 + w * (d + d // 32) + kg * d * 2 + (w + kg) * 8
         nb_fp4, nb_bf16 = ntok * per_tok_fp4, ntok * per_tok_bf16
         t_ref = None
         if not prefill:
-            base = cuda_impls._sparse_attention_ref(q, pool, wrows, gc, gs, grows, sink, scale)
-            t_ref = tbench(lambda: cuda_impls._sparse_attention_ref(q, pool, wrows, gc, gs, grows,
-                                                                    sink, scale), rep=20)
+            base = cuda_impls._sparse_attention_ref(q, ring, ring_sc, fresh, wrows, gc, gs, grows,
+                                                    sink, scale)
+            t_ref = tbench(lambda: cuda_impls._sparse_attention_ref(q, ring, ring_sc, fresh, wrows,
+                                                                    gc, gs, grows, sink, scale),
+                           rep=20)
             row("sparse_attention", shape, "torch composite (gather+dequant+ref), eager", t_ref, nb_fp4, bw=bw)
         else:
             base = None
@@ -267,9 +284,9 @@ def bench_attention(tk, bw, quick):
                         gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
 
                         def fn():
-                            return tk.sparse_attention(q, pool, wrows, gcache, gscale, grows, sink,
-                                                       scale, block_h=bh, block_s=bs, n_split=sp,
-                                                       prefetch=pf)
+                            return tk.sparse_attention(q, ring, ring_sc, fresh, wrows, gcache,
+                                                       gscale, grows, sink, scale, block_h=bh,
+                                                       block_s=bs, n_split=sp, prefetch=pf)
                         out = fn()
                         err = rel(out, base) if (base is not None and fmt == "fp4") else None
                         t = cbench(fn, reps=4 if prefill else 8)
@@ -288,7 +305,7 @@ def bench_attention(tk, bw, quick):
             row("sparse_attention", shape, "BEST fp4 vs BEST bf16 cache: " + best["fp4"]["variant"],
                 best["fp4"]["us"], nb_fp4, base_us=best["bf16"]["us"], bw=bw,
                 note=f"bf16 best: {best['bf16']['variant']} {best['bf16']['us']} us")
-        del gc, gs, gbf, pool, q
+        del gc, gs, gbf, ring, ring_sc, fresh, q
         torch.cuda.empty_cache()
 
 

@@ -10,7 +10,9 @@ Error measure (METHOD.md): rel = ||out - ref|| / ||ref|| in float64, NaN never p
                                     reference's own error + 1e-3;  fp32: rel < 1e-5. Split-K sums
                                     in fp32 atomics (order varies run to run); bit-reproducible
                                     under torch.use_deterministic_algorithms(True)
-  sparse_attention   bf16           rel < 1e-2 vs the CPU reference; fp32: rel < 1e-5
+  sparse_attention   bf16           rel < 1e-2 vs the CPU reference; fp32: rel < 1e-5; window
+                                    rows read from the FP8 ring (dequantized in registers) or the
+                                    fresh rows: bit-identical values (one-row lists)
 """
 from __future__ import annotations
 
@@ -171,10 +173,20 @@ def test_cache_write_bit_identical(kind, dtype, n, d, via_op):
 
 
 # =============================================================================== sparse attention
-def _attn_inputs(n, h, d, w, kg, dtype, g, pool_rows=300, cache_rows=700):
+def _attn_inputs(n, h, d, w, kg, dtype, g, slots=15, ring_w=20, cache_rows=700):
+    """Window rows over (FP8 ring [slots, ring_w, D] ++ fresh rows [n, D]): ring rows, fresh rows
+    and -1. The ring's last quarter is never listed and holds NaN codes (must not be read)."""
     q = torch.randn(n, h, d, generator=g).to(dtype)
-    pool = codecs.qdq_fp8_ue8m0(torch.randn(pool_rows, d, generator=g) * 2, 32).to(dtype)
-    wrows = torch.randint(0, pool_rows, (n, w), generator=g)
+    n_ring = slots * ring_w
+    ring = torch.full((slots, ring_w, d), 0x7F, dtype=torch.uint8)          # E4M3 NaN
+    ring_scale = torch.randint(0, 256, (slots, ring_w, d // 32), dtype=torch.uint8, generator=g)
+    used = n_ring * 3 // 4
+    vals = torch.randn(used, d, generator=g) * torch.logspace(-2, 1, used).unsqueeze(-1)
+    if used:
+        ref.window_kv_write(ring, ring_scale, vals.to(dtype), torch.arange(used))
+    fresh = codecs.qdq_fp8_ue8m0(torch.randn(n, d, generator=g) * 2, 32).to(dtype)
+    pick = torch.randint(0, used + n, (n, w), generator=g)
+    wrows = torch.where(pick < used, pick, n_ring + pick - used)
     wrows = torch.where(torch.rand(n, w, generator=g) < 0.2, -1, wrows)
     kv = torch.randn(cache_rows, d, generator=g) * 2
     gc = torch.zeros(cache_rows, d // 2, dtype=torch.uint8)
@@ -189,18 +201,19 @@ def _attn_inputs(n, h, d, w, kg, dtype, g, pool_rows=300, cache_rows=700):
         if kg:
             grows[1] = -1
     sink = torch.randn(h, generator=g)
-    return q, pool, wrows, gc, gs, grows, sink
+    return q, ring, ring_scale, fresh, wrows, gc, gs, grows, sink
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n,h,d,w,kg", [(3, 64, 512, 128, 512), (4, 64, 512, 128, 0),
-                                        (2, 16, 512, 100, 77), (5, 4, 32, 8, 4)])
-def test_sparse_attention(n, h, d, w, kg, dtype):
-    g = _rng(n * 1000 + h + w + kg)
-    q, pool, wrows, gc, gs, grows, sink = _attn_inputs(n, h, d, w, kg, dtype, g)
+@pytest.mark.parametrize("n,h,d,w,kg,slots", [(3, 64, 512, 128, 512, 15), (4, 64, 512, 128, 0, 15),
+                                              (2, 16, 512, 100, 77, 15), (5, 4, 32, 8, 4, 15),
+                                              (3, 16, 512, 40, 0, 0), (64, 64, 512, 128, 512, 65)])
+def test_sparse_attention(n, h, d, w, kg, slots, dtype):
+    g = _rng(n * 1000 + h + w + kg + slots)
+    inputs = _attn_inputs(n, h, d, w, kg, dtype, g, slots=slots)
     scale = d ** -0.5
-    want = ops.sparse_attention(q, pool, wrows, gc, gs, grows, sink, scale)      # CPU reference
-    args = [t.to(DEV) for t in (q, pool, wrows, gc, gs, grows, sink)]
+    want = ops.sparse_attention(*inputs, scale)                                  # CPU reference
+    args = [t.to(DEV) for t in inputs]
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     # default (prefetch on), no prefetch, splits + combine, BS = 64, all 64 heads in one program
     variants = [dict(), dict(block_h=16, n_split=1, prefetch=False),
@@ -212,10 +225,33 @@ def test_sparse_attention(n, h, d, w, kg, dtype):
         tk.sparse_attention(*args, scale, out=out, **v)
         e = rel_err(out, want)
         assert e < tol, (v, e)
-    if n > 1:   # the token with no visible rows gives exactly 0 (denominator = sink term only)
-        assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
+        if n > 1:   # the token with no visible rows gives exactly 0 (denominator = sink term only)
+            assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
+    assert tk.sparse_attention_supported(*args)
     got = ops.sparse_attention(*args, scale)                                     # dispatcher
     assert rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sparse_attention_window_rows_exact(dtype):
+    """One visible window row per query: the output is that row (softmax weight 1 up to the
+    sink, which is -inf-like here), so the kernel's in-register FP8 dequantization must give
+    exactly the reference's values (ring rows) and the fresh rows as they are."""
+    g = _rng(4242)
+    n, h, d, w = 8, 16, 512, 16
+    q, ring, ring_scale, fresh, wrows, gc, gs, grows, sink = _attn_inputs(n, h, d, w, 0, dtype, g)
+    n_ring = ring.shape[0] * ring.shape[1]
+    only = torch.tensor([0, 7, n_ring * 3 // 4 - 1, n_ring, n_ring + 5, 3, 100, n_ring + 7])
+    wrows = torch.full((n, w), -1, dtype=torch.int64)
+    wrows[:, 5] = only
+    sink = torch.full((h,), -1e4)
+    want = ops.sparse_attention(q, ring, ring_scale, fresh, wrows, gc, gs, grows, sink, d ** -0.5)
+    rows = ref.gather_window_or_fresh(ring, ring_scale, fresh, only.view(n, 1))[:, 0]
+    assert torch.equal(want, rows.unsqueeze(1).expand(n, h, d).to(dtype))
+    out = poisoned((n, h, d), dtype)
+    tk.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows, gc, gs, grows,
+                                              sink)], d ** -0.5, n_split=1, out=out)
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.parametrize("n_split,prefetch", [(1, False), (4, True)])
@@ -223,12 +259,14 @@ def test_sparse_attention_bf16_cache_variant(n_split, prefetch):
     """The comparison variant: same kernel over a bf16 global cache holding the dequantized rows."""
     g = _rng(99 + n_split)
     n, h, d, w, kg = 3, 64, 512, 128, 512
-    q, pool, wrows, gc, gs, grows, sink = _attn_inputs(n, h, d, w, kg, torch.bfloat16, g)
-    want = ops.sparse_attention(q, pool, wrows, gc, gs, grows, sink, d ** -0.5)
+    q, ring, ring_scale, fresh, wrows, gc, gs, grows, sink = _attn_inputs(n, h, d, w, kg,
+                                                                          torch.bfloat16, g)
+    want = ops.sparse_attention(q, ring, ring_scale, fresh, wrows, gc, gs, grows, sink, d ** -0.5)
     dense = ref.gather_global_kv(gc, gs, torch.arange(gc.shape[0]), torch.bfloat16)
     out = poisoned((n, h, d), torch.bfloat16)
-    tk.sparse_attention(q.to(DEV), pool.to(DEV), wrows.to(DEV), dense.to(DEV), None, grows.to(DEV),
-                        sink.to(DEV), d ** -0.5, n_split=n_split, prefetch=prefetch, out=out)
+    tk.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows)], dense.to(DEV),
+                        None, grows.to(DEV), sink.to(DEV), d ** -0.5, n_split=n_split,
+                        prefetch=prefetch, out=out)
     assert rel_err(out, want) < 1e-2
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from v41graph.custom_ops import codecs, reference
+from v41graph.custom_ops import codecs
 from .cache import COMPRESSOR_RING, AttentionMetadata, ModelCaches
 from .config import V41Config
 from .layer_plan import LayerRole
@@ -228,10 +228,8 @@ class Attention(nn.Module):
         kv = codecs.qdq_fp8_ue8m0(kv, 32)     # exactly what the window cache will hold
         lid = role.layer_id
         ring_kv, ring_scale = caches.window_kv[lid], caches.window_scale[lid]
-        # The window pool: every slot's ring, dequantized, then this call's rows. (The reference
-        # path dequantizes whole rings; a kernel reads the FP8 rows it needs in place.)
-        pool = torch.cat([reference.gather_window_kv(
-            ring_kv, ring_scale, torch.arange(caches.num_slots * self.window, device=x.device), kv.dtype), kv])
+        # Window rows index (every slot's FP8 ring ++ this call's rows); sparse_attention reads
+        # the ring rows it needs in place and dequantizes them, the fresh rows come from `kv`.
         window_rows = self._window_rows(ctx)
 
         if role.mode == "full" and lid not in ctx.precompressed:
@@ -253,8 +251,8 @@ class Attention(nn.Module):
             ctx.debug[f"window_positions.layer{lid}"] = self._window_positions(ctx)
             ctx.debug[f"topk_positions.layer{lid}"] = topk
 
-        o = ops.sparse_attention(q, pool, window_rows, gkv, gsc, global_rows, self.attn_sink,
-                                 self.softmax_scale)
+        o = ops.sparse_attention(q, ring_kv, ring_scale, kv, window_rows, gkv, gsc, global_rows,
+                                 self.attn_sink, self.softmax_scale)
         # Window write after the read: keep the last W tokens of each sequence in the ring.
         keep = ctx.positions >= ctx.tok_seq_len - self.window
         ring_rows = torch.where(keep, ctx.tok_slot * self.window + ctx.positions.remainder(self.window), -1)

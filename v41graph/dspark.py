@@ -108,8 +108,12 @@ class DSparkStage(nn.Module):
         rows = torch.cat([slots, w + torch.arange(k, device=x.device)]).expand(k, -1).contiguous()
         empty_rows = torch.empty((k, 0), dtype=torch.int64, device=x.device)
         empty_kv = torch.empty((0, 1), dtype=torch.uint8, device=x.device)
-        o = ops.sparse_attention(q, pool, rows, empty_kv, empty_kv, empty_rows, a.attn_sink,
-                                 a.softmax_scale)
+        # DSpark keeps its ring as float values (post-QDQ), so there is no FP8 ring to read in
+        # place: an empty ring, and every row (ring ++ block) is a fresh row of `pool`.
+        no_ring = torch.empty((0, w, a.head_dim), dtype=torch.uint8, device=x.device)
+        no_ring_scale = torch.empty((0, w, a.head_dim // 32), dtype=torch.uint8, device=x.device)
+        o = ops.sparse_attention(q, no_ring, no_ring_scale, pool, rows, empty_kv, empty_kv,
+                                 empty_rows, a.attn_sink, a.softmax_scale)
         o = apply_rope(o, rotation, inverse=True).reshape(k, a.o_groups, -1)
         wo_a = a.wo_a.weight.view(a.o_groups, a.o_rank, -1).to(o.dtype)
         o = torch.einsum("ngd,grd->ngr", o, wo_a)
