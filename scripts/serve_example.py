@@ -2,6 +2,7 @@
 
     python scripts/serve_example.py [--requests 300] [--batch 8] [--compile]
                                     [--spec K [--schedule fixed|confidence]]
+                                    [--prefill auto|full|replay] [--rebuild-metadata]
 
 Requests arrive a few per engine step (Poisson-ish), with prompt lengths 4..64, 4..32 new
 tokens, half greedy and half sampled (temperature / top-p, per-request seeds), some with stop
@@ -9,6 +10,8 @@ ids, a few aborted midway. Prints throughput and latency / time-to-first-token p
 With --spec K, DSpark speculative decoding (random-weight draft head, K drafts per step) runs
 in the engine and the DSpark mean acceptance length (tokens committed per verification) is
 printed; with random weights the drafts are almost never accepted, so expect ~1.0.
+Prompts longer than the window (8 in tiny) prefill with decoder bounded replay unless
+--prefill full; --rebuild-metadata rebuilds decode metadata from host lists every step.
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ def main():
     ap.add_argument("--compile", action="store_true", help="run through v41graph.compile (slow warm-up)")
     ap.add_argument("--spec", type=int, default=0, help="DSpark drafts per step (0 = off)")
     ap.add_argument("--schedule", default="fixed", choices=("fixed", "confidence"))
+    ap.add_argument("--prefill", default="auto", choices=("auto", "full", "replay"))
+    ap.add_argument("--rebuild-metadata", action="store_true",
+                    help="rebuild decode metadata every step (no persistent DecodeBatch)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = v41graph.V41Config.tiny()
@@ -48,7 +54,8 @@ def main():
         spec_kw = dict(speculative=SpecConfig(num_draft=args.spec, schedule=args.schedule),
                        draft_head=init_random_dspark_(DSparkHead(cfg), seed=1).eval())
     eng = Engine(runner, max_batch_size=args.batch, max_seq_len=128, block_size=16,
-                 max_num_batched_tokens=128, prefill_chunk_size=32, **spec_kw)
+                 max_num_batched_tokens=128, prefill_chunk_size=32, prefill_mode=args.prefill,
+                 persistent_metadata=not args.rebuild_metadata, **spec_kw)
     g = torch.Generator().manual_seed(0)
 
     def rnd(lo, hi):
@@ -87,8 +94,11 @@ def main():
           f"{len(done) / wall:.1f} req/s")
     print("latency ms  p50 {:.1f}  p90 {:.1f}  p99 {:.1f}".format(*(pct(lat, q) for q in (50, 90, 99))))
     print("TTFT ms     p50 {:.1f}  p90 {:.1f}  p99 {:.1f}".format(*(pct(ttft, q) for q in (50, 90, 99))))
+    st = eng.stats
+    print(f"prefill ({args.prefill}): {st['replay_steps']} replay steps, {st['replay_dropped_tokens']} "
+          f"prompt tokens skipped the decoder, {st['replay_full_steps']} chunks before the replay "
+          f"segment ran full")
     if eng.spec is not None:
-        st = eng.stats
         print(f"DSpark acceptance length: {eng.spec.acceptance_length:.3f} tokens/verification "
               f"({st['spec_verifies']} verifications, {st['spec_accepted']}/{st['spec_drafted']} "
               f"drafts accepted, {st['spec_rejections']} with a rejection)")

@@ -31,9 +31,9 @@ def _prompts(lengths, seed=1, vocab=256):
 PROMPTS = _prompts([5, 13, 40, 3, 21])
 
 
-def _session_greedy(model, prompt, n):
+def _session_greedy(model, prompt, n, mode="auto"):
     s = v41graph.Session(model, 1, MAX_SEQ, block_size=BLOCK)
-    logits, out = s.prefill([prompt]), []
+    logits, out = s.prefill([prompt], mode=mode), []
     for _ in range(n):
         tok = int(logits[0].argmax())
         out.append(tok)
@@ -65,6 +65,17 @@ def test_engine_greedy_matches_session_loop(tiny_model, reference_greedy):
     assert [o.token_ids for o in outs] == reference_greedy
     assert all(o.finish_reason == "length" for o in outs)
     assert eng.stats["steps"] > 0 and _all_free(eng)
+
+
+def test_engine_full_prefill_matches_session_full_loop(tiny_model):
+    # The engine's default prefill replays the decoder over the last window of long prompts
+    # (chunk by chunk; the reference loop above uses Session's mode="auto", the same replay in
+    # one call); prefill_mode="full" is the explicit option and matches Session's full prefill.
+    ref = [_session_greedy(tiny_model, p, N_NEW, mode="full") for p in PROMPTS]
+    eng = _engine(tiny_model, prefill_mode="full")
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == ref
+    assert eng.stats["replay_steps"] == 0 and _all_free(eng)
 
 
 def test_batched_equals_each_alone(tiny_model):

@@ -15,6 +15,24 @@ Scheduling (continuous batching): every step runs ONE model call over a flat bat
     `max_num_batched_tokens`.
 Waiting requests are admitted FIFO whenever a cache slot and their blocks are free.
 
+Decode metadata (the seed's P5): the decode rows of a step live in a persistent `DecodeBatch`
+(v41graph/cache.py): slots and block tables are written when a request starts or stops
+decoding, positions / chunk starts / sequence lengths move on by one with a single device add
+after each step. A steady-state decode step (same decoding requests as the step before, no
+prefill chunk) therefore builds its metadata without reading the device and without building a
+tensor from host data; the scheduler counts lengths in Python ints itself. The new tokens are
+the one host-to-device transfer (non-blocking, from pinned memory on CUDA). A step with
+prefill chunks appends freshly built chunk metadata to the persistent decode rows.
+`persistent_metadata=False` rebuilds everything from host lists every step (the old path).
+
+Prefill (`prefill_mode`): "auto" (default) runs CED decoder bounded replay (MODEL.md §9) for
+prompts longer than the sliding window: every prompt token goes through the encoder and the
+decoder's global-KV source, the decoder layers only over the last `sliding_window` prompt
+tokens with their window truncated there (chunk by chunk: a chunk wholly before that segment
+skips the decoder). Prompts within the window prefill exactly as with "full", which runs every
+layer over every prompt token (as DeepSeek's reference does); "replay" takes the replay path
+for every prompt chunk (same results as "auto").
+
 Memory: each request gets a cache slot (window ring, compressor ring, Engram history row) and,
 on admission, every block its longest possible context (prompt + max_tokens - 1) can need, so a
 running request never runs out of memory mid-generation and no preemption is needed. Slot
@@ -41,8 +59,12 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .cache import BlockAllocator, CacheCapacityError, ModelCaches, build_metadata, positions_of
+from .cache import (BlockAllocator, CacheCapacityError, DecodeBatch, ModelCaches, build_metadata,
+                    concat_metadata, positions_of)
 from .sampling import SamplingParams, sample_batch
+
+
+PREFILL_MODES = ("auto", "replay", "full")
 
 
 class RequestError(ValueError):
@@ -101,11 +123,17 @@ class RequestOutput:
 class Engine:
     def __init__(self, model, max_batch_size: int, max_seq_len: int, block_size: int = 128,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
-                 prefill_chunk_size: int | None = None, speculative=None, draft_head=None):
+                 prefill_chunk_size: int | None = None, speculative=None, draft_head=None,
+                 prefill_mode: str = "auto", persistent_metadata: bool = True):
         """model: a V41Model or a v41graph.compile()d CompiledModel (same call signature).
 
         speculative=SpecConfig(num_draft=k) with draft_head=DSparkHead: lossless DSpark
-        speculative decoding (v41graph.speculative); every step then runs the eager V41Model."""
+        speculative decoding (v41graph.speculative); every step then runs the eager V41Model.
+        prefill_mode: "auto" (decoder bounded replay for prompts longer than the window),
+        "full" or "replay" (see the module docstring). persistent_metadata=False: rebuild the
+        decode metadata from host lists every step instead of keeping it on the device."""
+        if prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         self.model = model
         base = getattr(model, "model", model)
         self.config = base.config
@@ -137,6 +165,9 @@ class Engine:
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.stats = collections.Counter()
+        self.prefill_mode = prefill_mode
+        self.decode_batch = DecodeBatch(max_batch_size, self.max_blocks, self.device) \
+            if persistent_metadata else None
         self.spec = None
         if speculative is not None:
             from .speculative import SpeculativeDecoder
@@ -271,14 +302,9 @@ class Engine:
         batch = self._schedule()
         if not batch:
             return []
-        meta = build_metadata([r.slot for r, _ in batch], [r.num_cached for r, _ in batch],
-                              [len(c) for _, c in batch], [r.blocks for r, _ in batch],
-                              self.max_blocks, device=self.device)
-        ids = torch.tensor([t for _, c in batch for t in c], dtype=torch.int64, device=self.device)
-        with torch.no_grad():
-            logits = self.model(ids, positions_of(meta), self.caches, meta)
+        logits = self._forward(batch)
         self.stats["steps"] += 1
-        self.stats["tokens"] += ids.shape[0]
+        self.stats["tokens"] += sum(len(c) for _, c in batch)
         done = []   # (row, request) whose chunk reached the end of the known tokens
         for i, (req, chunk) in enumerate(batch):
             req.num_cached += len(chunk)
@@ -286,13 +312,99 @@ class Engine:
                 done.append((i, req))
         events = []
         if done:
-            rows = torch.tensor([i for i, _ in done], device=logits.device)
-            toks = sample_batch(logits.index_select(0, rows), [r.params for _, r in done],
-                                [r.generator for _, r in done])
+            if len(done) == len(batch):     # every row (a decode step): no row-index tensor
+                chosen = logits
+            else:
+                rows = torch.tensor([i for i, _ in done], device=logits.device)
+                chosen = logits.index_select(0, rows)
+            toks = sample_batch(chosen, [r.params for _, r in done], [r.generator for _, r in done])
             now = time.perf_counter()
             for (_, req), tok in zip(done, toks):
                 events.append(self._emit(req, [tok], now))
         return events
+
+    # ------------------------------------------------------------------ one model call
+    @staticmethod
+    def _num_decodes(batch: list) -> int:
+        """Decode entries lead the batch (requests with output); prefill chunks follow."""
+        n = 0
+        while n < len(batch) and batch[n][0].output:
+            n += 1
+        return n
+
+    def _forward(self, batch: list) -> torch.Tensor:
+        """The step's model call: metadata, input ids, the (replay) prefill choice; afterwards
+        the persistent decode rows move on by one token (a device add)."""
+        nd = self._num_decodes(batch)
+        ids, positions, meta = self._inputs(batch, nd)
+        floors = self.replay_floors(batch, nd)
+        with torch.no_grad():
+            if floors is None:
+                logits = self.model(ids, positions, self.caches, meta)
+            else:
+                replay = torch.tensor(floors, dtype=torch.int64, device=self.device)
+                logits = self.model(ids, positions, self.caches, meta, decoder_replay=replay)
+        if self.decode_batch is not None and nd:
+            self.decode_batch.advance()
+        return logits
+
+    def _inputs(self, batch: list, nd: int):
+        """(input ids, positions, metadata) of a step whose first `nd` entries are decodes."""
+        dev = self.device
+        dec = self.decode_batch
+        if dec is None:       # everything from host lists, every step
+            meta = build_metadata([r.slot for r, _ in batch], [r.num_cached for r, _ in batch],
+                                  [len(c) for _, c in batch], [r.blocks for r, _ in batch],
+                                  self.max_blocks, device=dev)
+            ids = torch.tensor([t for _, c in batch for t in c], dtype=torch.int64, device=dev)
+            return ids, positions_of(meta), meta
+        dec.sync([r.request_id for r, _ in batch[:nd]], self._describe)
+        if nd == len(batch):  # a decode step: the persistent rows as they are
+            positions, meta = self.decode_metadata()
+            return dec.load_ids([c[0] for _, c in batch]), positions, meta
+        pre = batch[nd:]
+        pmeta = build_metadata([r.slot for r, _ in pre], [r.num_cached for r, _ in pre],
+                               [len(c) for _, c in pre], [r.blocks for r, _ in pre],
+                               self.max_blocks, device=dev)
+        pids = torch.tensor([t for _, c in pre for t in c], dtype=torch.int64, device=dev)
+        if nd == 0:
+            return pids, positions_of(pmeta), pmeta
+        dpos, dmeta = self.decode_metadata()
+        ids = torch.cat([dec.load_ids([c[0] for _, c in batch[:nd]]), pids])
+        return ids, torch.cat([dpos, positions_of(pmeta)]), concat_metadata(dmeta, pmeta)
+
+    def decode_metadata(self):
+        """(positions, metadata) of the persistent decode rows: cached views, nothing built,
+        nothing read from the device (tests watch this call)."""
+        return self.decode_batch.metadata()
+
+    def _describe(self, request_id: int):
+        req = self.requests[request_id]
+        return req.slot, req.num_cached, req.blocks
+
+    def replay_floors(self, batch: list, nd: int) -> list | None:
+        """Per-sequence decoder replay floors of a step (B positions; decode rows 0), or None
+        for a plain (full) step. A prompt longer than the window replays its last
+        `sliding_window` tokens; a step whose every token lies before its floor runs full (the
+        decoder would have nothing to run; the decoder window rows it writes are never read:
+        the replay window stops at the floor, and decoding reads only positions after it)."""
+        if self.prefill_mode == "full" or nd == len(batch):
+            return None
+        w = self.config.sliding_window
+        floors, kept = [], 0
+        for i, (req, chunk) in enumerate(batch):
+            f = 0 if i < nd else max(0, len(req.prompt) - w)
+            end = req.num_cached + len(chunk)
+            kept += end - min(max(req.num_cached, f), end)
+            floors.append(f)
+        if self.prefill_mode == "auto" and not any(floors):
+            return None       # every prompt within the window: replay == full, run full
+        if kept == 0:
+            self.stats["replay_full_steps"] += 1
+            return None
+        self.stats["replay_steps"] += 1
+        self.stats["replay_dropped_tokens"] += sum(len(c) for _, c in batch) - kept
+        return floors
 
     def _emit(self, req: Request, toks: list, now: float | None = None) -> tuple:
         """Append newly committed tokens (stopping at a stop id or max_tokens), finish the

@@ -6,6 +6,16 @@
 
 The session owns the caches and the block allocator. Every request is validated before
 anything is written, so a bad request raises a clear error and leaves all caches as they were.
+
+Prefill modes: "full" runs every layer over every prompt token (DeepSeek's reference; the
+Session default, which the reference / conformance tests rely on), "auto" is CED decoder
+bounded replay (MODEL.md §9) for prompts longer than the sliding window and full otherwise (the
+Engine's default), "replay" replays always. Pick per call (`prefill(..., mode=)`) or per session
+(`Session(..., prefill_mode=)`).
+One-token-per-sequence steps (`decode`) keep their metadata in a persistent `DecodeBatch`
+(slots and block tables written when the decoding set changes or a sequence gets a new block,
+lengths moved on by a device add); the token ids are still validated on the host, so a device
+tensor of ids is read once per call (Engine, which samples on the host, reads nothing).
 """
 from __future__ import annotations
 
@@ -14,14 +24,23 @@ from typing import Sequence
 
 import torch
 
-from .cache import BlockAllocator, CacheCapacityError, ModelCaches, build_metadata, positions_of
+from .cache import (BlockAllocator, CacheCapacityError, DecodeBatch, ModelCaches, build_metadata,
+                    positions_of)
 from .model import V41Model
+
+PREFILL_MODES = ("auto", "full", "replay")
 
 
 class Session:
     def __init__(self, model, max_batch_size: int, max_seq_len: int,
-                 block_size: int = 128, num_blocks: int | None = None):
-        """model: a V41Model or a v41graph.compile()d one (same call signature)."""
+                 block_size: int = 128, num_blocks: int | None = None,
+                 persistent_metadata: bool = True, prefill_mode: str = "full"):
+        """model: a V41Model or a v41graph.compile()d one (same call signature).
+        persistent_metadata=False rebuilds decode metadata from host lists every step.
+        prefill_mode: what prefill() does when called without mode= (see the module doc)."""
+        if prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
+        self.prefill_mode = prefill_mode
         self.model = model
         base: V41Model = getattr(model, "model", model)
         self.config = base.config
@@ -38,22 +57,33 @@ class Session:
         self.allocator = BlockAllocator(num_blocks)
         self.seq_lens = [0] * max_batch_size
         self.blocks: list[list[int]] = [[] for _ in range(max_batch_size)]
+        self.decode_batch = DecodeBatch(max_batch_size, self.max_blocks, device) \
+            if persistent_metadata else None
+        self.last_prefill_mode = None     # "full" | "replay": what the last prefill ran
 
     # ------------------------------------------------------------------ public
-    def prefill(self, prompt_ids, mode: str = "full") -> torch.Tensor:
+    def prefill(self, prompt_ids, mode: str | None = None) -> torch.Tensor:
         """Start sequences 0..B-1 afresh with these prompts; logits of each last token.
 
         mode="full" runs every layer over every token (as DeepSeek's reference does);
         mode="replay" is CED decoder bounded replay: decoder layers only over the last
-        `sliding_window` tokens (MODEL.md §9). Both agree for prompts <= the window."""
-        if mode not in ("full", "replay"):
-            raise ValueError(f"prefill mode must be 'full' or 'replay', got {mode!r}")
+        `sliding_window` tokens (MODEL.md §9). Both agree for prompts <= the window.
+        mode="auto": replay if a prompt is longer than the window, else full.
+        mode=None: the session's prefill_mode ("full" unless the constructor said otherwise)."""
+        mode = self.prefill_mode if mode is None else mode
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {mode!r}")
         prompts = self._as_lists(prompt_ids, "prompt_ids")
         if len(prompts) > self.max_batch_size:
             raise ValueError(f"batch of {len(prompts)} prompts > max_batch_size {self.max_batch_size}")
-        replay = self.config.sliding_window if mode == "replay" else None
+        w = self.config.sliding_window
+        if mode == "auto":
+            mode = "replay" if any(len(p) > w for p in prompts) else "full"
+        replay = w if mode == "replay" else None
         # A new prompt replaces whatever the slot held (only once the request is validated).
-        return self._step(list(range(len(prompts))), prompts, replay, restart=True)
+        logits = self._step(list(range(len(prompts))), prompts, replay, restart=True)
+        self.last_prefill_mode = mode
+        return logits
 
     def decode(self, ids) -> torch.Tensor:
         """One token per running sequence (ids [B, 1] or [B]); logits [B, V]."""
@@ -73,6 +103,8 @@ class Session:
         """Forget a sequence and free its blocks."""
         self.allocator.free(self.blocks[seq])
         self.blocks[seq], self.seq_lens[seq] = [], 0
+        if self.decode_batch is not None:
+            self.decode_batch.discard([seq])
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -122,13 +154,32 @@ class Session:
             if restart:
                 self.release(s)
             self.blocks[s] += self.allocator.allocate(n)
-        meta = build_metadata(seqs, [start[s] for s in seqs], [len(c) for c in chunks],
-                              [self.blocks[s] for s in seqs], self.max_blocks,
-                              device=self.caches.engram_history.device)
-        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64,
-                           device=self.caches.engram_history.device)
+        dev = self.caches.engram_history.device
+        dec = self.decode_batch
+        one_token = not restart and replay is None and all(len(c) == 1 for c in chunks)
+        if dec is not None and one_token:
+            inserted = dec.sync(seqs, lambda s: (s, self.seq_lens[s], self.blocks[s]))
+            for s, n in new_blocks.items():      # kept rows: append their new blocks
+                if n > 0 and s not in inserted:
+                    row, have = dec.keys.index(s), len(self.blocks[s])
+                    for j in range(have - n, have):
+                        dec.set_block(row, j, self.blocks[s][j])
+            positions, meta = dec.metadata()
+            ids = dec.load_ids([c[0] for c in chunks])
+        else:
+            if dec is not None:   # these sequences' lengths move by other than one token
+                dec.discard(seqs)
+            meta = build_metadata(seqs, [start[s] for s in seqs], [len(c) for c in chunks],
+                                  [self.blocks[s] for s in seqs], self.max_blocks, device=dev)
+            ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=dev)
+            positions = positions_of(meta)
         with torch.no_grad():
-            logits = self.model(ids, positions_of(meta), self.caches, meta, decoder_replay=replay)
+            if replay is None:
+                logits = self.model(ids, positions, self.caches, meta)
+            else:
+                logits = self.model(ids, positions, self.caches, meta, decoder_replay=replay)
+        if dec is not None and one_token:
+            dec.advance()
         for s, c in zip(seqs, chunks):
             self.seq_lens[s] = start[s] + len(c)
         return logits

@@ -39,10 +39,14 @@ One engine step with speculation (`SpeculativeDecoder.step`), ONE target call pe
          ring, which was restored).
   5. DSpark context: head.context() of the residual streams entering the target layers
      (model.debug `block_out.layer{t-1}`) of the accepted positions (and of every prefill
-     token) is appended to the request's DSpark window rings.
+     token the decoder ran) is appended to the request's DSpark window rings.
+Prefill chunks follow the engine's prefill_mode: with decoder bounded replay (the default for
+prompts longer than the window) the decoder -- and so the target layers -- runs only over the
+last `sliding_window` prompt tokens, exactly what DSpark's window rings hold.
 
 Not done yet: batched drafting (drafts are one head call per request), drafting through captured
-graphs (speculation runs the eager V41Model), shared draft/target top-k buffers.
+graphs (speculation runs the eager V41Model), shared draft/target top-k buffers, persistent
+verify metadata (the verify chunks' lengths change every step; their metadata is rebuilt).
 """
 from __future__ import annotations
 
@@ -168,6 +172,20 @@ class SpeculativeDecoder:
                               [len(c) for _, c in batch], [r.blocks for r, _ in batch],
                               eng.max_blocks, device=eng.device)
         ids = torch.tensor([t for _, c in batch for t in c], dtype=torch.int64, device=eng.device)
+        # Prefill chunks of long prompts: decoder bounded replay, as in the plain engine. The
+        # model then returns logits / decoder streams of the kept tokens only: row i's kept
+        # tokens are the last kept[i] of its chunk (decodes, which lead the batch, keep all).
+        lens = [len(c) for _, c in batch]
+        floors = eng.replay_floors(batch, len(decodes))
+        kept = lens if floors is None else [
+            r.num_cached + n - min(max(r.num_cached, f), r.num_cached + n)
+            for (r, _), n, f in zip(batch, lens, floors)]
+        qstart = [0]
+        for n in kept:
+            qstart.append(qstart[-1] + n)
+        replay_kw = {}
+        if floors is not None:
+            replay_kw["decoder_replay"] = torch.tensor(floors, dtype=torch.int64, device=eng.device)
 
         # Snapshot the ring rows the drafts of each decoding request will overwrite.
         nd = len(decodes)
@@ -184,19 +202,31 @@ class SpeculativeDecoder:
                     [t[sl, wrows].clone() for t in c.window_scale],
                     {l: t[sl, crows].clone() for l, t in c.compressor_state.items()})
 
+        positions = positions_of(meta)
+        keep = None
+        if floors is not None:        # token indices (full batch) of the kept tokens
+            full_start = 0
+            idx = []
+            for n, k in zip(lens, kept):
+                idx.extend(range(full_start + n - k, full_start + n))
+                full_start += n
+            keep = torch.tensor(idx, dtype=torch.int64, device=eng.device)
         old_debug = model.debug
         model.debug = {}
         try:
             with torch.no_grad():
-                logits = model(ids, positions_of(meta), eng.caches, meta, all_logits=True)
+                logits = model(ids, positions, eng.caches, meta, all_logits=True, **replay_kw)
                 streams = [model.debug[f"block_out.layer{t}"] for t in self.targets]
+                if keep is not None:   # a target before the decoder still has every token
+                    streams = [s[keep] if t < model.decoder_start else s
+                               for s, t in zip(streams, self.targets)]
                 main_x = head.context(streams)
         finally:
             model.debug = old_debug
         eng.stats["steps"] += 1
         eng.stats["tokens"] += ids.shape[0]
-        qstart = meta.query_start.tolist()
-        positions = positions_of(meta)
+        if keep is not None:
+            positions = positions[keep]
 
         events = []
         now = time.perf_counter()
@@ -259,7 +289,8 @@ class SpeculativeDecoder:
             r0, r1 = qstart[i], qstart[i + 1]
             if req.num_cached == 0:
                 self.state.reset(req.slot)
-            head.append_context(self.state, req.slot, positions[r0:r1], main_x[r0:r1])
+            if r1 > r0:       # (a replayed chunk before the segment keeps no token)
+                head.append_context(self.state, req.slot, positions[r0:r1], main_x[r0:r1])
             req.num_cached += len(chunk)
             if req.num_cached == len(req.tokens):
                 row = logits[r1 - 1]
