@@ -89,14 +89,14 @@ def match_rmsnorm(rsqrt: fx.Node):
 
 
 def replace_with(gm: fx.GraphModule, out: fx.Node, target, args, kind: str) -> fx.Node:
-    """Insert target(*args) before `out`, take over its value and users, drop what died."""
+    """Insert target(*args) before `out` and take over its value and users (the caller drops
+    what died, once: dead-code elimination walks the whole graph)."""
     with gm.graph.inserting_before(out):
         fused = gm.graph.call_function(target, args)
     fused.meta.update({k: v for k, v in out.meta.items() if k != "val"})
     fused.meta["val"] = out.meta.get("val")
     fused.meta["fused_from"] = kind
     out.replace_all_uses_with(fused)
-    gm.graph.eliminate_dead_code()
     return fused
 
 
@@ -113,6 +113,8 @@ class RMSNormFusion(GraphPass):
             if match is not None:
                 replace_with(gm, match[0], self.target, match[1], self.kind)
                 count += 1
+        if count:
+            gm.graph.eliminate_dead_code()
         return count
 
     def _match(self, rsqrt: fx.Node):  # pragma: no cover - interface

@@ -236,6 +236,29 @@ def test_p6_indexer_and_window_writes_on_aux_stream(traced):
     assert set(joins) <= set(waits)
 
 
+def test_p6_window_write_forks_after_the_ring_is_read(traced):
+    """sparse_attention reads the FP8 window ring in place and the window write (side stream)
+    overwrites it: every write's fork comes after each read of that ring, and nothing else
+    reads a ring (no dequantized pool)."""
+    from v41graph.custom_ops.streams import STREAM_OPS
+    vb, *_ = traced
+    for idx in (0, 1):
+        g = vb.passed(idx)
+        nodes = list(g.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        writes = [n for n in nodes if n.target == ops.window_kv_write.default]
+        assert len(writes) == 10
+        for w in writes:
+            fork = next(n for n in nodes if n.target == ops.event_record.default
+                        and n.args[0] == f"fork:{w.meta['side_tag']}")
+            for ring in (w.kwargs["cache"], w.kwargs["scale"]):
+                assert ring.op == "placeholder"
+                readers = [u for u in ring.users if u is not w and u.target not in STREAM_OPS]
+                assert readers and all(u.target == ops.sparse_attention.default for u in readers), \
+                    [u.target for u in readers]
+                assert all(order[u] < order[fork] < order[w] for u in readers), w.name
+
+
 def test_stream_check_rejects_unjoined_work(traced):
     from v41graph.passes.stream_check import StreamCheck
     vb, *_ = traced
@@ -256,7 +279,7 @@ def test_unknown_pass_name_is_a_clear_error():
 
 
 def test_compile_api_end_to_end_with_padding_and_errors(tiny):
-    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(4,))
+    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(2, 4))
     eager, comp = Session(tiny, 3, 48, block_size=16), Session(compiled, 3, 48, block_size=16)
     prompt = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(9))
     a, b = eager.prefill(prompt), comp.prefill(prompt)
@@ -273,6 +296,18 @@ def test_compile_api_end_to_end_with_padding_and_errors(tiny):
         nxt = a.argmax(-1, keepdim=True)
         a, b = eager2.decode(nxt), comp2.decode(nxt)
         assert torch.allclose(a, b, atol=ATOL, rtol=0)
+    # Buckets >= 2 share one symbolic-batch graph: two sequences (bucket 2) on a third session
+    # of the same shapes compile nothing new (prefill graph aside) and still match eager.
+    eager3, comp3 = Session(tiny, 3, 48, block_size=16), Session(compiled, 3, 48, block_size=16)
+    prompt3 = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(11))
+    a, b = eager3.prefill(prompt3), comp3.prefill(prompt3)
+    graphs = compiled.pass_manager.graph_index
+    for _ in range(2):
+        nxt = a.argmax(-1, keepdim=True)
+        a, b = eager3.decode(nxt), comp3.decode(nxt)
+        assert torch.allclose(a, b, atol=ATOL, rtol=0)
+    assert (2, id(comp3.caches)) in compiled._decode
+    assert compiled.pass_manager.graph_index == graphs
     records = compiled.pass_manager.records[-1]
     assert [r["pass"] for r in records] == list(ALL)
     with pytest.raises(ValueError, match="larger than the largest captured bucket 4"):

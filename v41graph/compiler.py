@@ -79,6 +79,9 @@ class CompiledModel:
         self.model = model.eval().requires_grad_(False)
         self.device = model.embed.weight.device
         self.platform = _resolve_platform(backend, self.device)
+        # MoE experts as grouped GEMMs over stacked weights (moe.py): stack them before tracing.
+        from .moe import pack_moe_experts_
+        pack_moe_experts_(self.model)
         dump_dir = dump_dir or os.environ.get("V41GRAPH_DUMP") or None
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform)
         self.capture = capture
@@ -88,6 +91,12 @@ class CompiledModel:
         # Decode buckets are compiled per static shape; prefill lets Dynamo mark the token
         # count dynamic after the first recompile.
         self._fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=False)
+        # Decode buckets >= 2 share one graph whose batch dimension is symbolic (marked on the
+        # bucket's persistent buffers): tracing + passes run once, each bucket only captures.
+        # Tracing the 40-layer model is most of compile time (~2 min per graph on an H200 host).
+        # Dynamo specializes size-1 dimensions, so bucket 1 gets its own static graph (_fn).
+        self._shared_decode_fn = torch.compile(self.model, backend=self.backend, fullgraph=True,
+                                               dynamic=None)
         self._prefill_fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=None)
         self._decode: dict[tuple, DecodeGraph] = {}
         # Captured buckets share one memory pool (they never run at the same time); it lives
@@ -159,8 +168,14 @@ class DecodeGraph:
             chunk_start=torch.zeros(bucket, **i64), seq_len=torch.ones(bucket, **i64),
             query_start=torch.arange(bucket + 1, **i64), block_table=torch.full((bucket, max_blocks), -1, **i64),
             logits_index=torch.arange(bucket, **i64))
+        if bucket >= 2:   # the shared symbolic-batch graph (see CompiledModel.__init__)
+            m = self.meta
+            for t in (self.input_ids, self.positions, m.token_seq, m.seq_slot, m.chunk_start,
+                      m.seq_len, m.query_start, m.block_table, m.logits_index):
+                torch._dynamo.mark_dynamic(t, 0)
         self.cuda_graph = None
         self.output = None
+        self._static = None    # (static_key, n) of the seq_slot / block_table rows loaded
 
     def _load(self, input_ids, positions, meta: AttentionMetadata) -> None:
         n = input_ids.shape[0]
@@ -170,13 +185,19 @@ class DecodeGraph:
         self.input_ids.zero_()[:n].copy_(input_ids)
         self.positions.zero_()[:n].copy_(positions)
         m = self.meta
-        m.seq_slot.fill_(self.scratch_slot)[:n].copy_(meta.seq_slot)
+        # Slots and block tables of a persistent DecodeBatch change only when its rows do
+        # (meta.static_key says so): skip reloading them while they are already here.
+        static = None if meta.static_key is None else (meta.static_key, n)
+        if static is None or static != self._static:
+            m.seq_slot.fill_(self.scratch_slot)[:n].copy_(meta.seq_slot)
+            m.block_table.fill_(-1)[:n].copy_(meta.block_table)
+        self._static = static
         m.chunk_start.zero_()[:n].copy_(meta.chunk_start)
         m.seq_len.fill_(1)[:n].copy_(meta.seq_len)
-        m.block_table.fill_(-1)[:n].copy_(meta.block_table)
 
     def _step(self):
-        return self.compiled._fn(self.input_ids, self.positions, self.caches, self.meta)
+        fn = self.compiled._shared_decode_fn if self.bucket >= 2 else self.compiled._fn
+        return fn(self.input_ids, self.positions, self.caches, self.meta)
 
     def prepare(self) -> None:
         """Compile this bucket (all-padding inputs) and, on CUDA, capture it."""
