@@ -1,19 +1,35 @@
-"""Decode-step benchmark: eager vs torch.compile (Inductor) vs reduce-overhead vs v41graph
-(all passes + capture) vs v41graph with each pass switched off, side by side in one run.
+"""Decode-step and prefill benchmark of the whole model: eager vs torch.compile (Inductor) vs
+reduce-overhead vs v41graph (all passes + CUDA-graph capture) vs v41graph with one thing changed
+(P1 / P4 / P6 off, a BF16 global cache instead of FP4 (P2), Engram tables in pinned host
+memory), side by side in one process.
 
-    python scripts/bench.py --config bench --device cuda --batches 1,8,64 --contexts 4096,32768 --out $OUT
-    python scripts/bench.py --config tiny --device cpu --batches 1,2 --contexts 64 --steps 3   # smoke run
+    python scripts/bench.py --out $OUT                          # the issue-8 run, on the H200
+    python scripts/bench.py --config tiny --device cpu --batches 1,2 --contexts 64,128 \\
+        --prefill 32 --steps 3                                  # smoke run (tests do this)
 
-The context is synthetic: caches are filled with random valid FP8/FP4 bytes and the block tables
-of B sequences at length `context` (a decode step's cost does not depend on the values), then the
-same decode step is timed repeatedly (CUDA events on GPU). Prints a table last and writes
-bench.json to --out. Issue 8 (docs/BENCHMARKS.md) is what this is for; run it on the device.
+How a step is measured. One cache set holds max(batches) sequences at max(contexts) tokens,
+filled with random valid FP8/FP4 bytes (a decode step's cost does not depend on the values);
+the block-table width is fixed, so every context of a batch size has the same shapes and each
+variant compiles once per batch size. The same decode step (B sequences at position `context`)
+is then timed repeatedly: CUDA events around each call, median of --steps after --warmup calls.
+Compile/capture time is the wall time of the first call(s) of a batch size (for v41graph: the
+explicit warm-up of every bucket, reported once as "compile+capture of N buckets").
+
+The floor is what the step must read once, over the measured device copy bandwidth (bytes read
++ written per second of a 1 GiB copy): every weight a step touches (routed experts: the
+expected number of distinct experts B tokens pick, E*(1-(1-k/E)^B) per layer; embedding and
+Engram tables: only the rows read) plus each sequence's cache reads (window rows, top-k global
+rows, every index key a Full layer scores, the candidate pool of a Reindex layer).
+
+Writes bench.json (every row, the profile) to --out and prints a short table last.
+scripts/plot_bench.py turns bench.json into the PNG of docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -22,15 +38,22 @@ from pathlib import Path
 import torch
 
 import v41graph
-from v41graph.accounting import accounting
 from v41graph.cache import ModelCaches, build_metadata, positions_of
+from v41graph.layer_plan import build_layer_plan
 from v41graph.layers import default_dtype
 from v41graph.model import V41Model, init_random_weights_
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
-            "v41graph-noP6")
+            "v41graph-noP6", "v41graph-bf16cache", "v41graph-engram-host")
+DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",)}
+BLOCK = 128
 
 
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- model and data
 def build_model(config: str, device: str) -> V41Model:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = getattr(v41graph.V41Config, config)(weight_format="dense",
@@ -41,130 +64,281 @@ def build_model(config: str, device: str) -> V41Model:
     init_random_weights_(model, g)
     with torch.no_grad():
         for e in model.engram:
-            e.embed_weight.copy_(torch.randint(0, 256, e.embed_weight.shape, device=device,
-                                               dtype=torch.uint8, generator=g) & 0xB7)
+            e.embed_weight.copy_(_random_bytes(e.embed_weight, g))
             e.embed_scale.fill_(127)
     return model.eval().requires_grad_(False)
 
 
-def synthetic_step(model: V41Model, batch: int, context: int, device: str, block_size: int = 128):
-    """Caches holding `batch` sequences of length `context` (random bytes), plus the metadata
-    and inputs of one decode step at position `context`."""
-    cfg = model.config
-    blocks_per_seq = math.ceil((context + 1) / block_size)
-    caches = ModelCaches.allocate(cfg, batch + 1, batch * blocks_per_seq, block_size, device)
+def _random_bytes(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    # 0xB7 keeps FP8/FP4 codes finite (no NaN/Inf encodings) and scales moderate
+    return torch.randint(0, 256, t.shape, device=t.device, dtype=torch.uint8, generator=g) & 0xB7
+
+
+def place_engram(model: V41Model, where: str) -> None:
+    """Move every Engram table (FP8 rows + scales) to device memory or pinned host memory."""
+    device = model.embed.weight.device
+    for e in model.engram:
+        for p in (e.embed_weight, e.embed_scale):
+            p.data = p.data.to(device) if where == "device" else p.data.cpu().pin_memory()
+
+
+def allocate_caches(model: V41Model, batch: int, context: int, device: str,
+                    global_kv_dtype=torch.uint8):
+    """Caches for `batch` sequences of up to `context` tokens (+1 scratch slot), random bytes."""
+    blocks_per_seq = math.ceil((context + 1) / BLOCK)
+    caches = ModelCaches.allocate(model.config, batch + 1, batch * blocks_per_seq, BLOCK, device,
+                                  global_kv_dtype=global_kv_dtype)
     g = torch.Generator(device=device).manual_seed(1)
     with torch.no_grad():
         for t in caches.tensors():
             if t.dtype == torch.uint8:
-                t.copy_(torch.randint(0, 256, t.shape, device=device, dtype=torch.uint8, generator=g) & 0xB7)
+                t.copy_(_random_bytes(t, g))
+            elif t.is_floating_point():
+                t.normal_(generator=g)
+    return caches, blocks_per_seq
+
+
+def decode_inputs(model: V41Model, batch: int, context: int, blocks_per_seq: int, device: str):
+    """One decode step of sequences 0..batch-1 at position `context` (fixed table width)."""
     tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
-    meta = build_metadata(list(range(batch)), [context] * batch, [1] * batch, tables, blocks_per_seq, device)
-    ids = torch.randint(0, cfg.vocab_size, (batch,), device=device, generator=g)
-    return caches, meta, ids, positions_of(meta)
+    meta = build_metadata(list(range(batch)), [context] * batch, [1] * batch, tables,
+                          blocks_per_seq, device)
+    g = torch.Generator(device=device).manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (batch,), device=device, generator=g)
+    return ids, positions_of(meta), meta
 
 
-def make_runner(model: V41Model, variant: str, batch: int, device: str):
-    if variant == "eager":
-        return model, 0.0
+# ----------------------------------------------------------------------------- floor
+def floor_bytes(model: V41Model, batch: int, context: int) -> int:
+    """Bytes one decode step must read (see the module docstring)."""
+    cfg = model.config
+    total = 0
+    for name, p in model.named_parameters():
+        if name.startswith(("mtp.", "dspark.")):
+            continue
+        nbytes = p.numel() * p.element_size()
+        if ".experts." in name and ".shared_experts." not in name:
+            e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+            nbytes *= (1 - (1 - k / e) ** batch)        # expected share of experts picked
+        elif name == "embed.weight":
+            nbytes = batch * p.shape[-1] * p.element_size()
+        elif name.endswith(("embed_weight", "embed_scale")):    # Engram: 24 rows per token
+            rows = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+            nbytes = batch * rows * p.shape[-1] * p.element_size()
+        total += nbytes
+    d, di = cfg.head_dim, cfg.index_head_dim
+    per_seq = 0
+    pool = cfg.candidate_topk_blocks * cfg.candidate_block_size
+    for role in build_layer_plan(cfg):
+        per_seq += cfg.sliding_window * (d + d // 32)                 # FP8 window + UE8M0
+        if role.ratio:
+            per_seq += cfg.index_topk * (d // 2 + d // 16)            # FP4 global rows + E4M3
+        if role.scores:
+            positions = context // role.ratio
+            if role.mode == "reindex":
+                positions = min(positions, pool)
+            per_seq += positions * (di // 2 + di // 32)               # FP4 index keys + UE8M0
+    return int(total + batch * per_seq)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device copy bandwidth in bytes/s (bytes read + written, 1 GiB copies)."""
+    n = (1 << 30) if device == "cuda" else (1 << 26)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    _sync(device)
     t0 = time.perf_counter()
-    if variant == "inductor":
-        runner = torch.compile(model, dynamic=False)
-    elif variant == "reduce-overhead":
-        runner = torch.compile(model, mode="reduce-overhead", dynamic=False)
-    else:
-        disable = {"v41graph": (), "v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",),
-                   "v41graph-noP6": ("P6",)}[variant]
-        runner = v41graph.compile(model, backend="auto", disable=disable, batch_sizes=(batch,))
-    return runner, t0
+    for _ in range(5):
+        b.copy_(a)
+    _sync(device)
+    return 2 * 5 * n / (time.perf_counter() - t0)
 
 
-def time_steps(runner, args, steps: int, device: str) -> list[float]:
-    """Per-step milliseconds over `steps` decode steps (after the caller's warm-up)."""
+# ----------------------------------------------------------------------------- timing
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_calls(fn, steps: int, device: str) -> list[float]:
+    """Milliseconds per call, one measurement per call."""
     out = []
     for _ in range(steps):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            runner(*args)
+            fn()
             end.record()
             torch.cuda.synchronize()
             out.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
-            runner(*args)
+            fn()
             out.append((time.perf_counter() - t0) * 1e3)
     return out
 
 
-def copy_bandwidth(device: str) -> float:
-    """Measured device copy bandwidth in GB/s (bytes read + written)."""
-    n = (1 << 30) if device == "cuda" else (1 << 26)
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    if device == "cuda":
-        torch.cuda.synchronize()
+def make_runner(model: V41Model, variant: str, batches: list[int]):
+    if variant == "eager":
+        return model
+    if variant == "inductor":
+        return torch.compile(model, dynamic=False)
+    if variant == "reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead", dynamic=False)
+    return v41graph.compile(model, backend="auto", disable=DISABLE.get(variant, ()),
+                            batch_sizes=batches)
+
+
+# ----------------------------------------------------------------------------- profile
+_KERNEL_CLASSES = (   # (class, regex on the kernel name), first match wins
+    ("sparse attention", r"sparse_attn"),
+    ("P1 fused compressor", r"wkv|pool_rmsnorm"),
+    ("cache writes", r"kv_write|index_k_write|_write_kernel"),
+    ("Engram", r"engram"),
+    ("GEMM", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitK|grouped_mm"),
+    ("sort / top-k", r"sort|topk|radix|bitonic"),
+    ("gather / scatter / index", r"index|gather|scatter|cat"),
+    ("copy", r"copy|memcpy|memset|fill"),
+    ("elementwise / reduce", r"elementwise|vectorized|reduce|unrolled|triton_"),
+)
+
+
+def profile_step(fn, device: str, steps: int = 3) -> dict:
+    """Kernel time of `steps` calls grouped by kernel class and by stream (ms per call)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        _sync(device)
+    by_class, by_stream, n_kernels = {}, {}, 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = (e.time_range.end - e.time_range.start) / 1e3 / steps
+        cls = next((c for c, rx in _KERNEL_CLASSES if re.search(rx, e.name, re.I)), "other")
+        by_class[cls] = by_class.get(cls, 0.0) + ms
+        stream = f"stream {getattr(e, 'device_resource_id', '?')}"
+        by_stream[stream] = by_stream.get(stream, 0.0) + ms
+        n_kernels += 1
+    return {"by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
+            "by_stream_ms": by_stream, "kernels_per_step": n_kernels / steps}
+
+
+# ----------------------------------------------------------------------------- main
+def run_variant(model, variant, batches, contexts, prefill, args, device, bw) -> list[dict]:
+    rows = []
+    place_engram(model, "host" if variant == "v41graph-engram-host" and device == "cuda" else "device")
+    gdtype = torch.bfloat16 if variant == "v41graph-bf16cache" else torch.uint8
+    caches, bps = allocate_caches(model, max(batches), max(contexts), device, gdtype)
+    runner = make_runner(model, variant, batches)
+    warm_s = None
+    if variant.startswith("v41graph") and device == "cuda":
+        t0 = time.perf_counter()
+        runner.warmup(caches, bps, show_progress=False)   # compile + capture every bucket
+        _sync(device)
+        warm_s = time.perf_counter() - t0
+        log(f"{variant}: compile + capture of {len(batches)} buckets {warm_s:.1f} s")
+    for batch in batches:
+        first = True
+        for context in contexts:
+            ids, pos, meta = decode_inputs(model, batch, context, bps, device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                step = lambda: runner(ids, pos, caches, meta)   # noqa: E731
+                for _ in range(args.warmup):
+                    step()
+                _sync(device)
+                compile_s = (time.perf_counter() - t0) if first and variant != "eager" else 0.0
+                ms = time_calls(step, args.steps, device)
+                profile = (profile_step(step, device)
+                           if device == "cuda" and args.profile and batch == max(batches)
+                           and context == max(contexts) else None)
+            first = False
+            med = statistics.median(ms)
+            fb = floor_bytes(model, batch, context)
+            rows.append({"kind": "decode", "context": context, "batch": batch, "variant": variant,
+                         "step_ms": med, "step_ms_min": min(ms), "tokens_per_s": batch / med * 1e3,
+                         "compile_s": compile_s, "warmup_all_buckets_s": warm_s,
+                         "floor_bytes": fb, "floor_ms": fb / bw * 1e3,
+                         "floor_fraction": fb / bw * 1e3 / med,
+                         "peak_mem_gb": (torch.cuda.max_memory_allocated() / 1e9
+                                         if device == "cuda" else None),
+                         "profile": profile})
+            log(f"{variant} B={batch} ctx={context}: {med:.3f} ms (compile {compile_s:.1f} s)")
+    del caches
+    if prefill and variant in ("eager", "inductor", "v41graph"):
+        rows.append(run_prefill(model, runner, variant, prefill, args, device))
+    place_engram(model, "device")
+    return rows
+
+
+def run_prefill(model, runner, variant, n_tokens, args, device) -> dict:
+    """One sequence, `n_tokens` prompt tokens in one chunk, last-token logits."""
+    caches, bps = allocate_caches(model, 1, n_tokens, device)
+    meta = build_metadata([0], [0], [n_tokens], [list(range(bps))], bps, device)
+    ids = torch.randint(0, model.config.vocab_size, (n_tokens,), device=device,
+                        generator=torch.Generator(device=device).manual_seed(3))
+    pos = positions_of(meta)
+    call = runner if variant != "v41graph" else runner._prefill_fn   # no capture for prefill
     t0 = time.perf_counter()
-    for _ in range(5):
-        b.copy_(a)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 2 * 5 * n / (time.perf_counter() - t0) / 1e9
+    with torch.no_grad():
+        step = lambda: call(ids, pos, caches, meta)   # noqa: E731
+        step()
+        _sync(device)
+        compile_s = time.perf_counter() - t0 if variant != "eager" else 0.0
+        ms = time_calls(step, max(2, args.steps // 4), device)
+    med = statistics.median(ms)
+    log(f"{variant} prefill {n_tokens}: {med:.1f} ms")
+    return {"kind": "prefill", "context": n_tokens, "batch": 1, "variant": variant, "step_ms": med,
+            "tokens_per_s": n_tokens / med * 1e3, "compile_s": compile_s}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="bench", choices=("tiny", "bench"))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--batches", default="1,8,32,64", help="decode buckets (all are captured)")
     ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--prefill", type=int, default=4096, help="prefill tokens (0 = skip)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = args.device
+    batches = sorted(int(b) for b in args.batches.split(","))
+    contexts = sorted(int(c) for c in args.contexts.split(","))
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    t_build = time.perf_counter()
     model = build_model(args.config, device)
-    acc = accounting(model.config)
     bw = copy_bandwidth(device)
-    print(f"[bench] {args.config} on {device}: copy bandwidth {bw:.0f} GB/s", file=sys.stderr)
-    rows = []
-    for context in [int(c) for c in args.contexts.split(",")]:
-        for batch in [int(b) for b in args.batches.split(",")]:
-            for variant in args.variants.split(","):
-                caches, meta, ids, pos = synthetic_step(model, batch, context, device)
-                runner, t0 = make_runner(model, variant, batch, device)
-                if device == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                step_args = (ids, pos, caches, meta)
-                with torch.no_grad():
-                    for _ in range(args.warmup):
-                        runner(*step_args)
-                    compile_s = time.perf_counter() - t0 if t0 else 0.0
-                    ms = time_steps(runner, step_args, args.steps, device)
-                # The floor: activated weights once per step plus each sequence's KV reads.
-                weight_bytes = acc.activated_params_decode * (2 if device == "cuda" else 4)
-                kv_bytes = batch * context * acc.global_kv_bytes_per_token
-                floor_ms = (weight_bytes + kv_bytes) / (bw / 2 * 1e9) * 1e3
-                med = statistics.median(ms)
-                rows.append({"context": context, "batch": batch, "variant": variant,
-                             "step_ms": med, "tokens_per_s": batch / med * 1e3,
-                             "compile_capture_s": compile_s, "floor_ms": floor_ms,
-                             "floor_fraction": floor_ms / med,
-                             "peak_mem_gb": (torch.cuda.max_memory_allocated() / 1e9
-                                             if device == "cuda" else None)})
-                print(f"[bench] ctx {context} B {batch} {variant}: {med:.3f} ms", file=sys.stderr, flush=True)
-                del runner, caches
-                torch._dynamo.reset()
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench.json").write_text(json.dumps(
-            {"config": args.config, "device": device, "copy_gbps": bw, "rows": rows}, indent=1))
-    print(f"{'ctx':>6} {'B':>4} {'variant':<16} {'ms/step':>9} {'tok/s':>9} {'compile s':>9} {'floor':>6}")
+    log(f"{args.config} model on {device} built in {time.perf_counter() - t_build:.0f} s; "
+        f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    rows, out = [], Path(args.out) if args.out else None
+    for variant in variants:
+        rows += run_variant(model, variant, batches, contexts, args.prefill, args, device, bw)
+        torch._dynamo.reset()
+        if out:   # after every variant: a killed run still leaves its numbers
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench.json").write_text(json.dumps(
+                {"config": args.config, "device": device, "copy_bytes_per_s": bw,
+                 "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+                 "torch": torch.__version__, "rows": rows}, indent=1))
+    print(f"{'kind':<7} {'ctx':>6} {'B':>3} {'variant':<21} {'ms':>9} {'tok/s':>9} "
+          f"{'compile s':>9} {'floor':>6}")
     for r in rows:
-        print(f"{r['context']:>6} {r['batch']:>4} {r['variant']:<16} {r['step_ms']:>9.3f} "
-              f"{r['tokens_per_s']:>9.1f} {r['compile_capture_s']:>9.1f} {r['floor_fraction']:>6.1%}")
+        floor = f"{r['floor_fraction']:>6.1%}" if "floor_fraction" in r else f"{'':>6}"
+        print(f"{r['kind']:<7} {r['context']:>6} {r['batch']:>3} {r['variant']:<21} "
+              f"{r['step_ms']:>9.3f} {r['tokens_per_s']:>9.1f} {r['compile_s']:>9.1f} {floor}")
     return 0
 
 
