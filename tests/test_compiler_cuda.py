@@ -93,3 +93,21 @@ def test_side_streams_change_no_bits(model):
             assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_capture_changes_no_bits(model):
+    """Race check, second half: with deterministic kernels, the captured decode (all passes,
+    side streams) must be bit-identical to the same compiled graph run without capture, step
+    after step. A difference here is a capture or stream-ordering bug, not kernel rounding."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        prompt = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(1))
+        runs = []
+        for capture in (True, False):
+            compiled = v41graph.compile(model, backend="cuda", batch_sizes=(4,), capture=capture)
+            runs.append(_greedy(Session(compiled, 3, 160, block_size=16), prompt, 100))
+        for step, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
