@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device run (the `run` tool gives a bare machine each start): install, every CUDA test,
+# then the whole-model benchmark, logs under $OUT. Extra arguments go to scripts/bench.py, e.g.
+#   bash scripts/gpu_session.sh --variants v41graph,eager,v41graph-noP6 --batches 1,64
+# Set SKIP_TESTS=1 to go straight to the benchmark.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv
+if [ "${SKIP_TESTS:-0}" = "0" ]; then
+    # -p no:logging: torch's trace logger otherwise floods failure reports
+    python3 -m pytest -m cuda -q -p no:cacheprovider -p no:logging --tb=short tests/ \
+        > "$OUT/cuda_tests.log" 2>&1
+    tail -25 "$OUT/cuda_tests.log"
+fi
+python3 scripts/bench.py --out "$OUT" "$@" 2> "$OUT/bench.log" | tee "$OUT/bench_table.txt"
