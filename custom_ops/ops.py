@@ -66,27 +66,34 @@ def _(q, window_kv, window_scale, fresh_kv, window_rows, global_cache, global_sc
 
 
 # ----------------------------------------------------------------------------- indexer
+# Two ops, one per kind of scoring layer (MODEL.md §4, lightning indexer):
+#   indexer_topk             Full layers: score every visible compressed position (width C, the
+#                            block table's width in compressed rows); the candidate source also
+#                            returns the compact candidate list [N, P].
+#   indexer_topk_candidates  Reindex layers: score only the P listed candidates; every input
+#                            has width P, so the cost does not grow with the context.
+# P = candidate_topk_blocks * candidate_block_size, clamped to C (static per graph).
 @custom_op(f"{_NS}::indexer_topk", mutates_args=())
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
                  key_scale: torch.Tensor, key_rows: torch.Tensor, visible: torch.Tensor,
                  topk: int, candidate_block_size: int,
                  candidate_keep_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score every visible compressed position, take the top-k (ascending, -1 padded).
+    """Full layers: score every visible compressed position, take the top-k (ascending, -1
+    padded; ties to the lower position).
 
-    key_rows [N, C]: cache row of compressed position c for each query (-1 = none);
-    visible [N, C]: positions this query may select (causal, and for Reindex layers the
-    candidate mask). Returns (topk_ids [N, topk] compressed positions, candidates [N, C] bool):
-    when candidate_keep_blocks > 0 the candidate-block mask of this layer's scores, else
-    `visible` unchanged.
+    q [N, Hi, Di], weights [N, Hi]; key_rows [N, C]: cache row of compressed position c for
+    each query (-1 = none); visible [N, C]: positions this query may select (causal, row >= 0).
+    Returns (topk_ids [N, topk] compressed positions, candidates [N, P] int64). When
+    candidate_keep_blocks > 0 (the candidate source) `candidates` is the compact candidate list:
+    the visible positions of the top-`candidate_keep_blocks` blocks of `candidate_block_size`
+    positions (block score = max, the newest visible block pinned), in ascending order, -1
+    padded at the end, P = min(candidate_keep_blocks * candidate_block_size, C). Otherwise P = 0.
+    Reindex layers pass the list to `indexer_topk_candidates`.
     """
     keys = ref.gather_index_k(key_cache, key_scale, key_rows, q.dtype)
     scores = ref.indexer_scores(q, weights, keys, visible)
     ids = ref.topk_ascending(scores, topk)
-    if candidate_keep_blocks > 0:
-        cand = ref.candidate_block_mask(scores, visible.sum(-1), candidate_block_size,
-                                        candidate_keep_blocks) & visible
-    else:
-        cand = visible.clone()
+    cand = ref.candidate_positions(scores, visible, candidate_block_size, candidate_keep_blocks)
     return ids, cand
 
 
@@ -94,7 +101,36 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
 def _(q, weights, key_cache, key_scale, key_rows, visible, topk, candidate_block_size,
       candidate_keep_blocks):
     n = q.shape[0]
-    return q.new_empty((n, topk), dtype=torch.int64), torch.empty_like(visible)
+    pool = ref.candidate_pool_size(visible.shape[-1], candidate_block_size, candidate_keep_blocks)
+    return q.new_empty((n, topk), dtype=torch.int64), q.new_empty((n, pool), dtype=torch.int64)
+
+
+@custom_op(f"{_NS}::indexer_topk_candidates", mutates_args=())
+def indexer_topk_candidates(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
+                            key_scale: torch.Tensor, candidate_rows: torch.Tensor,
+                            candidate_positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """Reindex layers: score only the candidate source's candidates, take the top-k.
+
+    q [N, Hi, Di], weights [N, Hi]; candidate_positions [N, P]: the candidate source's compact
+    list (compressed positions, ascending, -1 padded at the end; every listed position is
+    visible to the query, the candidate source only lists visible ones); candidate_rows [N, P]:
+    the cache row of each listed position (-1 for the padding). Gathers and scores the P keys
+    ([N, P] scores), takes the top-k over them and maps the columns back through the list.
+    Returns topk_ids [N, topk] compressed positions, ascending, -1 padded: exactly (torch.equal)
+    the top-k of scoring all C positions with everything outside the candidates invisible. The
+    score of a position does not depend on which other positions are scored with it (see
+    reference.indexer_scores), and the list's ascending order keeps the tie rule (ties to the
+    lower position). tests/test_reindex_compact.py checks both against the mask formulation.
+    """
+    keys = ref.gather_index_k(key_cache, key_scale, candidate_rows, q.dtype)
+    listed = (candidate_rows >= 0) & (candidate_positions >= 0)
+    scores = ref.indexer_scores(q, weights, keys, listed)
+    return ref.topk_over_candidates(scores, candidate_positions, topk)
+
+
+@indexer_topk_candidates.register_fake
+def _(q, weights, key_cache, key_scale, candidate_rows, candidate_positions, topk):
+    return q.new_empty((q.shape[0], topk), dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------- Engram

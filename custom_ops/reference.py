@@ -176,18 +176,54 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     """Lightning-indexer score I[n, c] = sum_h w[n, h] * relu(q[n, h] . k[n, c]).
 
     q [N, Hi, Di], weights [N, Hi], keys [N, C, Di] (each query's gathered keys), visible [N, C].
-    Computed in q's dtype like the reference (bf16 there); invisible entries are -inf.
+    Computed in q's dtype like the reference (bf16 there), the head sum accumulated in fp32;
+    invisible entries are -inf.
+
+    Each entry depends on its own column only, not on C: the head sum has one fixed order
+    (`_head_sum`), and with FP4 queries and keys (the model's fake-quant points) the dot
+    products are exact in the GEMM's fp32 accumulator, whatever order it picks (each product is
+    an integer <= 144 times 2^(scale exponents), 128 of them fit 24 bits while the per-32
+    scales of a query/key pair span at most 2^9). So a Reindex
+    layer scoring its P candidates gets bit for bit the scores it would get among all C
+    positions. (A library `.sum(dim=1)` picks its order by shape: in fp32 the last bit of a
+    position's score then depended on the block table's width. In bf16 the fp32 accumulator
+    is rounded away; the golden conformance tests are bit-exact either way.) With
+    fake_quant=False the queries are not FP4 and the fp32 GEMM may still round differently
+    per width in the last bit.
     """
     logits = torch.einsum("nhd,ncd->nhc", q, keys.to(q.dtype))
-    score = (logits.relu() * weights.unsqueeze(-1)).sum(dim=1)
+    score = _head_sum(logits.relu() * weights.unsqueeze(-1)).to(q.dtype)
     return score.masked_fill(~visible, float("-inf"))
 
 
-def candidate_block_mask(scores: torch.Tensor, visible_count: torch.Tensor, block_size: int,
-                         keep_blocks: int) -> torch.Tensor:
-    """Hierarchical candidates: block score = max over `block_size` consecutive compressed
-    positions; the block holding the newest visible position is pinned to +inf; keep the
-    top-`keep_blocks` blocks with a finite (or pinned) score. Returns a [N, C] bool mask."""
+def _head_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [N, H, C] -> [N, C]: the sum over heads in fp32, in one fixed pairwise order (halves
+    added elementwise, zero-padded to even), so each entry is a function of its own column
+    only, whatever C is and on every backend (a library reduction picks its order by shape)."""
+    x = x.float()
+    while x.shape[1] > 1:
+        if x.shape[1] % 2:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 1))
+        half = x.shape[1] // 2
+        x = x[:, :half] + x[:, half:]
+    return x[:, 0]
+
+
+def candidate_pool_size(capacity, block_size: int, keep_blocks: int):
+    """Width P of the compact candidate list: keep_blocks * block_size positions, clamped to the
+    capacity C (a static shape per graph); 0 when no candidates are kept. Works on SymInts."""
+    if keep_blocks <= 0:
+        return 0
+    pool = keep_blocks * block_size
+    return torch.sym_min(pool, capacity) if isinstance(capacity, torch.SymInt) else min(pool, capacity)
+
+
+def _top_blocks(scores: torch.Tensor, visible_count: torch.Tensor, block_size: int,
+                keep_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block selection behind the candidates: block score = max over `block_size`
+    consecutive compressed positions, the block holding the newest visible position pinned to
+    +inf, stable descending sort (ties to the lower block id), first min(keep_blocks, n_blocks).
+    Returns (block ids [N, k], kept [N, k] bool: the block's score is finite or pinned)."""
     n, c = scores.shape
     n_blocks = (c + block_size - 1) // block_size
     padded = torch.nn.functional.pad(scores.float(), (0, n_blocks * block_size - c), value=float("-inf"))
@@ -198,10 +234,47 @@ def candidate_block_mask(scores: torch.Tensor, visible_count: torch.Tensor, bloc
     block_score = torch.where((block_ids == newest) & has_visible, float("inf"), block_score)
     k = min(keep_blocks, n_blocks)
     order = torch.sort(block_score, dim=-1, descending=True, stable=True).indices[:, :k]
-    chosen_score = block_score.gather(1, order)
+    return order, block_score.gather(1, order) > float("-inf")
+
+
+def candidate_block_mask(scores: torch.Tensor, visible_count: torch.Tensor, block_size: int,
+                         keep_blocks: int) -> torch.Tensor:
+    """Hierarchical candidates as a mask: block score = max over `block_size` consecutive
+    compressed positions; the block holding the newest visible position is pinned to +inf; keep
+    the top-`keep_blocks` blocks with a finite (or pinned) score. Returns a [N, C] bool mask.
+    (The model uses the compact form, `candidate_positions`; this is its specification.)"""
+    n, c = scores.shape
+    n_blocks = (c + block_size - 1) // block_size
+    order, kept = _top_blocks(scores, visible_count, block_size, keep_blocks)
     keep = torch.zeros((n, n_blocks), dtype=torch.bool, device=scores.device)
-    keep.scatter_(1, order, chosen_score > float("-inf"))
+    keep.scatter_(1, order, kept)
     return keep.repeat_interleave(block_size, dim=1)[:, :c]
+
+
+def candidate_positions(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
+                        keep_blocks: int) -> torch.Tensor:
+    """The compact candidate list: the positions of `candidate_block_mask(scores,
+    visible.sum(-1), block_size, keep_blocks) & visible`, in ascending order, -1 padded at the
+    end, fixed width P = candidate_pool_size(C, block_size, keep_blocks) (the kept blocks hold
+    at most P positions below C, so nothing is cut off).
+
+    scores [N, C] (-inf where invisible), visible [N, C] bool -> [N, P] int64.
+    Built from the k <= keep_blocks chosen blocks, so after the block top-k it costs O(P).
+    """
+    n, c = scores.shape
+    width = candidate_pool_size(c, block_size, keep_blocks)
+    if width == 0:
+        return torch.full((n, 0), -1, dtype=torch.int64, device=scores.device)
+    order, kept = _top_blocks(scores, visible.sum(-1), block_size, keep_blocks)
+    n_blocks = (c + block_size - 1) // block_size
+    blocks = torch.where(kept, order, n_blocks).sort(dim=-1).values           # ascending, unkept last
+    pos = (blocks.unsqueeze(-1) * block_size
+           + torch.arange(block_size, device=scores.device)).flatten(1)       # [N, k*bs] ascending
+    ok = (blocks < n_blocks).repeat_interleave(block_size, dim=1) & (pos < c)
+    ok = ok & visible.gather(1, pos.clamp_max(c - 1))
+    pos = torch.where(ok, pos, -1)
+    order = torch.argsort((~ok).to(torch.int8), dim=-1, stable=True)          # -1 to the end
+    return pos.gather(1, order)[:, :width]
 
 
 def topk_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -217,6 +290,22 @@ def topk_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
     if width < k:
         ids = torch.nn.functional.pad(ids, (0, k - width), value=-1)
     return ids
+
+
+def topk_over_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk_ascending` over the columns of a compact candidate list, mapped back to compressed
+    positions: scores [N, P] (-inf where the entry is empty), positions [N, P] ascending with -1
+    at the end -> [N, k] positions, ascending, -1 padded.
+
+    Equal to `topk_ascending` over the full [N, C] scores with -inf outside the candidates: the
+    list is in ascending position order, so column order is position order, the stable sort
+    gives ties to the lower position in both, and mapping ascending columns through an
+    ascending list keeps the result ascending."""
+    n, p = positions.shape
+    if p == 0:
+        return torch.full((n, k), -1, dtype=torch.int64, device=positions.device)
+    cols = topk_ascending(scores, k)
+    return torch.where(cols >= 0, positions.gather(1, cols.clamp_min(0)), -1)
 
 
 # ----------------------------------------------------------------------------- Engram

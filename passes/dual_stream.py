@@ -2,9 +2,10 @@
 
 Per attention layer, two side-stream regions:
   select   the lightning indexer (its own query projection, FP4 quantization, head weights,
-           scoring and top-k: `indexer_topk` and every producer used only by it) together with
-           the index-key write, forked as soon as their inputs are ready, so the main stream's
-           query projection runs at the same time; joined before the attention gathers rows.
+           scoring and top-k: `indexer_topk` in Full layers, `indexer_topk_candidates` in
+           Reindex layers, and every producer used only by it) together with the index-key
+           write, forked as soon as their inputs are ready, so the main stream's query
+           projection runs at the same time; joined before the attention gathers rows.
   window   the window-KV write, forked after the window is read, overlapping the attention and
            output projection; joined before the graph ends (the next step reads it).
 The seed's reference: the Ascend port already overlaps the Q projection with the KV writes;
@@ -36,7 +37,8 @@ class DualStream(GraphPass):
     def run(self, gm: fx.GraphModule) -> int:
         select, window = defaultdict(list), defaultdict(list)
         for n in gm.graph.nodes:
-            if is_call(n, ops.indexer_topk.default, ops.index_k_write.default):
+            if is_call(n, ops.indexer_topk.default, ops.indexer_topk_candidates.default,
+                       ops.index_k_write.default):
                 select[_layer_of(n)].append(n)
             elif is_call(n, ops.window_kv_write.default):
                 window[_layer_of(n)].append(n)

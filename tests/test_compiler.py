@@ -213,14 +213,22 @@ def test_p4_gathers_before_block0_on_aux_stream(traced):
     assert all(nodes[i].meta[STREAM_KEY] == "aux:engram" for i in gathers)
 
 
-def test_p6_indexer_and_window_writes_on_aux_stream(traced):
+def test_p6_indexer_and_window_writes_on_aux_stream(tiny, traced):
     vb, *_ = traced
     g = vb.passed(1)
     labelled = {n.target: [] for n in g.graph.nodes if n.op == "call_function"}
     for n in g.graph.nodes:
         if n.op == "call_function":
             labelled[n.target].append(n.meta[STREAM_KEY])
-    assert labelled[ops.indexer_topk.default] and set(labelled[ops.indexer_topk.default]) == {"aux:select"}
+    # Full layers score with indexer_topk, Reindex layers with indexer_topk_candidates
+    plan = v41graph.build_layer_plan(tiny.config)
+    n_full = sum(r.mode == "full" for r in plan)
+    n_reindex = sum(r.mode == "reindex" for r in plan)
+    assert (n_full, n_reindex) == (3, 1)               # tiny: Full 2, 4, 6; Reindex 8
+    assert len(labelled[ops.indexer_topk.default]) == n_full
+    assert len(labelled[ops.indexer_topk_candidates.default]) == n_reindex
+    assert set(labelled[ops.indexer_topk.default]) == {"aux:select"}
+    assert set(labelled[ops.indexer_topk_candidates.default]) == {"aux:select"}
     assert set(labelled[ops.index_k_write.default]) == {"aux:select"}
     assert len(labelled[ops.window_kv_write.default]) == 10
     assert set(labelled[ops.window_kv_write.default]) == {"aux:window"}
@@ -232,7 +240,7 @@ def test_p6_indexer_and_window_writes_on_aux_stream(traced):
     records = [n.args[0] for n in g.graph.nodes if n.target == ops.event_record.default]
     waits = [n.args[0] for n in g.graph.nodes if n.target == ops.event_wait.default]
     joins = [t for t in records if t.startswith("join:")]
-    assert len(joins) == 4 + 10 + 1     # select (3 Full + 1 Reindex), window x10, Engram
+    assert len(joins) == n_full + n_reindex + 10 + 1     # select per scoring layer, window x10, Engram
     assert set(joins) <= set(waits)
 
 

@@ -25,6 +25,7 @@ from v41graph.passes.pass_manager import ARTIFACT, PASS_CLASSES, PassManager, re
 
 REPO = Path(__file__).resolve().parents[1]
 GATHER, INDEXER = "v41graph.engram_gather.default", "v41graph.indexer_topk.default"
+REINDEXER = "v41graph.indexer_topk_candidates.default"     # Reindex layers' indexer
 WINDOW, INDEX_K = "v41graph.window_kv_write.default", "v41graph.index_k_write.default"
 
 
@@ -133,19 +134,24 @@ def test_p6_stream_map_puts_every_indexer_and_window_write_on_an_aux_stream(dump
         by_target = {}
         for n in nodes:
             by_target.setdefault(n.target, []).append(n)
-        # 3 Full layers + 1 Reindex layer have an indexer; all 10 layers write the window cache
-        assert len(by_target[INDEXER]) == 4 and len(by_target[WINDOW]) == 10
-        assert {n.stream for n in by_target[INDEXER]} == {"aux:select"}
+        # 3 Full layers (indexer_topk) + 1 Reindex layer (indexer_topk_candidates) have an
+        # indexer; all 10 layers write the window cache
+        plan = v41graph.build_layer_plan(v41graph.V41Config.tiny())
+        assert len(by_target[INDEXER]) == sum(r.mode == "full" for r in plan) == 3
+        assert len(by_target[REINDEXER]) == sum(r.mode == "reindex" for r in plan) == 1
+        assert len(by_target[WINDOW]) == 10
+        indexers = by_target[INDEXER] + by_target[REINDEXER]
+        assert {n.stream for n in indexers} == {"aux:select"}
         assert {n.stream for n in by_target[INDEX_K]} == {"aux:select"}
         assert {n.stream for n in by_target[WINDOW]} == {"aux:window"}
-        assert set(dump.nodes_on_stream("aux:select", g)) >= {n.name for n in by_target[INDEXER]}
+        assert set(dump.nodes_on_stream("aux:select", g)) >= {n.name for n in indexers}
         # ... already so right after P6 (the stage text carries the same labels)
         after_p6 = {n.name: n.stream for n in dump.stage_nodes("P6", g)}
-        assert all(after_p6[n.name] == "aux:select" for n in by_target[INDEXER])
+        assert all(after_p6[n.name] == "aux:select" for n in indexers)
         assert all(after_p6[n.name] == "aux:window" for n in by_target[WINDOW])
         # each one sits in a fork/join region whose join the main stream waits for
         chains = {c.tag: c for c in dump.event_chains(g)}
-        for n in by_target[INDEXER] + by_target[WINDOW]:
+        for n in indexers + by_target[WINDOW]:
             c = chains[n.side_tag]
             assert n.name in c.nodes and c.stream == n.stream
             assert c.fork_record and c.join_record and any(s == "main" for _, s in c.join_waits)

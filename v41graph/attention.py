@@ -4,7 +4,8 @@ One module per layer; what it does depends on its LayerRole:
   window   attend to the last W positions only
   full     also compress (ratio 1: Linear + RMSNorm; ratio 2: fp32 pairwise softmax pooling),
            write global KV + index keys, score with the lightning indexer, take the top-k
-  reindex  own indexer query, scored only inside the candidate source's candidate blocks
+  reindex  own indexer query, scored only on the candidate source's compact candidate list
+           (P = candidate_topk_blocks x candidate_block_size positions: flat in the context)
   reuse    attend with the index source's top-k over the kv source's cache
 
 Everything works on a flat batch of N tokens (see cache.AttentionMetadata) with static shapes.
@@ -39,7 +40,9 @@ class StepContext:
     tok_seq_len: torch.Tensor
     tok_qstart: torch.Tensor     # [N] first token of this token's sequence in the batch
     topk: dict = field(default_factory=dict)        # index source layer -> [N, K] positions
-    candidates: dict = field(default_factory=dict)  # candidate source -> [N, C] bool
+    # candidate source -> [N, P] int64 compressed positions (ascending, -1 padded at the end),
+    # P = min(candidate_topk_blocks * candidate_block_size, C): see ops.indexer_topk
+    candidates: dict = field(default_factory=dict)
     precompressed: set = field(default_factory=set)  # full layers whose KV this step already wrote
     debug: dict | None = None
 
@@ -65,6 +68,14 @@ class StepContext:
         j = torch.arange(capacity, device=self.positions.device)
         block = self.meta.block_table[self.tok_seq][:, j // rows_per_block]
         return torch.where(block >= 0, block * rows_per_block + j % rows_per_block, -1)
+
+    def compressed_rows_at(self, ratio: int, pos: torch.Tensor) -> torch.Tensor:
+        """Paged cache rows of the compressed positions `pos` [N, M] (0 <= pos < capacity) of
+        each token's own sequence (-1 = no block): `compressed_rows(...)` gathered at `pos`,
+        computed in O(M) instead of O(capacity)."""
+        rows_per_block = self.caches.block_size // ratio
+        block = self.meta.block_table[self.tok_seq.unsqueeze(-1), pos // rows_per_block]
+        return torch.where(block >= 0, block * rows_per_block + pos.remainder(rows_per_block), -1)
 
 
 def _left_align(rows: torch.Tensor) -> torch.Tensor:
@@ -197,19 +208,27 @@ class Attention(nn.Module):
         return ctx.meta.block_table.shape[1] * ctx.caches.block_size // self.role.ratio
 
     def _select(self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, ctx: StepContext):
-        """Full / reindex layers: the indexer's top-k compressed positions [N, K]."""
+        """Full / reindex layers: the indexer's top-k compressed positions [N, K].
+
+        Full layers score all C visible positions (`indexer_topk`); the candidate source also
+        keeps its compact candidate list [N, P] in ctx.candidates. Reindex layers score only
+        that list (`indexer_topk_candidates`): every tensor they build has width P, whatever C
+        is. Both give the same top-k as masking the full scores with the candidates."""
         role, caches = self.role, ctx.caches
         src = role.kv_source
+        q, weights = self.indexer.query(x, qr, rotation)
+        if role.mode == "reindex":
+            # Same ratio and block table as the candidate source, so its positions (all
+            # visible to the query) map to this layer's kv source's cache rows the same way.
+            cand = ctx.candidates[role.candidate_source]
+            cand_rows = torch.where(cand >= 0, ctx.compressed_rows_at(role.ratio, cand.clamp_min(0)), -1)
+            return ops.indexer_topk_candidates(q, weights, caches.index_k[src], caches.index_scale[src],
+                                               cand_rows, cand, self.config.index_topk)
         capacity = self._compressed_capacity(ctx)
         rows = ctx.compressed_rows(role.ratio, capacity)
         visible_count = (ctx.positions + 1) // role.ratio
         visible = (torch.arange(capacity, device=rows.device) < visible_count.unsqueeze(-1)) & (rows >= 0)
-        keep_blocks = 0
-        if role.mode == "reindex":
-            visible = visible & ctx.candidates[role.candidate_source]
-        elif role.is_candidate_source:
-            keep_blocks = self.config.candidate_topk_blocks
-        q, weights = self.indexer.query(x, qr, rotation)
+        keep_blocks = self.config.candidate_topk_blocks if role.is_candidate_source else 0
         ids, cand = ops.indexer_topk(q, weights, caches.index_k[src], caches.index_scale[src], rows,
                                      visible, self.config.index_topk,
                                      self.config.candidate_block_size, keep_blocks)
@@ -241,8 +260,7 @@ class Attention(nn.Module):
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation)
         if role.ratio:
             topk = ctx.topk[role.index_source]
-            rows = ctx.compressed_rows(role.ratio, self._compressed_capacity(ctx))
-            global_rows = torch.where(topk >= 0, rows.gather(1, topk.clamp_min(0)), -1)
+            global_rows = torch.where(topk >= 0, ctx.compressed_rows_at(role.ratio, topk.clamp_min(0)), -1)
             gkv, gsc = caches.global_kv[role.kv_source], caches.global_scale[role.kv_source]
         else:
             topk = global_rows = torch.empty((n, 0), dtype=torch.int64, device=x.device)
