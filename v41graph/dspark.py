@@ -23,6 +23,9 @@ tests/test_dspark_golden.py):
             x_j = argmax logits_j); confidence c_j = proj([h_j ; markov.embed(x_{j-1})]) (raw logit;
             sigmoid gives the acceptance estimate), h_j = the last stage's collapsed residual BEFORE
             the final norm.
+Shared draft/target top-k buffers (the seed's P5 suggestion) do not apply to V4.1-Flash's
+DSpark: its attention is window-only (MODEL.md §8), so the draft never reads an indexer top-k
+or candidate list that it could share with the target's verification step.
 """
 from __future__ import annotations
 
