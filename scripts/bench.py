@@ -33,6 +33,7 @@ import re
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1",
             "v41graph-noP6", "v41graph-bf16cache", "v41graph-engram-host")
 DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",)}
 BLOCK = 128
+SHARE_DECODE_GRAPH = True     # --no-shared-decode-graph: trace every bucket on its own
 
 
 def log(msg: str) -> None:
@@ -187,7 +189,7 @@ def make_runner(model: V41Model, variant: str, batches: list[int]):
     if variant == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead", dynamic=False)
     return v41graph.compile(model, backend="auto", disable=DISABLE.get(variant, ()),
-                            batch_sizes=batches)
+                            batch_sizes=batches, share_decode_graph=SHARE_DECODE_GRAPH)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -308,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--no-shared-decode-graph", dest="shared", action="store_false",
+                    help="v41graph: trace each decode bucket separately")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = args.device
@@ -322,9 +326,19 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(device)
     log(f"{args.config} model on {device} built in {time.perf_counter() - t_build:.0f} s; "
         f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    global SHARE_DECODE_GRAPH
+    SHARE_DECODE_GRAPH = args.shared
     rows, out = [], Path(args.out) if args.out else None
     for variant in variants:
-        rows += run_variant(model, variant, batches, contexts, args.prefill, args, device, bw)
+        try:
+            rows += run_variant(model, variant, batches, contexts, args.prefill, args, device, bw)
+        except Exception as e:   # one broken variant must not cost the others' device time
+            traceback.print_exc()
+            log(f"{variant} FAILED: {type(e).__name__}: {e}")
+            rows.append({"kind": "error", "variant": variant, "error": f"{type(e).__name__}: {e}"})
+            place_engram(model, "device")
+            if device == "cuda":
+                torch.cuda.empty_cache()
         torch._dynamo.reset()
         if out:   # after every variant: a killed run still leaves its numbers
             out.mkdir(parents=True, exist_ok=True)
@@ -335,6 +349,9 @@ def main(argv=None) -> int:
     print(f"{'kind':<7} {'ctx':>6} {'B':>3} {'variant':<21} {'ms':>9} {'tok/s':>9} "
           f"{'compile s':>9} {'floor':>6}")
     for r in rows:
+        if r["kind"] == "error":
+            print(f"{'error':<7} {'':>6} {'':>3} {r['variant']:<21} {r['error'][:60]}")
+            continue
         floor = f"{r['floor_fraction']:>6.1%}" if "floor_fraction" in r else f"{'':>6}"
         print(f"{r['kind']:<7} {r['context']:>6} {r['batch']:>3} {r['variant']:<21} "
               f"{r['step_ms']:>9.3f} {r['tokens_per_s']:>9.1f} {r['compile_s']:>9.1f} {floor}")

@@ -46,3 +46,20 @@ def test_floor_bytes_counts_experts_rows_and_caches():
     assert abs((big[2] - big[1]) - (big[1] - big[0])) <= 1
     # a longer context adds index-key reads only (window and top-k global rows are bounded)
     assert bench.floor_bytes(model, 1, 4096) > bench.floor_bytes(model, 1, 64)
+
+
+def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    bench = _load("bench")
+    real = bench.run_variant
+
+    def run_variant(model, variant, *args):
+        if variant == "v41graph":
+            raise RuntimeError("capture failed")
+        return real(model, variant, *args)
+    monkeypatch.setattr(bench, "run_variant", run_variant)
+    assert bench.main(["--config", "tiny", "--device", "cpu", "--batches", "1", "--contexts", "40",
+                       "--prefill", "0", "--variants", "v41graph,eager", "--steps", "1",
+                       "--warmup", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(r["kind"], r["variant"]) for r in rows] == [("error", "v41graph"), ("decode", "eager")]
+    assert rows[0]["error"] == "RuntimeError: capture failed"

@@ -383,3 +383,18 @@ def test_p1_generality_and_near_misses():
     # refused: the biased Linear (addmm), the norm over dim -2, the Linear output used twice
     assert _count(graphs[0], torch.ops.aten.addmm.default) == 1
     assert _count(graphs[0], torch.ops.aten.rsqrt.default) == 3
+
+
+def test_share_decode_graph_switch(tiny):
+    """Buckets >= 2 mark their persistent buffers' batch dimension dynamic (one shared trace);
+    bucket 1 and share_decode_graph=False keep fully static buffers."""
+    from v41graph.cache import ModelCaches
+    from v41graph.compiler import DecodeGraph
+    caches = ModelCaches.allocate(tiny.config, 5, 8, 16)
+    for share, bucket, want in ((True, 4, True), (True, 1, False), (False, 4, False)):
+        compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(1, 4), share_decode_graph=share)
+        graph = DecodeGraph(compiled, bucket, caches, 3)
+        assert graph.shared is want
+        marked = [0 in getattr(t, "_dynamo_dynamic_indices", set())
+                  for t in (graph.input_ids, graph.positions, graph.meta.block_table)]
+        assert marked == [want] * 3

@@ -1,7 +1,7 @@
 """The v41graph torch.compile backend and the compile-and-run API.
 
     compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
-                                batch_sizes=(1, 2, 4, 8), dump_dir=None)
+                                batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True)
     logits = compiled(input_ids, positions, caches, metadata)     # same call as the model
 
     torch.compile(model, backend="v41graph")                      # also registered
@@ -75,8 +75,9 @@ class CompiledModel:
     """The compiled model: same call signature as V41Model.forward."""
 
     def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
-                 batch_sizes=(1, 2, 4, 8), dump_dir=None):
+                 batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True):
         self.model = model.eval().requires_grad_(False)
+        self.share_decode_graph = share_decode_graph
         self.device = model.embed.weight.device
         self.platform = _resolve_platform(backend, self.device)
         # MoE experts as grouped GEMMs over stacked weights (moe.py): stack them before tracing.
@@ -168,7 +169,8 @@ class DecodeGraph:
             chunk_start=torch.zeros(bucket, **i64), seq_len=torch.ones(bucket, **i64),
             query_start=torch.arange(bucket + 1, **i64), block_table=torch.full((bucket, max_blocks), -1, **i64),
             logits_index=torch.arange(bucket, **i64))
-        if bucket >= 2:   # the shared symbolic-batch graph (see CompiledModel.__init__)
+        self.shared = bucket >= 2 and compiled.share_decode_graph
+        if self.shared:   # the shared symbolic-batch graph (see CompiledModel.__init__)
             m = self.meta
             for t in (self.input_ids, self.positions, m.token_seq, m.seq_slot, m.chunk_start,
                       m.seq_len, m.query_start, m.block_table, m.logits_index):
@@ -196,7 +198,7 @@ class DecodeGraph:
         m.seq_len.fill_(1)[:n].copy_(meta.seq_len)
 
     def _step(self):
-        fn = self.compiled._shared_decode_fn if self.bucket >= 2 else self.compiled._fn
+        fn = self.compiled._shared_decode_fn if self.shared else self.compiled._fn
         return fn(self.input_ids, self.positions, self.caches, self.meta)
 
     def prepare(self) -> None:
@@ -239,10 +241,12 @@ class DecodeGraph:
 
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
-            batch_sizes=(1, 2, 4, 8), dump_dir=None) -> CompiledModel:
-    """Compile a V41Model with the v41graph backend. See the module docstring."""
+            batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool = True) -> CompiledModel:
+    """Compile a V41Model with the v41graph backend. See the module docstring.
+    share_decode_graph=False traces every decode bucket on its own (static shapes throughout)."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
-                         batch_sizes=batch_sizes, dump_dir=dump_dir)
+                         batch_sizes=batch_sizes, dump_dir=dump_dir,
+                         share_decode_graph=share_decode_graph)
 
 
 __all__ = ["compile", "CompiledModel", "make_backend"]
