@@ -7,8 +7,8 @@ V41GRAPH_DISABLE_TRITON=1 is set, the call runs the pure-torch reference (the sp
 on the GPU instead, so results never depend on which path ran beyond the stated tolerances.
 
 Registered: fused_wkv_rmsnorm, window_kv_write, global_kv_write, index_k_write,
-sparse_attention, engram_gather. (indexer_topk, indexer_topk_candidates and engram_hash keep
-the reference on CUDA.)
+sparse_attention, engram_gather. (indexer_topk, indexer_topk_candidates, engram_hash,
+fused_pool_rmsnorm and fused_ratio2_compressor keep the reference on CUDA.)
 """
 from __future__ import annotations
 

@@ -186,3 +186,23 @@ def fused_pool_rmsnorm(kv: torch.Tensor, score: torch.Tensor, norm_weight: torch
 @fused_pool_rmsnorm.register_fake
 def _(kv, score, norm_weight, eps, out_dtype):
     return kv.new_empty((kv.shape[0], kv.shape[2]), dtype=out_dtype)
+
+
+@custom_op(f"{_NS}::fused_ratio2_compressor", mutates_args=())
+def fused_ratio2_compressor(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, state: torch.Tensor,
+                            member_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ratio-2 compressor's read side in one op (P1, passes/fuse_pool_rmsnorm.py): the
+    projection pair rows = [x wkv^T, x wgate^T] (fp32), the r member rows of each group
+    gathered from the state ring ++ rows (member_rows: the index fed to index_select), softmax
+    pooling, cast to out_dtype, RMSNorm. Returns (latent [N, D], rows [N, 2D]): it does NOT
+    write the state ring; `rows` comes back because the separate `state_write` (which must run
+    after this read of the state) still writes them."""
+    return ref.ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype)
+
+
+@fused_ratio2_compressor.register_fake
+def _(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype):
+    n, d = x.shape[0], wkv.shape[0]
+    return (x.new_empty((n, d), dtype=out_dtype),
+            x.new_empty((n, d + wgate.shape[0]), dtype=torch.float32))

@@ -170,6 +170,19 @@ def pool_rmsnorm(kv, score, norm_weight, eps, out_dtype):
     return (norm_weight.float() * y).to(out_dtype)
 
 
+def ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype):
+    """The `fused_ratio2_compressor` op: the ratio-2 compressor's read side, in the model's op
+    order (attention.Compressor.forward). x [N, K] (cast to fp32), wkv / wgate [D, K] fp32,
+    state [slots, ring, 2D] fp32 (the compressor state ring), member_rows [N*r] (pool rows:
+    ring ++ this call's rows). Returns (latent [N, D] in out_dtype, rows [N, 2D] fp32)."""
+    xf = x.float()
+    rows = torch.cat([torch.nn.functional.linear(xf, wkv), torch.nn.functional.linear(xf, wgate)], dim=-1)
+    pool = torch.cat([state.view(-1, state.shape[-1]), rows], dim=0)
+    member = pool.index_select(0, member_rows).view(rows.shape[0], -1, pool.shape[-1])
+    kv, score = member.chunk(2, dim=-1)
+    return pool_rmsnorm(kv, score, norm_weight, eps, out_dtype), rows
+
+
 # ----------------------------------------------------------------------------- indexer
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                    visible: torch.Tensor) -> torch.Tensor:

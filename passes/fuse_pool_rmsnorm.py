@@ -11,11 +11,30 @@ decomposed graph spells it:
     y    = lat | convert_element_type(lat, dtype)
     out  = RMSNorm(y)                                  (as in fuse_wkv_rmsnorm.match_rmsnorm)
 
-One op reads the r (kv, score) rows once and writes the normalised latent. The projections and
-the state-ring update stay separate nodes (they also feed the state write). Refuses a softmax
+One op reads the r (kv, score) rows once and writes the normalised latent. Refuses a softmax
 over another dim and intermediates with other users.
+
+Second step: where the pooled (kv, score) come from the compressor's projection pair and state
+ring, the fused pool node absorbs that too and becomes `v41graph::fused_ratio2_compressor`:
+
+    rows   = cat([mm(x', permute(wkv)), mm(x', permute(wgate))], -1)     x' = x | convert(x, f32)
+    pool   = cat([view(state, [-1, 2D]), rows])                         (dim 0)
+    member = index(pool, [member_rows]) | index_select(pool, 0, member_rows)
+    kv, score = getitem(split(view(member, [N, r, -1]), D, -1), 0 / 1)
+    out    = fused_pool_rmsnorm(kv, score, g, eps, dtype)
+
+  ==>  (out, rows') = fused_ratio2_compressor(x, wkv, wgate, state, member_rows, g, eps, dtype)
+
+The state-ring update `state_write(state, state_rows, rows)` stays a separate node and now
+writes rows' (the op's second output); the fused op is placed where the gather was, i.e. before
+that write, so it reads the ring's old contents as the model does. Refuses near misses: a
+projection output or any intermediate with another user, a rows user other than the pool and
+state writes (or a write placed before the gather), a pool other than [state view, rows].
+The plain pool fusion stays where the projections do not match.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -24,6 +43,13 @@ from .base import is_call
 from .fuse_wkv_rmsnorm import RMSNormFusion, _single_user, _strip_convert, _val, match_rmsnorm
 
 aten = torch.ops.aten
+STATE_WRITE = torch.ops.v41graph.state_write.default
+
+
+def _same(a, b) -> bool:
+    """Equal shapes, sizes plain ints or symbolic (a shared decode graph's batch dimension):
+    compared by their expressions, so no guard is added."""
+    return len(a) == len(b) and all(x is y or str(x) == str(y) for x, y in zip(a, b))
 
 
 def _dims(node: fx.Node) -> list:
@@ -34,6 +60,137 @@ class FusePoolRMSNorm(RMSNormFusion):
     name = "fuse_pool_rmsnorm"
     target = torch.ops.v41graph.fused_pool_rmsnorm.default
     kind = "pool+rmsnorm"
+    ratio2_target = torch.ops.v41graph.fused_ratio2_compressor.default
+    ratio2_kind = "ratio2 projections+pool+rmsnorm"
+
+    def run(self, gm: fx.GraphModule) -> int:
+        graph = gm.graph
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        before = {n.name: [i.name for i in n.all_input_nodes] for n in graph.nodes}
+        self._pool_out = {}
+        count = super().run(gm)
+        self._pool_out = {n.name: n.meta.pop("pool_out") for n in graph.nodes
+                          if is_call(n, self.target) and "pool_out" in n.meta}
+        self.replaced = {}
+        roots = {}
+        for pooled in [n for n in graph.nodes if is_call(n, self.target)]:
+            m = self._match_projections(pooled, order)
+            if m is not None:
+                fused, root_names = self._absorb(gm, pooled, m)
+                roots[fused.name] = root_names
+        if roots:
+            graph.eliminate_dead_code()
+            alive = {n.name for n in graph.nodes}
+            for name, root_names in roots.items():   # what each fused op replaced (for the dump)
+                seen, stack = set(), list(root_names)
+                while stack:
+                    nm = stack.pop()
+                    if nm in seen or nm in alive or nm not in before:
+                        continue
+                    seen.add(nm)
+                    stack.extend(before[nm])
+                self.replaced[name] = [n.name for n in order if n.name in seen]
+        return count
+
+    # ------------------------------------------------------------------ the projection pair
+    def _match_projections(self, pooled: fx.Node, order: dict):
+        kv, score, g, eps, out_dtype = pooled.args
+        if not (is_call(kv, operator.getitem) and is_call(score, operator.getitem)
+                and kv.args[0] is score.args[0] and (kv.args[1], score.args[1]) == (0, 1)
+                and _single_user(kv, pooled) and _single_user(score, pooled)):
+            return None
+        split = kv.args[0]
+        if not (is_call(split, aten.split.Tensor) and set(split.users) == {kv, score}
+                and (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) in (-1, 2)):
+            return None
+        view = split.args[0]
+        if not (is_call(view, aten.view.default, aten.reshape.default) and _single_user(view, split)):
+            return None
+        gather = view.args[0]
+        if is_call(gather, aten.index.Tensor) and len(gather.args[1]) == 1:
+            pool, member_rows = gather.args[0], gather.args[1][0]
+        elif is_call(gather, aten.index_select.default) and gather.args[1] == 0:
+            pool, member_rows = gather.args[0], gather.args[2]
+        else:
+            return None
+        if not (_single_user(gather, view) and isinstance(member_rows, fx.Node)):
+            return None
+        if not (is_call(pool, aten.cat.default) and _single_user(pool, gather)
+                and (pool.args[1] if len(pool.args) > 1 else pool.kwargs.get("dim", 0)) == 0
+                and len(pool.args[0]) == 2):
+            return None
+        state_view, rows = pool.args[0]
+        if not (is_call(state_view, aten.view.default) and _single_user(state_view, pool)):
+            return None
+        state = state_view.args[0]
+        if not (isinstance(state, fx.Node) and state.op == "placeholder"):
+            return None
+        if not (is_call(rows, aten.cat.default) and len(rows.args[0]) == 2
+                and (rows.args[1] if len(rows.args) > 1 else rows.kwargs.get("dim", 0)) in (-1, 1)):
+            return None
+        # rows: read by the pool and, after the gather, by the state-ring write(s) only
+        for u in rows.users:
+            if u is pool:
+                continue
+            is_write = (is_call(u, STATE_WRITE) or (is_call(u, torch.ops.higher_order.auto_functionalized_v2)
+                                                     and u.args[0] is STATE_WRITE))
+            if not is_write or order[u] < order[gather]:
+                return None
+        mms = rows.args[0]
+        if not all(is_call(mm, aten.mm.default) and _single_user(mm, rows) for mm in mms):
+            return None
+        xin = mms[0].args[0]
+        if mms[1].args[0] is not xin:
+            return None
+        weights = []
+        for mm in mms:
+            wt = mm.args[1]
+            if not (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0] and _single_user(wt, mm)):
+                return None
+            w = wt.args[0]
+            if not (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr")):
+                return None
+            weights.append(w)
+        x, convert = _strip_convert(xin, torch.float32)
+        if convert is not None and set(convert.users) != set(mms):
+            x = xin                                   # the fp32 copy has other users: keep it
+        xv, wv, gv, rv, sv, mv = (_val(n) for n in (x, weights[0], weights[1], rows, state, member_rows))
+        lat_v = _val(pooled)
+        if None in (xv, wv, gv, rv, sv, mv, lat_v) or xv.dim() != 2 or mv.dim() != 1:
+            return None
+        if wv.dtype != torch.float32 or gv.dtype != torch.float32 or rv.dtype != torch.float32:
+            return None
+        if mv.dtype not in (torch.int64, torch.int32) or sv.dtype != torch.float32:
+            return None
+        d, n, vv = wv.shape[0], xv.shape[0], _val(view)
+        if not (vv is not None and _same(gv.shape, wv.shape) and _same(rv.shape, (n, 2 * d))
+                and _same(sv.shape[-1:], (2 * d,)) and _same(vv.shape[:1], (n,))
+                and split.args[1] == d and _same(lat_v.shape, (n, d))):
+            return None
+        return (x, weights[0], weights[1], state, member_rows, g, eps, out_dtype), rows, gather, \
+            [self._pool_out.get(pooled.name, pooled.name)]
+
+    def _absorb(self, gm: fx.GraphModule, pooled: fx.Node, match):
+        args, rows, gather, root_names = match
+        graph = gm.graph
+        with graph.inserting_before(gather):           # before the state write: reads the old ring
+            fused = graph.call_function(self.ratio2_target, args)
+            # named after the fused node: a fresh "getitem" name would depend on the graph's
+            # naming history (a cloned graph counts differently) and the dumps must not
+            latent = graph.create_node("call_function", operator.getitem, (fused, 0), name=f"{fused.name}_latent")
+            new_rows = graph.create_node("call_function", operator.getitem, (fused, 1), name=f"{fused.name}_rows")
+        base = {k: v for k, v in pooled.meta.items() if k not in ("val", "fused_from")}
+        fused.meta.update(base)
+        fused.meta["val"] = (pooled.meta.get("val"), rows.meta.get("val"))
+        fused.meta["fused_from"] = self.ratio2_kind
+        latent.meta.update(base)
+        latent.meta["val"] = pooled.meta.get("val")
+        new_rows.meta.update({k: v for k, v in rows.meta.items() if k != "fused_from"})
+        pooled.replace_all_uses_with(latent)
+        for u in [u for u in rows.users if u is not gather.args[0]]:
+            u.replace_input_with(rows, new_rows)     # the state write(s) keep writing the rows
+        graph.erase_node(pooled)
+        return fused, root_names
 
     def _match(self, rsqrt: fx.Node):
         norm = match_rmsnorm(rsqrt)
@@ -73,4 +230,5 @@ class FusePoolRMSNorm(RMSNormFusion):
             return None
         if tuple(out_v.shape) != (kv_v.shape[0], kv_v.shape[2]):
             return None
+        out.meta["pool_out"] = out.name        # replace_with copies it onto the fused node
         return out, (kv, score, g, eps, out_v.dtype)

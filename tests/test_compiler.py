@@ -156,16 +156,36 @@ def test_p1_fuses_every_linear_rmsnorm_pair(tiny, traced):
         assert _count(before, torch.ops.aten.rsqrt.default) - _count(after, torch.ops.aten.rsqrt.default) == expected + 2
 
 
-def test_p1_fuses_each_ratio2_pool_and_rmsnorm(tiny, traced):
+def test_p1_fuses_each_ratio2_compressor(tiny, traced):
+    """Per ratio-2 Full layer of the plan: the projection pair, the gather from the state ring
+    and the pooling + RMSNorm become one fused_ratio2_compressor; its rows output feeds the
+    (separate, later) state write."""
     vb, *_ = traced
-    ratio2_full = sum(1 for b in tiny.layers if b.role.mode == "full" and b.role.ratio == 2)
+    plan = v41graph.build_layer_plan(tiny.config)
+    ratio2_full = sum(1 for r in plan if r.mode == "full" and r.ratio == 2)
+    assert ratio2_full == sum(1 for b in tiny.layers if b.role.mode == "full" and b.role.ratio == 2) == 2
+    aten = torch.ops.aten
     for idx in (0, 1):
-        assert _count(vb.passed(idx), ops.fused_pool_rmsnorm.default) == ratio2_full == 2
-        # without the pool fusion, the pooling softmax (exp over the group) is still there
+        g = vb.passed(idx)
+        assert _count(g, ops.fused_ratio2_compressor.default) == ratio2_full
+        assert _count(g, ops.fused_pool_rmsnorm.default) == 0        # every pool took its projections
+        # without the pool fusion (or without P1) nothing of it: softmax and the mm pair still there
+        for passes in (tuple(p for p in ALL if p != "fuse_pool_rmsnorm"), tuple(resolve_passes(disable=("P1",)))):
+            plain = vb.passed(idx, passes)
+            assert _count(plain, ops.fused_ratio2_compressor.default, ops.fused_pool_rmsnorm.default) == 0
+            assert _count(plain, aten.exp.default) - _count(g, aten.exp.default) == ratio2_full
         plain = vb.passed(idx, tuple(p for p in ALL if p != "fuse_pool_rmsnorm"))
-        assert _count(plain, ops.fused_pool_rmsnorm.default) == 0
-        assert (_count(plain, torch.ops.aten.exp.default)
-                - _count(vb.passed(idx), torch.ops.aten.exp.default)) == ratio2_full
+        assert _count(plain, aten.mm.default) - _count(g, aten.mm.default) == 2 * ratio2_full
+        assert _count(plain, aten.index.Tensor) - _count(g, aten.index.Tensor) == ratio2_full
+        assert _count(plain, ops.state_write.default) == _count(g, ops.state_write.default)
+        order = {n: i for i, n in enumerate(g.graph.nodes)}
+        for n in g.graph.nodes:
+            if n.op == "call_function" and n.target == ops.fused_ratio2_compressor.default:
+                (rows,) = [u for u in n.users if u.args[1] == 1]
+                (write,) = rows.users
+                call = dict(zip(("dst", "rows", "values"), write.args), **write.kwargs)
+                assert write.target == ops.state_write.default and call["values"] is rows
+                assert call["dst"] is n.args[3] and order[write] > order[n]   # reads the old ring
 
 
 def test_p1_count_matches_ratio1_compressors_in_checkpoint_format():
@@ -398,3 +418,106 @@ def test_share_decode_graph_switch(tiny):
         marked = [0 in getattr(t, "_dynamo_dynamic_indices", set())
                   for t in (graph.input_ids, graph.positions, graph.meta.block_table)]
         assert marked == [want] * 3
+
+
+# ---------------------------------------------------------------------------- P1, ratio 2
+class _Ratio2(torch.nn.Module):
+    """The ratio-2 compressor's read side as attention.Compressor spells it, with a switch for
+    a near miss: a projection output with one more user."""
+
+    def __init__(self, extra_user: bool):
+        super().__init__()
+        from v41graph.layers import Linear, RMSNorm
+        self.extra_user = extra_user
+        self.wkv = Linear(24, 8, dtype=torch.float32)
+        self.wgate = Linear(24, 8, dtype=torch.float32)
+        self.norm = RMSNorm(8, 1e-6)
+        for p in (self.wkv.weight, self.wgate.weight, self.norm.weight):
+            torch.nn.init.normal_(p)
+
+    def forward(self, x, state, member_rows, state_rows):
+        xf = x.float()
+        a = self.wkv(xf)
+        rows = torch.cat([a, self.wgate(xf)], dim=-1)
+        pool = torch.cat([state.view(-1, state.shape[-1]), rows], dim=0)
+        member = pool.index_select(0, member_rows).view(x.shape[0], 2, -1)
+        kv, score = member.chunk(2, dim=-1)
+        latent = (kv * score.softmax(dim=1)).sum(dim=1)
+        ops.state_write(state, state_rows, rows)
+        out = self.norm(latent.to(x.dtype))
+        return out + a.sum(-1, keepdim=True).to(x.dtype) if self.extra_user else out
+
+
+@pytest.mark.parametrize("extra_user,dynamic", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_p1_ratio2_compressor_fusion_and_near_miss(extra_user, dynamic, dtype):
+    """Fused (also with a symbolic token count, as in the shared decode graph) and refused."""
+    torch.manual_seed(0)
+    m = _Ratio2(extra_user).eval().requires_grad_(False)
+    x = torch.randn(5, 24).to(dtype)
+    state = torch.randn(3, 4, 16)
+    member_rows = torch.randint(0, 3 * 4 + 5, (10,))
+    state_rows = torch.tensor([0, -1, 5, 7, -1])
+    graphs = []
+
+    def fw(gm, ex):
+        PassManager(["cleanup", "fuse_pool_rmsnorm", "defunctionalize"])(gm)
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+    be = aot_autograd(fw_compiler=fw, decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+    s_eager, s_comp = state.clone(), state.clone()
+    want = m(x, s_eager, member_rows, state_rows)
+    if dynamic:   # the token count symbolic, as in the shared decode graph (batch dims marked)
+        for t in (x, member_rows, state_rows):
+            torch._dynamo.mark_dynamic(t, 0)
+    got = torch.compile(m, backend=be, fullgraph=True, dynamic=False)(x, s_comp, member_rows, state_rows)
+    assert torch.equal(got, want) and torch.equal(s_comp, s_eager)
+    g = graphs[0]
+    fused = 0 if extra_user else 1
+    assert _count(g, ops.fused_ratio2_compressor.default) == fused
+    assert _count(g, ops.fused_pool_rmsnorm.default) == 1 - fused      # refused: plain pool fusion
+    assert _count(g, torch.ops.aten.mm.default) == 2 * (1 - fused)
+    # the state write still happens in place after the fused read (defunctionalized)
+    assert _count(g, torch.ops.higher_order.auto_functionalized_v2) == 0
+    assert _count(g, ops.state_write.default) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_ratio2_compressor_reference_equals_model_code(dtype):
+    """The op's reference (what every backend falls back to) is bit-identical to the model's
+    Compressor.forward: latent and the rows it writes to the state ring, at every call of
+    every ratio-2 compressor over a prefill and 4 decode steps; the op leaves the state alone."""
+    from v41graph.attention import COMPRESSOR_RING, Compressor
+    cfg = v41graph.V41Config.tiny(torch_dtype=dtype)
+    model = init_random_(V41Model(cfg), seed=3).eval().requires_grad_(False)
+    checked = []
+
+    def pre(mod, args):
+        x, ctx, lid = args
+        pos = ctx.positions
+        member_pos = pos.unsqueeze(-1) - torch.arange(mod.ratio - 1, -1, -1, device=pos.device)
+        member_rows = ctx.fresh_or_ring_rows(member_pos.clamp_min(0), COMPRESSOR_RING).flatten()
+        state = ctx.caches.compressor_state[lid]
+        before = state.clone()
+        mod._fused = ops.fused_ratio2_compressor(x, mod.wkv.weight, mod.wgate.weight, state, member_rows,
+                                                 mod.norm.weight, mod.norm.eps, x.dtype)
+        assert torch.equal(state, before)
+        xf = x.float()
+        mod._rows = torch.cat([mod.wkv(xf), mod.wgate(xf)], dim=-1)
+
+    def post(mod, args, out):
+        latent, rows = mod._fused
+        assert latent.dtype == out[0].dtype == args[0].dtype
+        assert torch.equal(latent, out[0]) and torch.equal(rows, mod._rows)
+        checked.append(mod)
+
+    mods = [m for m in model.modules() if isinstance(m, Compressor) and m.ratio == 2]
+    assert len(mods) == 2
+    for m in mods:
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(post)
+    s = Session(model, 2, 64, block_size=16)
+    logits = s.prefill(torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1)))
+    for _ in range(4):
+        logits = s.decode(logits.argmax(-1, keepdim=True))
+    assert len(checked) == 2 * 5

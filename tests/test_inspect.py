@@ -103,9 +103,17 @@ def test_p1_record_matches_linear_rmsnorm_pairs_and_names_what_each_fused_op_rep
         assert r["matched_count"] == expected
         fused = [f for f in dump.fused_ops(g) if f.pass_name == "fuse_wkv_rmsnorm"]
         assert len(fused) == expected
-        # the other half of P1: one pooling+RMSNorm per ratio-2 Full layer (tiny: layers 2, 4)
+        # the other half of P1: one projections+pooling+RMSNorm per ratio-2 Full layer (tiny: 2, 4)
         pooled = [f for f in dump.fused_ops(g) if f.pass_name == "fuse_pool_rmsnorm"]
-        assert len(pooled) == 2 and all(f.target == "v41graph.fused_pool_rmsnorm.default" for f in pooled)
+        assert len(pooled) == 2 and all(f.target == "v41graph.fused_ratio2_compressor.default" for f in pooled)
+        # each replaced its mm pair and RMSNorm; together exactly what the pass removed, once
+        r2 = dump.pass_record("fuse_pool_rmsnorm", g)
+        replaced2 = [n for f in pooled for n in f.replaced]
+        assert set(replaced2) == set(r2["removed"]) and len(replaced2) == len(r2["removed"])
+        before2 = {n.name: n for n in dump.stage_nodes("fuse_pool_rmsnorm.before", g)}
+        for f in pooled:
+            targets = [before2[n].target for n in f.replaced]
+            assert targets.count("aten.mm.default") == 2 and targets.count("aten.rsqrt.default") == 1
         before = {n.name: n for n in dump.stage_nodes("P1.before", g)}
         after = {n.name: n for n in dump.stage_nodes("P1", g)}
         assert sum(1 for n in after.values() if n.target == "v41graph.fused_wkv_rmsnorm.default") == expected
