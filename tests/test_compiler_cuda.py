@@ -77,37 +77,32 @@ def test_side_stream_kernels_overlap_main_stream(model):
     assert overlaps > 0
 
 
+def _assert_bit_identical_decodes(model, compile_kwargs_a: dict, compile_kwargs_b: dict):
+    """Under deterministic kernels, 100 greedy decode steps of two compiles of `model` must give
+    bit-identical logits at every step."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        prompt = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(1))
+        runs = []
+        for kwargs in (compile_kwargs_a, compile_kwargs_b):
+            compiled = v41graph.compile(model, backend="cuda", batch_sizes=(4,), **kwargs)
+            runs.append(_greedy(Session(compiled, 3, 160, block_size=16), prompt, 100))
+        for step, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_side_streams_change_no_bits(model):
     """Race check: with deterministic kernels, the captured decode with P4 + P6 (side streams)
     must give bit-identical logits to the same compile without them, step after step. (Tells a
     cross-stream race apart from the fused kernels' atomic-order noise, which the eager
     comparison above cannot.)"""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        prompt = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(1))
-        runs = []
-        for disable in ((), ("hoist_engram", "dual_stream")):
-            compiled = v41graph.compile(model, backend="cuda", batch_sizes=(4,), disable=disable)
-            runs.append(_greedy(Session(compiled, 3, 160, block_size=16), prompt, 100))
-        for step, (a, b) in enumerate(zip(*runs)):
-            assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
-    finally:
-        torch.use_deterministic_algorithms(False)
+    _assert_bit_identical_decodes(model, {}, {"disable": ("hoist_engram", "dual_stream")})
 
 
 def test_capture_changes_no_bits(model):
-    """Race check, second half: with deterministic kernels, the captured decode (all passes,
-    side streams) must be bit-identical to the same compiled graph run without capture, step
-    after step. A difference here is a capture or stream-ordering bug, not kernel rounding."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        prompt = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(1))
-        runs = []
-        for capture in (True, False):
-            compiled = v41graph.compile(model, backend="cuda", batch_sizes=(4,), capture=capture)
-            runs.append(_greedy(Session(compiled, 3, 160, block_size=16), prompt, 100))
-        for step, (a, b) in enumerate(zip(*runs)):
-            assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
-    finally:
-        torch.use_deterministic_algorithms(False)
-
+    """Race check, second half: the captured decode (all passes, side streams) must be
+    bit-identical to the same compiled graph run without capture. A difference here is a
+    capture or stream-ordering bug, not kernel rounding."""
+    _assert_bit_identical_decodes(model, {"capture": True}, {"capture": False})
