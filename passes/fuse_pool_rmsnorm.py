@@ -64,32 +64,16 @@ class FusePoolRMSNorm(RMSNormFusion):
     ratio2_kind = "ratio2 projections+pool+rmsnorm"
 
     def run(self, gm: fx.GraphModule) -> int:
-        graph = gm.graph
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        before = {n.name: [i.name for i in n.all_input_nodes] for n in graph.nodes}
-        self._pool_out = {}
         count = super().run(gm)
-        self._pool_out = {n.name: n.meta.pop("pool_out") for n in graph.nodes
-                          if is_call(n, self.target) and "pool_out" in n.meta}
-        self.replaced = {}
-        roots = {}
-        for pooled in [n for n in graph.nodes if is_call(n, self.target)]:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        widened = 0
+        for pooled in [n for n in gm.graph.nodes if is_call(n, self.target)]:
             m = self._match_projections(pooled, order)
             if m is not None:
-                fused, root_names = self._absorb(gm, pooled, m)
-                roots[fused.name] = root_names
-        if roots:
-            graph.eliminate_dead_code()
-            alive = {n.name for n in graph.nodes}
-            for name, root_names in roots.items():   # what each fused op replaced (for the dump)
-                seen, stack = set(), list(root_names)
-                while stack:
-                    nm = stack.pop()
-                    if nm in seen or nm in alive or nm not in before:
-                        continue
-                    seen.add(nm)
-                    stack.extend(before[nm])
-                self.replaced[name] = [n.name for n in order if n.name in seen]
+                self._absorb(gm, pooled, m)
+                widened += 1
+        if widened:
+            gm.graph.eliminate_dead_code()
         return count
 
     # ------------------------------------------------------------------ the projection pair
@@ -167,11 +151,10 @@ class FusePoolRMSNorm(RMSNormFusion):
                 and _same(sv.shape[-1:], (2 * d,)) and _same(vv.shape[:1], (n,))
                 and split.args[1] == d and _same(lat_v.shape, (n, d))):
             return None
-        return (x, weights[0], weights[1], state, member_rows, g, eps, out_dtype), rows, gather, \
-            [self._pool_out.get(pooled.name, pooled.name)]
+        return (x, weights[0], weights[1], state, member_rows, g, eps, out_dtype), rows, gather
 
     def _absorb(self, gm: fx.GraphModule, pooled: fx.Node, match):
-        args, rows, gather, root_names = match
+        args, rows, gather = match
         graph = gm.graph
         with graph.inserting_before(gather):           # before the state write: reads the old ring
             fused = graph.call_function(self.ratio2_target, args)
@@ -190,16 +173,12 @@ class FusePoolRMSNorm(RMSNormFusion):
         for u in [u for u in rows.users if u is not gather.args[0]]:
             u.replace_input_with(rows, new_rows)     # the state write(s) keep writing the rows
         graph.erase_node(pooled)
-        return fused, root_names
 
     def _match(self, rsqrt: fx.Node):
         norm = match_rmsnorm(rsqrt)
         if norm is None:
             return None
-        yf, out, g, eps = norm
-        y, convert_in = _strip_convert(yf, torch.float32)
-        if convert_in is not None and not _single_user(y, convert_in):
-            return None
+        y, out, g, eps = norm
         lat, convert_mid = _strip_convert(y)
         if convert_mid is not None and not _single_user(lat, convert_mid):
             return None
@@ -230,5 +209,4 @@ class FusePoolRMSNorm(RMSNormFusion):
             return None
         if tuple(out_v.shape) != (kv_v.shape[0], kv_v.shape[2]):
             return None
-        out.meta["pool_out"] = out.name        # replace_with copies it onto the fused node
         return out, (kv, score, g, eps, out_v.dtype)

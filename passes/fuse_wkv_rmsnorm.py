@@ -46,8 +46,9 @@ def _single_user(node: fx.Node, user: fx.Node) -> bool:
 
 def match_rmsnorm(rsqrt: fx.Node):
     """The RMSNorm around an rsqrt node, as the decomposed graph spells it:
-    (normed input yf, output node, norm weight node, eps), or None. Requires keepdim over the
-    last dim and that yf and every intermediate feed only the norm."""
+    (normed input y before its optional fp32 upcast, output node, norm weight node, eps), or
+    None. Requires keepdim over the last dim and that y (through the upcast) and every
+    intermediate feed only the norm."""
     add = rsqrt.args[0]
     if not (is_call(add, aten.add.Tensor, aten.add.Scalar) and isinstance(add.args[1], (int, float))):
         return None
@@ -85,7 +86,10 @@ def match_rmsnorm(rsqrt: fx.Node):
         (only,) = scaled.users
         if is_call(only, CONVERT):
             out = only
-    return yf, out, g_inner, eps
+    y, convert_in = _strip_convert(yf, torch.float32)
+    if convert_in is not None and not _single_user(y, convert_in):
+        return None
+    return y, out, g_inner, eps
 
 
 def replace_with(gm: fx.GraphModule, out: fx.Node, target, args, kind: str) -> fx.Node:
@@ -131,11 +135,8 @@ class FuseWkvRMSNorm(RMSNormFusion):
         norm = match_rmsnorm(rsqrt)
         if norm is None:
             return None
-        yf, out, g_inner, eps = norm
+        y, out, g_inner, eps = norm
         # the Linear: (view) <- mm(x2, permute(w)) (<- view)
-        y, convert_in = _strip_convert(yf, torch.float32)
-        if convert_in is not None and not _single_user(y, convert_in):
-            return None
         mm = y
         if is_call(y, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             if not _single_user(y.args[0], y):

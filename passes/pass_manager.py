@@ -158,14 +158,16 @@ def _snapshot(gm: fx.GraphModule) -> dict:
 
 
 def _roots(new_nodes: list, before: dict, removed: set) -> dict:
-    """For each new node, the removed node it stands in for: the one whose value object it took
-    over (passes copy `meta["val"]` from the node they replace), else the removed input (before
+    """For each new node, the removed node it stands in for: the one whose value object (or, for
+    a multi-output op, one of whose value objects) it took over (passes copy `meta["val"]` from
+    the node they replace), else the removed input (before
     the pass) of one of its users."""
     by_val = {id(before[nm][3]): nm for nm in removed if before[nm][3] is not None}
     roots = {}
     for n in new_nodes:
         val = n.meta.get("val")
-        root = by_val.get(id(val)) if val is not None else None
+        vals = val if isinstance(val, tuple) else (val,)      # a multi-output op: any of its values
+        root = next((by_val[id(v)] for v in vals if v is not None and id(v) in by_val), None)
         if root is None:
             root = next((i for u in n.users if u.name in before for i in before[u.name][1] if i in removed), None)
         if root is not None:

@@ -306,36 +306,32 @@ def test_unknown_pass_name_is_a_clear_error():
     assert resolve_passes(disable=["P1", "P6"]) == ["cleanup", "defunctionalize", "hoist_engram", "stream_check"]
 
 
-def test_compile_api_end_to_end_with_padding_and_errors(tiny):
-    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(2, 4))
+def _eager_vs_compiled_decodes(tiny, compiled, n_seqs: int, seed: int, steps: int):
+    """A fresh eager and compiled Session (3 slots, same shapes), the same prompts, then
+    `steps` greedy decode steps; logits must agree at every step. Returns the compiled session
+    and how many graphs its decode steps compiled."""
     eager, comp = Session(tiny, 3, 48, block_size=16), Session(compiled, 3, 48, block_size=16)
-    prompt = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(9))
+    prompt = torch.randint(0, 256, (n_seqs, 9), generator=torch.Generator().manual_seed(seed))
     a, b = eager.prefill(prompt), comp.prefill(prompt)
     assert torch.allclose(a, b, atol=ATOL, rtol=0)
-    for _ in range(3):                       # 3 sequences padded into the bucket of 4
+    graphs = compiled.pass_manager.graph_index
+    for _ in range(steps):
         nxt = a.argmax(-1, keepdim=True)
         a, b = eager.decode(nxt), comp.decode(nxt)
         assert torch.allclose(a, b, atol=ATOL, rtol=0)
+    return comp, compiled.pass_manager.graph_index - graphs
+
+
+def test_compile_api_end_to_end_with_padding_and_errors(tiny):
+    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(2, 4))
+    comp, _ = _eager_vs_compiled_decodes(tiny, compiled, 3, 9, 3)   # 3 sequences padded into bucket 4
     # A second session (other caches) on the same compiled model gets its own decode graph.
-    eager2, comp2 = Session(tiny, 3, 48, block_size=16), Session(compiled, 3, 48, block_size=16)
-    prompt2 = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(10))
-    a, b = eager2.prefill(prompt2), comp2.prefill(prompt2)
-    for _ in range(2):
-        nxt = a.argmax(-1, keepdim=True)
-        a, b = eager2.decode(nxt), comp2.decode(nxt)
-        assert torch.allclose(a, b, atol=ATOL, rtol=0)
+    _eager_vs_compiled_decodes(tiny, compiled, 3, 10, 2)
     # Buckets >= 2 share one symbolic-batch graph: two sequences (bucket 2) on a third session
-    # of the same shapes compile nothing new (prefill graph aside) and still match eager.
-    eager3, comp3 = Session(tiny, 3, 48, block_size=16), Session(compiled, 3, 48, block_size=16)
-    prompt3 = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(11))
-    a, b = eager3.prefill(prompt3), comp3.prefill(prompt3)
-    graphs = compiled.pass_manager.graph_index
-    for _ in range(2):
-        nxt = a.argmax(-1, keepdim=True)
-        a, b = eager3.decode(nxt), comp3.decode(nxt)
-        assert torch.allclose(a, b, atol=ATOL, rtol=0)
+    # of the same shapes compile no new decode graph and still match eager.
+    comp3, decode_graphs = _eager_vs_compiled_decodes(tiny, compiled, 2, 11, 2)
     assert (2, id(comp3.caches)) in compiled._decode
-    assert compiled.pass_manager.graph_index == graphs
+    assert decode_graphs == 0
     records = compiled.pass_manager.records[-1]
     assert [r["pass"] for r in records] == list(ALL)
     with pytest.raises(ValueError, match="larger than the largest captured bucket 4"):

@@ -5,7 +5,9 @@ compressed positions (ascending, -1 padded at the end, P = candidate_topk_blocks
 candidate_block_size clamped to the capacity C), and Reindex layers gather and score only those
 P positions (`indexer_topk_candidates`). Before this change the candidate source returned a
 [N, C] mask and Reindex layers scored all C positions with the mask ANDed into `visible`; that
-formulation is kept here verbatim (`_old_*`) as the specification the new one must equal.
+formulation is kept here (`_old_*`; the block mask itself stays in reference.py as
+`candidate_block_mask`, checked against tests/naive.py) as the specification the new one must
+equal.
 
 1. op level, random inputs in float32 and bfloat16 (keys from the FP4 cache, FP4 indexer
    queries, as in the model): same top-k ids, same candidate sets, torch.equal, with exact ties
@@ -39,24 +41,6 @@ ops = torch.ops.v41graph
 
 
 # =============================================================================== today's formulation
-def _old_candidate_block_mask(scores, visible_count, block_size, keep_blocks):
-    """reference.candidate_block_mask as it was before the change (verbatim)."""
-    n, c = scores.shape
-    n_blocks = (c + block_size - 1) // block_size
-    padded = torch.nn.functional.pad(scores.float(), (0, n_blocks * block_size - c), value=float("-inf"))
-    block_score = padded.view(n, n_blocks, block_size).amax(-1)
-    newest = ((visible_count - 1).clamp_min(0) // block_size).unsqueeze(-1)
-    has_visible = (visible_count > 0).unsqueeze(-1)
-    block_ids = torch.arange(n_blocks, device=scores.device).unsqueeze(0)
-    block_score = torch.where((block_ids == newest) & has_visible, float("inf"), block_score)
-    k = min(keep_blocks, n_blocks)
-    order = torch.sort(block_score, dim=-1, descending=True, stable=True).indices[:, :k]
-    chosen_score = block_score.gather(1, order)
-    keep = torch.zeros((n, n_blocks), dtype=torch.bool, device=scores.device)
-    keep.scatter_(1, order, chosen_score > float("-inf"))
-    return keep.repeat_interleave(block_size, dim=1)[:, :c]
-
-
 def _old_indexer_scores(q, weights, keys, visible):
     """reference.indexer_scores as it was before the change (verbatim): the head sum is a
     library reduction, whose order (so the last fp32 bit) depends on the number of columns."""
@@ -72,8 +56,8 @@ def _old_indexer_topk(q, weights, key_cache, key_scale, key_rows, visible, topk,
     scores = _old_indexer_scores(q, weights, keys, visible)
     ids = ref.topk_ascending(scores, topk)
     if candidate_keep_blocks > 0:
-        cand = _old_candidate_block_mask(scores, visible.sum(-1), candidate_block_size,
-                                         candidate_keep_blocks) & visible
+        cand = ref.candidate_block_mask(scores, visible.sum(-1), candidate_block_size,
+                                        candidate_keep_blocks) & visible
     else:
         cand = visible.clone()
     return ids, cand, scores
@@ -215,8 +199,6 @@ def test_compact_candidates_equal_the_mask_formulation(case, dtype):
         assert torch.equal(ids_new, ids_old)
         assert cand.dtype == torch.int64 and cand.shape == (ids_new.shape[0], pool)
         assert torch.equal(cand, _compact(mask_old, pool))
-        assert torch.equal(ref.candidate_block_mask(scores_old, a["visible"].sum(-1), bs, keep),
-                           _old_candidate_block_mask(scores_old, a["visible"].sum(-1), bs, keep))
         # a Full layer that is not the candidate source: same top-k, an empty list
         ids0, cand0 = ops.indexer_topk(a["q2"], a["w2"], *args, 0)
         assert torch.equal(ids0, _old_indexer_topk(a["q2"], a["w2"], *args, 0)[0])

@@ -350,28 +350,27 @@ class Engine:
 
     def _inputs(self, batch: list, nd: int):
         """(input ids, positions, metadata) of a step whose first `nd` entries are decodes."""
-        dev = self.device
         dec = self.decode_batch
         if dec is None:       # everything from host lists, every step
-            meta = build_metadata([r.slot for r, _ in batch], [r.num_cached for r, _ in batch],
-                                  [len(c) for _, c in batch], [r.blocks for r, _ in batch],
-                                  self.max_blocks, device=dev)
-            ids = torch.tensor([t for _, c in batch for t in c], dtype=torch.int64, device=dev)
-            return ids, positions_of(meta), meta
+            return self._host_inputs(batch)
         dec.sync([r.request_id for r, _ in batch[:nd]], self._describe)
         if nd == len(batch):  # a decode step: the persistent rows as they are
             positions, meta = self.decode_metadata()
             return dec.load_ids([c[0] for _, c in batch]), positions, meta
-        pre = batch[nd:]
-        pmeta = build_metadata([r.slot for r, _ in pre], [r.num_cached for r, _ in pre],
-                               [len(c) for _, c in pre], [r.blocks for r, _ in pre],
-                               self.max_blocks, device=dev)
-        pids = torch.tensor([t for _, c in pre for t in c], dtype=torch.int64, device=dev)
+        pids, ppos, pmeta = self._host_inputs(batch[nd:])
         if nd == 0:
-            return pids, positions_of(pmeta), pmeta
+            return pids, ppos, pmeta
         dpos, dmeta = self.decode_metadata()
         ids = torch.cat([dec.load_ids([c[0] for _, c in batch[:nd]]), pids])
-        return ids, torch.cat([dpos, positions_of(pmeta)]), concat_metadata(dmeta, pmeta)
+        return ids, torch.cat([dpos, ppos]), concat_metadata(dmeta, pmeta)
+
+    def _host_inputs(self, entries: list):
+        """(input ids, positions, metadata) of (request, chunk) entries built from host lists."""
+        meta = build_metadata([r.slot for r, _ in entries], [r.num_cached for r, _ in entries],
+                              [len(c) for _, c in entries], [r.blocks for r, _ in entries],
+                              self.max_blocks, device=self.device)
+        ids = torch.tensor([t for _, c in entries for t in c], dtype=torch.int64, device=self.device)
+        return ids, positions_of(meta), meta
 
     def decode_metadata(self):
         """(positions, metadata) of the persistent decode rows: cached views, nothing built,
