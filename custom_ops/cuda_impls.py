@@ -7,7 +7,7 @@ V41GRAPH_DISABLE_TRITON=1 is set, the call runs the pure-torch reference (the sp
 on the GPU instead, so results never depend on which path ran beyond the stated tolerances.
 
 Registered: fused_wkv_rmsnorm, window_kv_write, global_kv_write, index_k_write,
-sparse_attention, engram_gather. (indexer_topk, indexer_topk_candidates, engram_hash,
+sparse_attention, engram_gather, mhc_sinkhorn. (indexer_topk, indexer_topk_candidates, engram_hash,
 fused_pool_rmsnorm and fused_ratio2_compressor keep the reference on CUDA.)
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ def triton_kernels():
 
 _wkv_rmsnorm_ref = ref.wkv_rmsnorm                      # fallbacks that never re-dispatch
 _sparse_attention_ref = ref.sparse_attention_over_caches
+_mhc_sinkhorn_ref = ref.mhc_sinkhorn
 
 
 # ----------------------------------------------------------------------------- registrations
@@ -89,3 +90,11 @@ def _engram_gather_cuda(table, scale, row_ids, out_dtype):
         return ref.engram_gather(table, scale, row_ids.to(table.device), out_dtype).to(
             row_ids.device, non_blocking=True)
     return ref.engram_gather(table, scale, row_ids, out_dtype)
+
+
+@torch.library.register_kernel(f"{_NS}::mhc_sinkhorn", "cuda")
+def _mhc_sinkhorn_cuda(mixes, scale, base, hc, iters, eps):
+    tk = triton_kernels()
+    if tk is not None and tk.mhc_sinkhorn_supported(mixes, scale, base, hc):
+        return tk.mhc_sinkhorn(mixes, scale, base, hc, iters, eps)
+    return _mhc_sinkhorn_ref(mixes, scale, base, hc, iters, eps)

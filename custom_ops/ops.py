@@ -160,6 +160,24 @@ def _(table, scale, row_ids, out_dtype):
     return row_ids.new_empty((*row_ids.shape[:-1], row_ids.shape[-1] * table.shape[-1]), dtype=out_dtype)
 
 
+# ----------------------------------------------------------------------------- mHC
+@custom_op(f"{_NS}::mhc_sinkhorn", mutates_args=())
+def mhc_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                 iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mHC predictor's coefficients (pre, post, comb) from its mixes, Sinkhorn included
+    (reference.mhc_sinkhorn). One op because the 20 Sinkhorn rounds are ~130 tiny elementwise
+    kernels per call when left to the graph, twice per layer; on CUDA it is one Triton launch."""
+    pre, post, comb = ref.mhc_sinkhorn(mixes, scale, base, hc, iters, eps)
+    return pre, post, comb
+
+
+@mhc_sinkhorn.register_fake
+def _(mixes, scale, base, hc, iters, eps):
+    lead = mixes.shape[:-1]
+    return (mixes.new_empty((*lead, hc)), mixes.new_empty((*lead, hc)),
+            mixes.new_empty((*lead, hc, hc)))
+
+
 # ----------------------------------------------------------------------------- fusions
 @custom_op(f"{_NS}::fused_wkv_rmsnorm", mutates_args=())
 def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor,

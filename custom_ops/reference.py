@@ -331,3 +331,22 @@ def engram_gather(table: torch.Tensor, scale: torch.Tensor, row_ids: torch.Tenso
     s = e8m0_to_float(scale.index_select(0, row_ids.flatten()))
     vals = (rows.unflatten(-1, (-1, 32)) * s.unsqueeze(-1)).flatten(-2)
     return vals.to(dtype).view(*row_ids.shape[:-1], -1)
+
+
+# ----------------------------------------------------------------------------- mHC
+def mhc_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                 iters: int, eps: float):
+    """mHC coefficients from the predictor's mixes (MODEL.md §3), fp32:
+    mixes [..., (2+hc)*hc] -> pre [..., hc], post [..., hc], comb [..., hc, hc].
+      pre  = sigmoid(m[:hc]*s0 + b) + eps;  post = 2*sigmoid(m[hc:2hc]*s1 + b)
+      comb = Sinkhorn(softmax_rows(m[2hc:]*s2 + b) + eps): a column normalisation, then
+             iters-1 rounds of (row, column) normalisation, each sum + eps in the divisor."""
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = comb.softmax(-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb

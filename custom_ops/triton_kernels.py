@@ -19,6 +19,8 @@ tests/test_kernels_cuda.py:
                       comparison variant).
   engram_gather       FP8 rows + E8M0/32 scales, dequantized; the table may be a device tensor
                       or a pinned host tensor read directly over PCIe (UVA).
+  mhc_sinkhorn        the mHC predictor's pre/post/comb, all Sinkhorn rounds in registers (one
+                      launch instead of ~130 elementwise kernels per call).
 
 Portability (triton-ascend): the E2M1 encode/decode are integer/bit arithmetic only; the FP8
 conversions use tl.float8e4nv and the wkv kernel uses atomics + cache modifiers, which are the
@@ -809,3 +811,59 @@ def engram_gather(table, scale, row_ids, out_dtype, *, rows_per_program: int = 4
         t8, s8, ids, out, n_rows, DH=dh, NB=dh // 32, BR=rows_per_program, OUT_DTYPE=_TL_DTYPE[out_dtype],
         num_warps=2 if rows_per_program * dh <= 1024 else 4)
     return out
+
+
+# =============================================================================== mHC Sinkhorn
+@triton.jit
+def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, iters,
+                         eps, HC: tl.constexpr, BR: tl.constexpr):
+    """BR tokens per program; each token's (2+HC)*HC mixes -> pre, post and the HC x HC comb
+    matrix, whose Sinkhorn rounds run entirely in registers (axis 2 = row sums, axis 1 =
+    column sums of each token's matrix)."""
+    W: tl.constexpr = (2 + HC) * HC
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    rm = r < n_rows
+    c = tl.arange(0, HC)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    m_pre = tl.load(mix_ptr + r[:, None] * W + c[None, :], mask=rm[:, None], other=0.0)
+    m_post = tl.load(mix_ptr + r[:, None] * W + HC + c[None, :], mask=rm[:, None], other=0.0)
+    pre = tl.sigmoid(m_pre * s0 + tl.load(base_ptr + c)[None, :]) + eps
+    post = 2.0 * tl.sigmoid(m_post * s1 + tl.load(base_ptr + HC + c)[None, :])
+    ij = c[:, None] * HC + c[None, :]
+    x = tl.load(mix_ptr + r[:, None, None] * W + 2 * HC + ij[None, :, :], mask=rm[:, None, None],
+                other=0.0)
+    x = x * s2 + tl.load(base_ptr + 2 * HC + ij)[None, :, :]
+    x = tl.exp(x - tl.max(x, axis=2)[:, :, None])
+    x = x / tl.sum(x, axis=2)[:, :, None] + eps
+    x = x / (tl.sum(x, axis=1)[:, None, :] + eps)
+    for _ in range(iters - 1):
+        x = x / (tl.sum(x, axis=2)[:, :, None] + eps)
+        x = x / (tl.sum(x, axis=1)[:, None, :] + eps)
+    tl.store(pre_ptr + r[:, None] * HC + c[None, :], pre, mask=rm[:, None])
+    tl.store(post_ptr + r[:, None] * HC + c[None, :], post, mask=rm[:, None])
+    tl.store(comb_ptr + r[:, None, None] * (HC * HC) + ij[None, :, :], x, mask=rm[:, None, None])
+
+
+def mhc_sinkhorn_supported(mixes, scale, base, hc: int) -> bool:
+    f32 = torch.float32
+    return (mixes.is_cuda and scale.is_cuda and base.is_cuda and mixes.dtype == f32
+            and scale.dtype == f32 and base.dtype == f32 and _pow2(hc)
+            and mixes.shape[-1] == (2 + hc) * hc and base.numel() == (2 + hc) * hc
+            and scale.numel() >= 3)
+
+
+def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_per_program: int = 32):
+    """mixes [..., (2+hc)*hc] fp32 -> (pre [..., hc], post [..., hc], comb [..., hc, hc])."""
+    lead = mixes.shape[:-1]
+    m = mixes.reshape(-1, mixes.shape[-1]).contiguous()
+    n = m.shape[0]
+    pre = torch.empty((*lead, hc), dtype=torch.float32, device=mixes.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty((*lead, hc, hc), dtype=torch.float32, device=mixes.device)
+    if n:
+        _mhc_sinkhorn_kernel[(triton.cdiv(n, rows_per_program),)](
+            m, scale.contiguous(), base.contiguous(), pre, post, comb, n, iters, eps,
+            HC=hc, BR=rows_per_program, num_warps=4)
+    return pre, post, comb

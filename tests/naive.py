@@ -306,3 +306,32 @@ def fp4_error_bound(x: float, scale: float) -> float:
     else:
         err = 0.25 * scale
     return err + 1e-6 * max(abs(x), scale)
+
+
+# =============================================================================== mHC coefficients
+def mhc_coefficients(mixes: Sequence[float], scale: Sequence[float], base: Sequence[float], hc: int,
+                     iters: int, eps: float):
+    """MODEL.md §3 for one token, in float64: (pre [hc], post [hc], comb [hc][hc])."""
+    def sigmoid(v: float) -> float:
+        return 1.0 / (1.0 + math.exp(-v))
+    pre = [sigmoid(mixes[j] * scale[0] + base[j]) + eps for j in range(hc)]
+    post = [2.0 * sigmoid(mixes[hc + j] * scale[1] + base[hc + j]) for j in range(hc)]
+    logits = [[mixes[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j] for j in range(hc)]
+              for i in range(hc)]
+    comb = []
+    for row in logits:
+        top = max(row)
+        ex = [math.exp(v - top) for v in row]
+        comb.append([e / math.fsum(ex) + eps for e in ex])
+
+    def normalise_columns(m):
+        sums = [math.fsum(m[i][j] for i in range(hc)) for j in range(hc)]
+        return [[m[i][j] / (sums[j] + eps) for j in range(hc)] for i in range(hc)]
+
+    def normalise_rows(m):
+        return [[v / (math.fsum(row) + eps) for v in row] for row in m]
+
+    comb = normalise_columns(comb)
+    for _ in range(iters - 1):
+        comb = normalise_columns(normalise_rows(comb))
+    return pre, post, comb

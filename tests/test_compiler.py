@@ -156,6 +156,18 @@ def test_p1_fuses_every_linear_rmsnorm_pair(tiny, traced):
         assert _count(before, torch.ops.aten.rsqrt.default) - _count(after, torch.ops.aten.rsqrt.default) == expected + 2
 
 
+def test_mhc_one_op_per_predictor(tiny, traced):
+    """Two mHC predictors per layer (attention, FFN), each one mhc_sinkhorn node: the Sinkhorn
+    rounds (2 fp32 divisions each) no longer appear as graph arithmetic: the whole graph has
+    fewer divisions than the rounds alone would add (the codecs and norms account for the rest)."""
+    vb, *_ = traced
+    predictors = 2 * len(tiny.layers)
+    for idx in (0, 1):
+        g = vb.passed(idx)
+        assert _count(g, ops.mhc_sinkhorn.default) == predictors == 20
+        assert _count(g, torch.ops.aten.div.Tensor) < 2 * (tiny.config.hc_sinkhorn_iters - 1) * predictors
+
+
 def test_p1_fuses_each_ratio2_compressor(tiny, traced):
     """Per ratio-2 Full layer of the plan: the projection pair, the gather from the state ring
     and the pooling + RMSNorm become one fused_ratio2_compressor; its rows output feeds the

@@ -13,19 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import v41graph.custom_ops  # noqa: F401  (registers torch.ops.v41graph.mhc_sinkhorn)
+
 
 def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
                    iters: int, eps: float):
-    """mixes [N, (2+hc)*hc] fp32 -> (pre [N,hc], post [N,hc], comb [N,hc,hc])."""
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    comb = comb.softmax(-1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return pre, post, comb
+    """mixes [N, (2+hc)*hc] fp32 -> (pre [N,hc], post [N,hc], comb [N,hc,hc]); the math is
+    custom_ops/reference.mhc_sinkhorn, one op (one Triton kernel on CUDA) in the graph."""
+    return torch.ops.v41graph.mhc_sinkhorn(mixes, scale, base, hc, iters, eps)
 
 
 class HyperConnection(nn.Module):
