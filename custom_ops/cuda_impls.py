@@ -7,7 +7,7 @@ V41GRAPH_DISABLE_TRITON=1 is set, the call runs the pure-torch reference (the sp
 on the GPU instead, so results never depend on which path ran beyond the stated tolerances.
 
 Registered: fused_wkv_rmsnorm, window_kv_write, global_kv_write, index_k_write,
-sparse_attention, engram_gather, mhc_sinkhorn. (indexer_topk, indexer_topk_candidates, engram_hash,
+sparse_attention, engram_gather, mhc_sinkhorn, fake_quant. (indexer_topk, indexer_topk_candidates, engram_hash,
 fused_pool_rmsnorm and fused_ratio2_compressor keep the reference on CUDA.)
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from . import reference as ref
+from .ops import fake_quant_reference
 
 _NS = "v41graph"
 _TK = None
@@ -98,3 +99,11 @@ def _mhc_sinkhorn_cuda(mixes, scale, base, hc, iters, eps):
     if tk is not None and tk.mhc_sinkhorn_supported(mixes, scale, base, hc):
         return tk.mhc_sinkhorn(mixes, scale, base, hc, iters, eps)
     return _mhc_sinkhorn_ref(mixes, scale, base, hc, iters, eps)
+
+
+@torch.library.register_kernel(f"{_NS}::fake_quant", "cuda")
+def _fake_quant_cuda(x, fmt, block):
+    tk = triton_kernels()
+    if tk is not None and tk.fake_quant_supported(x, fmt, block):
+        return tk.fake_quant(x, fmt, block)
+    return fake_quant_reference(x, fmt, block)

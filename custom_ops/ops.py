@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
+from . import codecs
 from . import reference as ref
 
 _NS = "v41graph"
@@ -158,6 +159,30 @@ def engram_gather(table: torch.Tensor, scale: torch.Tensor, row_ids: torch.Tenso
 def _(table, scale, row_ids, out_dtype):
     # The table may live in (pinned) host memory; the rows land where the ids are.
     return row_ids.new_empty((*row_ids.shape[:-1], row_ids.shape[-1] * table.shape[-1]), dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------- fake quantization
+FAKE_QUANT_FORMATS = {"fp8_ue8m0": codecs.qdq_fp8_ue8m0, "fp4_ue8m0": codecs.qdq_fp4_ue8m0}
+
+
+def fake_quant_reference(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    if fmt not in FAKE_QUANT_FORMATS:
+        raise ValueError(f"fake_quant: unknown format {fmt!r}; choose from {sorted(FAKE_QUANT_FORMATS)}")
+    return FAKE_QUANT_FORMATS[fmt](x, block)
+
+
+@custom_op(f"{_NS}::fake_quant", mutates_args=())
+def fake_quant(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """x rounded through a block-scaled format and back (codecs.qdq_*), in x's dtype:
+    fmt "fp8_ue8m0" (window KV rows: what the window cache will hold) or "fp4_ue8m0" (the
+    indexer's query). One op because the codec is ~30 elementwise kernels when left to the
+    graph; on CUDA it is one Triton launch."""
+    return fake_quant_reference(x, fmt, block)
+
+
+@fake_quant.register_fake
+def _(x, fmt, block):
+    return torch.empty_like(x)
 
 
 # ----------------------------------------------------------------------------- mHC

@@ -21,6 +21,8 @@ tests/test_kernels_cuda.py:
                       or a pinned host tensor read directly over PCIe (UVA).
   mhc_sinkhorn        the mHC predictor's pre/post/comb, all Sinkhorn rounds in registers (one
                       launch instead of ~130 elementwise kernels per call).
+  fake_quant          FP8 E4M3 / FP4 E2M1 + UE8M0 quantize-dequantize of rows (window KV, the
+                      indexer query); bit-identical to codecs.qdq_*.
 
 Portability (triton-ascend): the E2M1 encode/decode are integer/bit arithmetic only; the FP8
 conversions use tl.float8e4nv and the wkv kernel uses atomics + cache modifiers, which are the
@@ -867,3 +869,46 @@ def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_pe
             m, scale.contiguous(), base.contiguous(), pre, post, comb, n, iters, eps,
             HC=hc, BR=rows_per_program, num_warps=4)
     return pre, post, comb
+
+
+# =============================================================================== fake quantization
+@triton.jit
+def _fake_quant_kernel(x_ptr, out_ptr, n_rows, D: tl.constexpr, BLOCK: tl.constexpr,
+                       NB: tl.constexpr, FP4: tl.constexpr, BR: tl.constexpr,
+                       OUT_DTYPE: tl.constexpr):
+    """Quantize + dequantize BR rows in registers, the same arithmetic as the cache-write
+    kernels (so the values equal what a cache would hold, bit for bit)."""
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    rmask = r < n_rows
+    b = tl.arange(0, NB)
+    e = tl.arange(0, BLOCK)
+    offs = r[:, None, None] * D + (b[:, None] * BLOCK + e[None, :])[None, :, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=2)
+    if FP4:   # E2M1 + UE8M0: floor 6*2^-126, fp32(1/6)
+        ex = _ceil_log2(tl.maximum(amax, 7.052966104933725e-38) * 0.16666666666666666)
+        codes = _e2m1_encode(x * _exp2i(-ex)[:, :, None])
+        deq = _e2m1_decode(codes) * _exp2i(ex)[:, :, None]
+    else:     # E4M3 + UE8M0: floor 1e-4, fp32(1/448)
+        ex = _ceil_log2(tl.maximum(amax, 1e-4) * 0.002232142857142857)
+        q = tl.minimum(tl.maximum(x * _exp2i(-ex)[:, :, None], -448.0), 448.0)
+        deq = q.to(tl.float8e4nv).to(tl.float32) * _exp2i(ex)[:, :, None]
+    tl.store(out_ptr + offs, deq.to(OUT_DTYPE), mask=rmask[:, None, None])
+
+
+def fake_quant_supported(x, fmt: str, block: int) -> bool:
+    d = x.shape[-1] if x.dim() else 0
+    return (x.is_cuda and x.dtype in _FLOAT_DTYPES and fmt in ("fp8_ue8m0", "fp4_ue8m0")
+            and block in (16, 32) and d % block == 0 and _pow2(d // block))
+
+
+def fake_quant(x, fmt: str, block: int, *, rows_per_program: int = 4):
+    """x [..., D] -> x through the block-scaled format and back, in x's dtype."""
+    x2 = _rows(x)
+    n, d = x2.shape
+    out = torch.empty_like(x2)
+    if n:
+        _fake_quant_kernel[(triton.cdiv(n, rows_per_program),)](
+            x2, out, n, D=d, BLOCK=block, NB=d // block, FP4=fmt == "fp4_ue8m0",
+            BR=rows_per_program, OUT_DTYPE=_TL_DTYPE[x.dtype], num_warps=4)
+    return out.view(x.shape)

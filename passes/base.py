@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 
+import torch
 import torch.fx as fx
 
 STREAM_KEY = "stream"          # node.meta key: the stream a node runs on
@@ -47,3 +48,16 @@ def module_path(node: fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return path.replace("L['self'].", "").replace("L['self']", "")
+
+
+def cast_dtype(node) -> "torch.dtype | None":
+    """The target dtype when `node` is a plain dtype cast, else None. The graph spells a cast
+    `prims.convert_element_type(x, dtype)` under Inductor's decompositions and
+    `aten._to_copy(x, dtype=dtype)` without them (our backend's default, see compiler.py)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return node.args[1]
+    if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"}:
+        return node.kwargs["dtype"]
+    return None

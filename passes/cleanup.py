@@ -1,6 +1,6 @@
 """Cleanup: drop no-op nodes and dead code so the fusions see the plain pattern.
 
-No-ops removed: `alias`, `clone` of a value nobody mutates, `convert_element_type` to the
+No-ops removed: `alias`, `clone` of a value nobody mutates, a dtype cast to the
 value's own dtype, `view` to the same shape. Then dead-code elimination.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .base import GraphPass, is_call
+from .base import GraphPass, cast_dtype, is_call
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -36,8 +36,8 @@ class Cleanup(GraphPass):
             return False
         if is_call(node, aten.alias.default):
             return True
-        if is_call(node, prims.convert_element_type.default):
-            return node.args[1] == src.dtype
+        if cast_dtype(node) is not None:
+            return cast_dtype(node) == src.dtype
         if is_call(node, aten.view.default, aten.reshape.default):
             return tuple(val.shape) == tuple(src.shape) and val.dtype == src.dtype
         return False

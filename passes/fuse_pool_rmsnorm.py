@@ -5,10 +5,10 @@ group's scores, casts the pooled fp32 latent to the activation dtype and RMSNorm
 decomposed graph spells it:
 
     s    = score | clone(score)                        [N, r, D] fp32
-    e    = exp(sub(s, amax(s, [1], keepdim)))
-    p    = div(e, sum(e, [1], keepdim))
+    p    = _softmax(s, 1) | div(e, sum(e, [1], keepdim)), e = exp(sub(s, amax(s, [1], keepdim)))
+                                                       (the second under Inductor's decompositions)
     lat  = sum(mul(kv, p) | mul(p, kv), [1])           [N, D]
-    y    = lat | convert_element_type(lat, dtype)
+    y    = lat | convert(lat, dtype)
     out  = RMSNorm(y)                                  (as in fuse_wkv_rmsnorm.match_rmsnorm)
 
 One op reads the r (kv, score) rows once and writes the normalised latent. Refuses a softmax
@@ -17,7 +17,7 @@ over another dim and intermediates with other users.
 Second step: where the pooled (kv, score) come from the compressor's projection pair and state
 ring, the fused pool node absorbs that too and becomes `v41graph::fused_ratio2_compressor`:
 
-    rows   = cat([mm(x', permute(wkv)), mm(x', permute(wgate))], -1)     x' = x | convert(x, f32)
+    rows   = cat([mm(x', t(wkv)), mm(x', t(wgate))], -1)     x' = x | convert(x, f32), t | permute
     pool   = cat([view(state, [-1, 2D]), rows])                         (dim 0)
     member = index(pool, [member_rows]) | index_select(pool, 0, member_rows)
     kv, score = getitem(split(view(member, [N, r, -1]), D, -1), 0 / 1)
@@ -129,7 +129,9 @@ class FusePoolRMSNorm(RMSNormFusion):
         weights = []
         for mm in mms:
             wt = mm.args[1]
-            if not (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0] and _single_user(wt, mm)):
+            if not ((is_call(wt, aten.t.default) or (is_call(wt, aten.permute.default)
+                                                      and list(wt.args[1]) == [1, 0]))
+                    and _single_user(wt, mm)):
                 return None
             w = wt.args[0]
             if not (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr")):
@@ -188,18 +190,10 @@ class FusePoolRMSNorm(RMSNormFusion):
         if not (is_call(mul, aten.mul.Tensor) and _single_user(mul, lat)):
             return None
         a, b = mul.args
-        p, kv = (b, a) if is_call(b, aten.div.Tensor) else (a, b)
-        if not (is_call(p, aten.div.Tensor) and _single_user(p, mul)):
-            return None
-        e, denom = p.args
-        if not (is_call(e, aten.exp.default) and is_call(denom, aten.sum.dim_IntList)
-                and denom.args[0] is e and _dims(denom) == [1] and set(e.users) == {p, denom}):
-            return None
-        sub = e.args[0]
-        if not (is_call(sub, aten.sub.Tensor) and _single_user(sub, e)):
-            return None
-        s, amax = sub.args
-        if not (is_call(amax, aten.amax.default) and amax.args[0] is s and _dims(amax) == [1]):
+        s = _softmax_dim1_input(b)
+        p, kv = (b, a) if s is not None else (a, b)
+        s = s if s is not None else _softmax_dim1_input(a)
+        if s is None or not _single_user(p, mul):
             return None
         score = s.args[0] if is_call(s, aten.clone.default) else s
         kv_v, sc_v, out_v = _val(kv), _val(score), _val(out)
@@ -210,3 +204,29 @@ class FusePoolRMSNorm(RMSNormFusion):
         if tuple(out_v.shape) != (kv_v.shape[0], kv_v.shape[2]):
             return None
         return out, (kv, score, g, eps, out_v.dtype)
+
+
+def _softmax_dim1_input(p):
+    """s when p is softmax(s, dim=1) of a 3-D fp32 s, spelled `_softmax(s, 1, False)` or, under
+    Inductor's decompositions, div(exp(sub(s, amax(s, [1]))), sum(exp(...), [1])); else None."""
+    if not isinstance(p, fx.Node):
+        return None
+    if is_call(p, aten._softmax.default):
+        s = p.args[0]
+        sv = _val(s)
+        if sv is not None and sv.dim() == 3 and p.args[1] in (1, -2) and not p.args[2]:
+            return s
+        return None
+    if not is_call(p, aten.div.Tensor):
+        return None
+    e, denom = p.args
+    if not (is_call(e, aten.exp.default) and is_call(denom, aten.sum.dim_IntList)
+            and denom.args[0] is e and _dims(denom) == [1] and set(e.users) == {p, denom}):
+        return None
+    sub = e.args[0]
+    if not (is_call(sub, aten.sub.Tensor) and _single_user(sub, e)):
+        return None
+    s, amax = sub.args
+    if not (is_call(amax, aten.amax.default) and amax.args[0] is s and _dims(amax) == [1]):
+        return None
+    return s

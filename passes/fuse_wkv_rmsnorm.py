@@ -2,17 +2,18 @@
 
 The ratio-1 compressor is `RMSNorm(W_kv x)`; one fused kernel reads x and W_kv once and
 normalises the 512-wide row in registers. The pass matches the pair structurally, as the
-decomposed (aot_autograd + select_decomp_table) graph spells it, so it fuses ANY bias-free
+post-AOT graph spells it (a cast `convert` is convert_element_type or _to_copy(dtype=), see
+base.cast_dtype), so it fuses ANY bias-free
 Linear followed by an RMSNorm over its output's last dim, whatever the shapes, dtypes or eps:
 
     x2   = x | view(x, [-1, K])
-    y    = mm(x2, permute(w, [1, 0]))            (no bias: addmm is not matched)
+    y    = mm(x2, permute(w, [1, 0]) | t(w))    (no bias: addmm is not matched)
     y    = y | view(y, [..., N])
-    yf   = y | convert_element_type(y, f32)
+    yf   = y | convert(y, f32)
     ms   = mean(pow(yf, 2) | mul(yf, yf), [-1], keepdim=True)
     nrm  = mul(yf, rsqrt(add(ms, eps)))
     out  = mul(g, nrm) | mul(nrm, g)              (g: the norm weight, maybe converted to f32)
-    out  = out | convert_element_type(out, x.dtype)
+    out  = out | convert(out, x.dtype)
 
 It refuses near misses: a bias, a norm over another dim or without keepdim, and any extra user
 of an intermediate (the Linear output or the normalised value used elsewhere), since fusing
@@ -23,10 +24,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .base import GraphPass, is_call
+from .base import GraphPass, cast_dtype, is_call
 
-aten, prims = torch.ops.aten, torch.ops.prims
-CONVERT = prims.convert_element_type.default
+aten = torch.ops.aten
 
 
 def _val(node):
@@ -34,8 +34,9 @@ def _val(node):
 
 
 def _strip_convert(node, dtype=None):
-    """(inner, convert_node_or_None) for an optional convert_element_type."""
-    if isinstance(node, fx.Node) and is_call(node, CONVERT) and (dtype is None or node.args[1] == dtype):
+    """(inner, cast_node_or_None) for an optional dtype cast (to `dtype` when given)."""
+    to = cast_dtype(node)
+    if to is not None and (dtype is None or to == dtype):
         return node.args[0], node
     return node, None
 
@@ -84,7 +85,7 @@ def match_rmsnorm(rsqrt: fx.Node):
     out = scaled
     if len(scaled.users) == 1:
         (only,) = scaled.users
-        if is_call(only, CONVERT):
+        if cast_dtype(only) is not None:
             out = only
     y, convert_in = _strip_convert(yf, torch.float32)
     if convert_in is not None and not _single_user(y, convert_in):

@@ -359,9 +359,14 @@ def _trace_json(name: str, payload) -> None:
 
 class PassManager:
     def __init__(self, passes=None, disable=(), dump_dir: str | Path | None = None):
+        self.dump_dir = Path(dump_dir) if dump_dir else None
+        self.configure(passes, disable)
+
+    def configure(self, passes=None, disable=()) -> None:
+        """Select the pass list (same arguments as the constructor) and forget earlier graphs'
+        records: the graphs are numbered from 0 again."""
         self.names = resolve_passes(passes, disable)
         self.passes: list[GraphPass] = [PASS_CLASSES[n]() for n in self.names]
-        self.dump_dir = Path(dump_dir) if dump_dir else None
         self.records: list[list[dict]] = []
         self.stream_maps: list[dict] = []
         self.graph_index = 0

@@ -181,7 +181,27 @@ def time_calls(fn, steps: int, device: str) -> list[float]:
     return out
 
 
+# Every variant compiles the same V41Model.forward (v41graph: up to 3 entries, more for the
+# bf16-cache / Engram-host variants; Inductor, reduce-overhead): more than Dynamo's default
+# per-code-object limit of 8 in one process.
+torch._dynamo.config.recompile_limit = 64
+_PASS_ABLATIONS: dict = {}   # the one CompiledModel that v41graph and its -noP* variants share
+
+
 def make_runner(model: V41Model, variant: str, batches: list[int]):
+    """The callable a variant times. v41graph and v41graph-noP1/-noP4/-noP6 share one trace:
+    the first of them compiles, the others only re-run the passes on the kept post-AOT graphs
+    (CompiledModel.set_passes) and capture again, so an ablation costs seconds, not a trace."""
+    if variant in ("v41graph", *DISABLE):
+        compiled = _PASS_ABLATIONS.get("model")
+        if compiled is None:
+            compiled = _PASS_ABLATIONS["model"] = v41graph.compile(
+                model, backend="auto", disable=DISABLE.get(variant, ()), batch_sizes=batches,
+                share_decode_graph=SHARE_DECODE_GRAPH)
+        else:
+            compiled.set_passes(disable=DISABLE.get(variant, ()))
+            compiled.trace_reused = True
+        return compiled
     if variant == "eager":
         return model
     if variant == "inductor":
@@ -242,7 +262,9 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
         runner.warmup(caches, bps, show_progress=False)   # compile + capture every bucket
         _sync(device)
         warm_s = time.perf_counter() - t0
-        log(f"{variant}: compile + capture of {len(batches)} buckets {warm_s:.1f} s")
+        what = ("passes + capture (trace reused)" if getattr(runner, "trace_reused", False)
+                else "compile + capture")
+        log(f"{variant}: {what} of {len(batches)} buckets {warm_s:.1f} s")
     for batch in batches:
         first = True
         for context in contexts:
@@ -266,6 +288,7 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
             rows.append({"kind": "decode", "context": context, "batch": batch, "variant": variant,
                          "step_ms": med, "step_ms_min": min(ms), "tokens_per_s": batch / med * 1e3,
                          "compile_s": compile_s, "warmup_all_buckets_s": warm_s,
+                         "trace_reused": bool(getattr(runner, "trace_reused", False)),
                          "floor_bytes": fb, "floor_ms": fb / bw * 1e3,
                          "floor_fraction": fb / bw * 1e3 / med,
                          "peak_mem_gb": (torch.cuda.max_memory_allocated() / 1e9
@@ -339,7 +362,8 @@ def main(argv=None) -> int:
             place_engram(model, "device")
             if device == "cuda":
                 torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        if variant not in ("v41graph", *DISABLE):   # those keep the shared trace (make_runner)
+            torch._dynamo.reset()
         if out:   # after every variant: a killed run still leaves its numbers
             out.mkdir(parents=True, exist_ok=True)
             (out / "bench.json").write_text(json.dumps(

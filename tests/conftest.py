@@ -25,3 +25,12 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    """Each test module starts with Dynamo's caches empty: every module compiles the same
+    V41Model.forward again, and Dynamo's per-code-object recompile limit (8) counts the compiled
+    entries of all earlier modules too, so the order of modules would decide what fails."""
+    torch._dynamo.reset()
+    yield

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from v41graph.custom_ops import codecs
+import v41graph.custom_ops  # noqa: F401  (registers torch.ops.v41graph.*)
 from .cache import COMPRESSOR_RING, AttentionMetadata, ModelCaches
 from .config import V41Config
 from .layer_plan import LayerRole
@@ -45,6 +45,11 @@ class StepContext:
     candidates: dict = field(default_factory=dict)
     precompressed: set = field(default_factory=set)  # full layers whose KV this step already wrote
     debug: dict | None = None
+    # Index tensors and RoPE rotations that many layers would build identically (window rows,
+    # ring rows, rotations per RoPE kind, compressed rows per ratio): built once per step by the
+    # first layer that needs them. In the graph that is one node shared by all those layers
+    # instead of ~20 small kernels repeated in each of 40 layers.
+    _shared: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, meta: AttentionMetadata, caches: ModelCaches, positions: torch.Tensor,
@@ -52,6 +57,12 @@ class StepContext:
         s = meta.token_seq
         return cls(meta, caches, positions, s, meta.seq_slot[s], meta.chunk_start[s],
                    meta.seq_len[s], meta.query_start[s], debug=debug)
+
+    def shared(self, key, build):
+        """`build()` the first time `key` is asked for in this step, the same tensor after."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
 
     def fresh_or_ring_rows(self, pos: torch.Tensor, ring: int) -> torch.Tensor:
         """Rows of a (ring state ++ this call's tokens) pool for positions `pos` [N, M] of each
@@ -140,7 +151,7 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rope(q, rotation)
         if self.fake_quant:
-            q = codecs.qdq_fp4_ue8m0(q, 32)
+            q = ops.fake_quant(q, "fp4_ue8m0", 32)
         weights = self.weights_proj(x) * self.weight_scale
         return q, weights
 
@@ -172,6 +183,7 @@ class Attention(nn.Module):
                                  config.rope_factor, config.beta_fast, config.beta_slow)
         else:
             inv = rope_inv_freqs(self.rope_dim, config.rope_theta)
+        self.rope_kind = "yarn" if role.ratio else "plain"   # layers of one kind share rotations
         self.register_buffer("inv_freqs", inv, persistent=False)
 
     # ------------------------------------------------------------------ pieces
@@ -189,6 +201,12 @@ class Attention(nn.Module):
         """Pool rows (ring ++ this call's rows) of _window_positions, -1 where empty."""
         wpos = self._window_positions(ctx)
         return torch.where(wpos >= 0, ctx.fresh_or_ring_rows(wpos.clamp_min(0), self.window), -1)
+
+    def _ring_rows(self, ctx: StepContext) -> torch.Tensor:
+        """Window-ring row each token is written to; -1 for tokens older than the last W of
+        their sequence (the ring keeps only those)."""
+        keep = ctx.positions >= ctx.tok_seq_len - self.window
+        return torch.where(keep, ctx.tok_slot * self.window + ctx.positions.remainder(self.window), -1)
 
     def compress(self, x: torch.Tensor, ctx: StepContext) -> None:
         """Full layers: emit latents for completed groups, write global KV and index keys."""
@@ -225,7 +243,8 @@ class Attention(nn.Module):
             return ops.indexer_topk_candidates(q, weights, caches.index_k[src], caches.index_scale[src],
                                                cand_rows, cand, self.config.index_topk)
         capacity = self._compressed_capacity(ctx)
-        rows = ctx.compressed_rows(role.ratio, capacity)
+        rows = ctx.shared(("compressed_rows", role.ratio, capacity),
+                          lambda: ctx.compressed_rows(role.ratio, capacity))
         visible_count = (ctx.positions + 1) // role.ratio
         visible = (torch.arange(capacity, device=rows.device) < visible_count.unsqueeze(-1)) & (rows >= 0)
         keep_blocks = self.config.candidate_topk_blocks if role.is_candidate_source else 0
@@ -240,16 +259,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         role, caches = self.role, ctx.caches
         n = x.shape[0]
-        rotation = rope_rotation(ctx.positions, self.inv_freqs)
+        rotation = ctx.shared(("rotation", self.rope_kind), lambda: rope_rotation(ctx.positions, self.inv_freqs))
         qr = self.q_norm(self.wq_a(x))
 
         kv = apply_rope(self.kv_norm(self.wkv(x)), rotation)
-        kv = codecs.qdq_fp8_ue8m0(kv, 32)     # exactly what the window cache will hold
+        kv = ops.fake_quant(kv, "fp8_ue8m0", 32)     # exactly what the window cache will hold
         lid = role.layer_id
         ring_kv, ring_scale = caches.window_kv[lid], caches.window_scale[lid]
         # Window rows index (every slot's FP8 ring ++ this call's rows); sparse_attention reads
         # the ring rows it needs in place and dequantizes them, the fresh rows come from `kv`.
-        window_rows = self._window_rows(ctx)
+        window_rows = ctx.shared(("window_rows", self.window), lambda: self._window_rows(ctx))
 
         if role.mode == "full" and lid not in ctx.precompressed:
             self.compress(x, ctx)
@@ -272,8 +291,7 @@ class Attention(nn.Module):
         o = ops.sparse_attention(q, ring_kv, ring_scale, kv, window_rows, gkv, gsc, global_rows,
                                  self.attn_sink, self.softmax_scale)
         # Window write after the read: keep the last W tokens of each sequence in the ring.
-        keep = ctx.positions >= ctx.tok_seq_len - self.window
-        ring_rows = torch.where(keep, ctx.tok_slot * self.window + ctx.positions.remainder(self.window), -1)
+        ring_rows = ctx.shared(("ring_rows", self.window), lambda: self._ring_rows(ctx))
         ops.window_kv_write(ring_kv, ring_scale, kv, ring_rows)
 
         o = apply_rope(o, rotation, inverse=True)

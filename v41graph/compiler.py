@@ -6,7 +6,7 @@
 
     torch.compile(model, backend="v41graph")                      # also registered
 
-Flow (DESIGN.md): Dynamo graph -> aot_autograd(select_decomp_table(),
+Flow (DESIGN.md): Dynamo graph -> aot_autograd(DECOMPOSITIONS,
 keep_inference_input_mutations=True) -> our pass manager (cleanup, P1, defunctionalize, P4,
 P6, stream check) -> platform lowering -> our executor (the FX graph's own forward; stream ops
 are real on CUDA, no-ops on CPU) -> static capture of decode steps per batch bucket (CUDA
@@ -29,11 +29,45 @@ from .cache import AttentionMetadata, ModelCaches
 
 BACKENDS = ("auto", "cuda", "npu", "cpu")
 
+# No decomposition table (DESIGN.md suggested Inductor's select_decomp_table). That table splits
+# ops such as silu, softplus, clamp and dtype casts into several primitives so that Inductor can
+# fuse them; our executor runs the graph op by op, so for us it meant more kernels per step
+# and results a last bit away from eager, which the model's fake quantization can turn into a
+# different FP4/FP8 code (seen on CPU: a 0.25 logit difference on one of ten prompts). Without
+# it the CPU graph is bit-identical to eager on those prompts and ~7 % smaller. Ops that
+# are CompositeImplicit (linear, rms_norm, ...) are still decomposed while tracing.
+DECOMPOSITIONS: dict = {}
 
-def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu"):
-    """A torch.compile backend running our pass manager; returns (backend, pass_manager)."""
+
+class TracedGraph:
+    """One graph as AOT autograd handed it over (before our passes), and the passed copy that
+    runs. Keeping the untouched graph lets the pass list change without tracing again:
+    tracing (Dynamo + AOT) is ~90 % of compile time, our passes a few seconds."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.untouched = _copy_graph_module(gm)
+        self.current = gm
+
+    def __call__(self, *args):
+        return self.current.forward(*args)
+
+    def repass(self, manager: PassManager) -> None:
+        gm = _copy_graph_module(self.untouched)
+        manager(gm)
+        self.current = gm
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy with its own nodes (node.meta copied shallowly, so fake values are shared)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None):
+    """A torch.compile backend running our pass manager; returns (backend, pass_manager).
+    `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes)."""
     from functorch.compile import make_boxed_func
-    from torch._inductor.decomposition import select_decomp_table
 
     manager = PassManager(passes, disable, dump_dir)
     if platform == "npu":   # torchair compiles and captures; our passes run as its post-grad pass
@@ -41,10 +75,15 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu"):
         return torchair_backend(manager), manager
 
     def fw_compiler(gm, example_inputs):
+        if traced is None:
+            manager(gm)
+            return make_boxed_func(gm.forward)
+        graph = TracedGraph(gm)
         manager(gm)
-        return make_boxed_func(gm.forward)
+        traced.append(graph)
+        return make_boxed_func(graph)
 
-    backend = aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table(),
+    backend = aot_autograd(fw_compiler=fw_compiler, decompositions=DECOMPOSITIONS,
                            keep_inference_input_mutations=True)
     return backend, manager
 
@@ -84,7 +123,10 @@ class CompiledModel:
         from .moe import pack_moe_experts_
         pack_moe_experts_(self.model)
         dump_dir = dump_dir or os.environ.get("V41GRAPH_DUMP") or None
-        self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform)
+        self.dump_dir = dump_dir
+        self.traced: list[TracedGraph] = []     # every graph compiled so far (set_passes)
+        self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
+                                                       traced=self.traced)
         self.capture = capture
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
@@ -107,6 +149,19 @@ class CompiledModel:
     @property
     def config(self):
         return self.model.config
+
+    def set_passes(self, passes=None, disable=()) -> None:
+        """Change the pass list (same arguments as compile()) of every graph compiled so far and
+        of later ones, without tracing again: each graph's untouched post-AOT copy goes through
+        the new list. Captured decode graphs are dropped (they hold the old kernels) and are
+        captured again at their next step. For ablations: one trace, many pass lists."""
+        if self.platform == "npu":
+            raise NotImplementedError("set_passes: torchair owns the compiled graphs on npu; "
+                                      "compile again with the new pass list")
+        self.pass_manager.configure(passes, disable)    # the backend's own manager: later graphs too
+        for graph in self.traced:
+            graph.repass(self.pass_manager)
+        self._decode.clear()
 
     def __call__(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata,
                  all_logits: bool = False, decoder_replay: int | None = None):

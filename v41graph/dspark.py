@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from v41graph.custom_ops import codecs
+import v41graph.custom_ops  # noqa: F401  (registers torch.ops.v41graph.*)
 from .attention import Attention
 from .config import V41Config
 from .layer_plan import LayerRole
@@ -93,7 +93,7 @@ class DSparkStage(nn.Module):
     def window_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         a = self.attn
         kv = apply_rope(a.kv_norm(a.wkv(x)), rope_rotation(positions, a.inv_freqs))
-        return codecs.qdq_fp8_ue8m0(kv, 32)
+        return torch.ops.v41graph.fake_quant(kv, "fp8_ue8m0", 32)
 
     def attention(self, x: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor,
                   ring_valid: torch.Tensor) -> torch.Tensor:
@@ -102,7 +102,7 @@ class DSparkStage(nn.Module):
         k = x.shape[0]
         rotation = rope_rotation(positions, a.inv_freqs)
         qr = a.q_norm(a.wq_a(x))
-        kv = codecs.qdq_fp8_ue8m0(apply_rope(a.kv_norm(a.wkv(x)), rotation), 32)
+        kv = torch.ops.v41graph.fake_quant(apply_rope(a.kv_norm(a.wkv(x)), rotation), "fp8_ue8m0", 32)
         q = apply_rope(a.wq_b(qr).unflatten(-1, (a.n_heads, a.head_dim)), rotation)
         w = ring.shape[0]
         pool = torch.cat([ring.to(kv.dtype), kv])
