@@ -162,6 +162,9 @@ class CompiledModel:
         for graph in self.traced:
             graph.repass(self.pass_manager)
         self._decode.clear()
+        # A new pool too: capturing into the pool of graphs just released trips the caching
+        # allocator (INTERNAL ASSERT use_count > 0, torch 2.11, seen on the H200).
+        self.graph_pool = None
 
     def __call__(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata,
                  all_logits: bool = False, decoder_replay: int | None = None):
@@ -171,7 +174,7 @@ class CompiledModel:
         is_decode = (not all_logits and decoder_replay is None
                      and input_ids.shape[0] == metadata.num_seqs)
         with torch.no_grad():
-            if is_decode and self.capture:
+            if is_decode:
                 return self._decode_step(input_ids, positions, caches, metadata)
             if decoder_replay is not None:   # data-dependent shapes: runs eagerly
                 return self.model(input_ids, positions, caches, metadata, all_logits, decoder_replay)
@@ -258,7 +261,7 @@ class DecodeGraph:
 
     def prepare(self) -> None:
         """Compile this bucket (all-padding inputs) and, on CUDA, capture it."""
-        if self.compiled.platform == "cuda":
+        if self.compiled.platform == "cuda" and self.compiled.capture:
             self._capture()
         else:
             saved = [t.clone() for t in self.caches.tensors()]
@@ -268,7 +271,9 @@ class DecodeGraph:
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         self._load(input_ids, positions, meta)
-        if self.compiled.platform != "cuda":   # cpu: plain graph; npu: torchair captures itself
+        # cpu: plain graph; npu: torchair captures itself; capture=False: the same bucketed
+        # graph and buffers, run without a CUDA graph (so capture on/off changes nothing else)
+        if self.compiled.platform != "cuda" or not self.compiled.capture:
             return self._step()
         if self.cuda_graph is None:
             self._capture()
@@ -298,6 +303,8 @@ class DecodeGraph:
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
             batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool = True) -> CompiledModel:
     """Compile a V41Model with the v41graph backend. See the module docstring.
+    capture=False runs the same decode buckets (padding, persistent buffers, graphs) without
+    CUDA-graph capture: for debugging a capture, everything else stays the same.
     share_decode_graph=False traces every decode bucket on its own (static shapes throughout)."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
                          batch_sizes=batch_sizes, dump_dir=dump_dir,
