@@ -7,8 +7,11 @@ V41GRAPH_DISABLE_TRITON=1 is set, the call runs the pure-torch reference (the sp
 on the GPU instead, so results never depend on which path ran beyond the stated tolerances.
 
 Registered: fused_wkv_rmsnorm, window_kv_write, global_kv_write, index_k_write,
-sparse_attention, engram_gather, mhc_sinkhorn, fake_quant. (indexer_topk, indexer_topk_candidates, engram_hash,
-fused_pool_rmsnorm and fused_ratio2_compressor keep the reference on CUDA.)
+sparse_attention, engram_gather, mhc_sinkhorn, fake_quant; indexer_topk and
+indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place when
+V41GRAPH_TRITON_INDEXER=1 (bit-identical to the reference in Triton's CPU interpreter; not yet
+run on a GPU, so off by default), selection stays torch. (engram_hash, fused_pool_rmsnorm and
+fused_ratio2_compressor keep the reference on CUDA.)
 """
 from __future__ import annotations
 
@@ -107,3 +110,35 @@ def _fake_quant_cuda(x, fmt, block):
     if tk is not None and tk.fake_quant_supported(x, fmt, block):
         return tk.fake_quant(x, fmt, block)
     return fake_quant_reference(x, fmt, block)
+
+
+def _triton_indexer():
+    """triton_kernels when the indexer kernel is switched on (V41GRAPH_TRITON_INDEXER=1)."""
+    if os.environ.get("V41GRAPH_TRITON_INDEXER", "0") in ("", "0"):
+        return None
+    return triton_kernels()
+
+
+@torch.library.register_kernel(f"{_NS}::indexer_topk", "cuda")
+def _indexer_topk_cuda(q, weights, key_cache, key_scale, key_rows, visible, topk,
+                       candidate_block_size, candidate_keep_blocks):
+    tk = _triton_indexer()
+    if tk is not None and tk.indexer_scores_supported(q, weights, key_cache, key_scale, key_rows, visible):
+        scores = tk.indexer_scores(q, weights, key_cache, key_scale, key_rows, visible)
+    else:
+        scores = ref.indexer_scores(q, weights, ref.gather_index_k(key_cache, key_scale, key_rows, q.dtype),
+                                    visible)
+    return ref.select_from_scores(scores, visible, topk, candidate_block_size, candidate_keep_blocks)
+
+
+@torch.library.register_kernel(f"{_NS}::indexer_topk_candidates", "cuda")
+def _indexer_topk_candidates_cuda(q, weights, key_cache, key_scale, candidate_rows,
+                                  candidate_positions, topk):
+    listed = ref.listed_candidates(candidate_rows, candidate_positions)
+    tk = _triton_indexer()
+    if tk is not None and tk.indexer_scores_supported(q, weights, key_cache, key_scale, candidate_rows, listed):
+        scores = tk.indexer_scores(q, weights, key_cache, key_scale, candidate_rows, listed)
+    else:
+        scores = ref.indexer_scores(q, weights, ref.gather_index_k(key_cache, key_scale, candidate_rows, q.dtype),
+                                    listed)
+    return ref.topk_over_candidates(scores, candidate_positions, topk)

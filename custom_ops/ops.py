@@ -93,9 +93,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
     """
     keys = ref.gather_index_k(key_cache, key_scale, key_rows, q.dtype)
     scores = ref.indexer_scores(q, weights, keys, visible)
-    ids = ref.topk_ascending(scores, topk)
-    cand = ref.candidate_positions(scores, visible, candidate_block_size, candidate_keep_blocks)
-    return ids, cand
+    return ref.select_from_scores(scores, visible, topk, candidate_block_size, candidate_keep_blocks)
 
 
 @indexer_topk.register_fake
@@ -124,8 +122,7 @@ def indexer_topk_candidates(q: torch.Tensor, weights: torch.Tensor, key_cache: t
     lower position). tests/test_reindex_compact.py checks both against the mask formulation.
     """
     keys = ref.gather_index_k(key_cache, key_scale, candidate_rows, q.dtype)
-    listed = (candidate_rows >= 0) & (candidate_positions >= 0)
-    scores = ref.indexer_scores(q, weights, keys, listed)
+    scores = ref.indexer_scores(q, weights, keys, ref.listed_candidates(candidate_rows, candidate_positions))
     return ref.topk_over_candidates(scores, candidate_positions, topk)
 
 

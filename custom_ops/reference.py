@@ -305,6 +305,18 @@ def topk_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
     return ids
 
 
+def select_from_scores(scores: torch.Tensor, visible: torch.Tensor, topk: int, block_size: int,
+                       keep_blocks: int):
+    """indexer_topk's selection from its [N, C] scores: (top-k ids, compact candidate list)."""
+    return (topk_ascending(scores, topk),
+            candidate_positions(scores, visible, block_size, keep_blocks))
+
+
+def listed_candidates(candidate_rows: torch.Tensor, candidate_positions: torch.Tensor) -> torch.Tensor:
+    """Entries of a compact candidate list that name a real cache row (the rest are padding)."""
+    return (candidate_rows >= 0) & (candidate_positions >= 0)
+
+
 def topk_over_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
     """`topk_ascending` over the columns of a compact candidate list, mapped back to compressed
     positions: scores [N, P] (-inf where the entry is empty), positions [N, P] ascending with -1

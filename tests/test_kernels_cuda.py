@@ -294,3 +294,48 @@ def test_engram_gather_bit_identical(where, out_dtype, n, m, dh):
     assert torch.equal(out.cpu(), want)
     got = ops.engram_gather(t, s, ids.to(DEV), out_dtype)          # dispatcher
     assert got.is_cuda and torch.equal(got.cpu(), want)
+
+
+# ----------------------------------------------------------------------------- lightning indexer
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,h,d,c", [(1, 64, 128, 4096), (64, 64, 128, 1000), (3, 16, 32, 70)])
+def test_indexer_scores_bit_identical(n, h, d, c, dtype):
+    """Scores read from the paged FP4 index-key cache in place vs the reference (gather +
+    dequantize + einsum + fixed-order head sum): torch.equal, -inf where invisible or no row.
+    Queries are FP4 fake-quantized as in the model, so every dot product is exact."""
+    g = torch.Generator().manual_seed(n * 7 + c)
+    rows_total = 2 * c + 5
+    keys = torch.randn(rows_total, d, generator=g) * torch.logspace(-2, 2, rows_total).unsqueeze(-1)
+    kc, ks = codecs.quant_fp4_ue8m0(keys, 32)
+    q = codecs.qdq_fp4_ue8m0(torch.randn(n, h, d, generator=g), 32).to(dtype)
+    w = (torch.randn(n, h, generator=g) * 0.1).to(dtype)
+    rows = torch.randint(-1, rows_total, (n, c), generator=g)
+    visible = (torch.rand(n, c, generator=g) > 0.2) & (rows >= 0)
+    want = ref.indexer_scores(q, w, ref.gather_index_k(kc, ks, rows, dtype), visible)
+    args = [t.to(DEV) for t in (q, w, kc, ks, rows, visible)]
+    assert tk.indexer_scores_supported(*args)
+    got = tk.indexer_scores(*args)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(tk.indexer_scores(*args, f32_dot=True).cpu(), want)
+
+
+def test_indexer_ops_with_kernel_match_reference(monkeypatch):
+    """indexer_topk / indexer_topk_candidates on CUDA with V41GRAPH_TRITON_INDEXER=1 give the
+    reference's ids (same scores bit for bit, same selection code)."""
+    g = torch.Generator().manual_seed(3)
+    n, h, d, c = 8, 64, 128, 2048
+    keys = torch.randn(c, d, generator=g)
+    kc, ks = codecs.quant_fp4_ue8m0(keys, 32)
+    q = codecs.qdq_fp4_ue8m0(torch.randn(n, h, d, generator=g), 32).bfloat16()
+    w = (torch.randn(n, h, generator=g) * 0.1).bfloat16()
+    rows = torch.arange(c).expand(n, c).contiguous()
+    visible = torch.arange(c) < torch.randint(100, c, (n, 1), generator=g)
+    want = ops.indexer_topk(q, w, kc, ks, rows, visible, 512, 8, 64)
+    monkeypatch.setenv("V41GRAPH_TRITON_INDEXER", "1")
+    got = ops.indexer_topk(*[t.to(DEV) for t in (q, w, kc, ks, rows, visible)], 512, 8, 64)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    cand = want[1]
+    cand_rows = torch.where(cand >= 0, cand, -1)
+    want_c = ops.indexer_topk_candidates(q, w, kc, ks, cand_rows, cand, 512)
+    got_c = ops.indexer_topk_candidates(*[t.to(DEV) for t in (q, w, kc, ks, cand_rows, cand)], 512)
+    assert torch.equal(got_c.cpu(), want_c)
