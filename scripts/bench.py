@@ -48,7 +48,7 @@ VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1",
             "v41graph-noP6", "v41graph-bf16cache", "v41graph-engram-host")
 DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",)}
 BLOCK = 128
-SHARE_DECODE_GRAPH = True     # --no-shared-decode-graph: trace every bucket on its own
+SHARE_DECODE_GRAPH = True     # --no-shared-decode-graph: False; --share-bucket-1: "all"
 
 
 def log(msg: str) -> None:
@@ -335,6 +335,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--no-shared-decode-graph", dest="shared", action="store_false",
                     help="v41graph: trace each decode bucket separately")
+    ap.add_argument("--share-bucket-1", dest="shared", action="store_const", const="all",
+                    help="v41graph: bucket 1 shares the decode graph too (share_decode_graph='all')")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = args.device

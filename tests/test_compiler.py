@@ -436,17 +436,30 @@ def test_p1_generality_and_near_misses():
 
 def test_share_decode_graph_switch(tiny):
     """Buckets >= 2 mark their persistent buffers' batch dimension dynamic (one shared trace);
-    bucket 1 and share_decode_graph=False keep fully static buffers."""
+    bucket 1 and share_decode_graph=False keep fully static buffers; "all" marks every bucket,
+    bucket 1 included, with an unbacked size."""
     from v41graph.cache import ModelCaches
     from v41graph.compiler import DecodeGraph
     caches = ModelCaches.allocate(tiny.config, 5, 8, 16)
-    for share, bucket, want in ((True, 4, True), (True, 1, False), (False, 4, False)):
+    for share, bucket, want in ((True, 4, True), (True, 1, False), (False, 4, False), ("all", 1, True)):
         compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(1, 4), share_decode_graph=share)
         graph = DecodeGraph(compiled, bucket, caches, 3)
         assert graph.shared is want
-        marked = [0 in getattr(t, "_dynamo_dynamic_indices", set())
+        marked = [0 in getattr(t, "_dynamo_dynamic_indices", set()) or 0 in getattr(t, "_dynamo_unbacked_indices", set())
                   for t in (graph.input_ids, graph.positions, graph.meta.block_table)]
         assert marked == [want] * 3
+
+
+def test_share_all_buckets_one_decode_trace(tiny):
+    """share_decode_graph="all": buckets 1, 2 and 4 run one traced decode graph, and each
+    matches eager (1, 2 and 3 sequences)."""
+    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(1, 2, 4), share_decode_graph="all")
+    decode_graphs = 0
+    for n_seqs in (1, 2, 3):
+        _, new = _eager_vs_compiled_decodes(tiny, compiled, n_seqs, 20 + n_seqs, 2)
+        decode_graphs += new
+    assert decode_graphs == 1
+    assert {key[0] for key in compiled._decode} == {1, 2, 4}
 
 
 # ---------------------------------------------------------------------------- P1, ratio 2

@@ -227,12 +227,16 @@ class DecodeGraph:
             chunk_start=torch.zeros(bucket, **i64), seq_len=torch.ones(bucket, **i64),
             query_start=torch.arange(bucket + 1, **i64), block_table=torch.full((bucket, max_blocks), -1, **i64),
             logits_index=torch.arange(bucket, **i64))
-        self.shared = bucket >= 2 and compiled.share_decode_graph
+        share = compiled.share_decode_graph
+        self.shared = share == "all" or (bucket >= 2 and bool(share))
         if self.shared:   # the shared symbolic-batch graph (see CompiledModel.__init__)
+            # "all": an unbacked batch size, which Dynamo does not specialize at 1, so bucket 1
+            # shares the graph too (every bucket marks it that way, so one graph serves all)
+            mark = torch._dynamo.decorators.mark_unbacked if share == "all" else torch._dynamo.mark_dynamic
             m = self.meta
             for t in (self.input_ids, self.positions, m.token_seq, m.seq_slot, m.chunk_start,
                       m.seq_len, m.query_start, m.block_table, m.logits_index):
-                torch._dynamo.mark_dynamic(t, 0)
+                mark(t, 0)
         self.cuda_graph = None
         self.output = None
         self._static = None    # (static_key, n) of the seq_slot / block_table rows loaded
@@ -301,11 +305,13 @@ class DecodeGraph:
 
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
-            batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool = True) -> CompiledModel:
+            batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = True) -> CompiledModel:
     """Compile a V41Model with the v41graph backend. See the module docstring.
     capture=False runs the same decode buckets (padding, persistent buffers, graphs) without
     CUDA-graph capture: for debugging a capture, everything else stays the same.
-    share_decode_graph=False traces every decode bucket on its own (static shapes throughout)."""
+    share_decode_graph=False traces every decode bucket on its own (static shapes throughout);
+    "all" lets bucket 1 share the graph too (an unbacked batch size: 4 buckets = 1 trace; checked
+    on CPU, not yet on a GPU)."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
                          batch_sizes=batch_sizes, dump_dir=dump_dir,
                          share_decode_graph=share_decode_graph)
