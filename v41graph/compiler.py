@@ -196,7 +196,11 @@ class CompiledModel:
         graph = self._decode.get(key)
         if graph is None or graph.caches is not caches:
             graph = self._decode[key] = DecodeGraph(self, bucket, caches, metadata.block_table.shape[1])
-        return graph.run(input_ids, positions, metadata)[:n]
+        logits = graph.run(input_ids, positions, metadata)[:n]
+        # A replay writes the captured graph's output buffer again: hand out a copy, as an eager
+        # call would (a caller keeping step t's logits must not see step t+1's). [n, vocab]
+        # fp32, a few µs per step.
+        return logits.clone() if graph.cuda_graph is not None else logits
 
     def warmup(self, caches: ModelCaches, max_blocks: int, show_progress: bool = True) -> None:
         """Compile (and on CUDA capture) every decode bucket up front, showing progress."""
