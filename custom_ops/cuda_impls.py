@@ -119,15 +119,19 @@ def _triton_indexer():
     return triton_kernels()
 
 
+def _indexer_scores(q, weights, key_cache, key_scale, rows, visible):
+    """[N, C] scores: the in-place FP4 kernel when switched on and supported, else the reference
+    (gather + dequantize + einsum); bit-identical either way."""
+    tk = _triton_indexer()
+    if tk is not None and tk.indexer_scores_supported(q, weights, key_cache, key_scale, rows, visible):
+        return tk.indexer_scores(q, weights, key_cache, key_scale, rows, visible)
+    return ref.indexer_scores(q, weights, ref.gather_index_k(key_cache, key_scale, rows, q.dtype), visible)
+
+
 @torch.library.register_kernel(f"{_NS}::indexer_topk", "cuda")
 def _indexer_topk_cuda(q, weights, key_cache, key_scale, key_rows, visible, topk,
                        candidate_block_size, candidate_keep_blocks):
-    tk = _triton_indexer()
-    if tk is not None and tk.indexer_scores_supported(q, weights, key_cache, key_scale, key_rows, visible):
-        scores = tk.indexer_scores(q, weights, key_cache, key_scale, key_rows, visible)
-    else:
-        scores = ref.indexer_scores(q, weights, ref.gather_index_k(key_cache, key_scale, key_rows, q.dtype),
-                                    visible)
+    scores = _indexer_scores(q, weights, key_cache, key_scale, key_rows, visible)
     return ref.select_from_scores(scores, visible, topk, candidate_block_size, candidate_keep_blocks)
 
 
@@ -135,10 +139,5 @@ def _indexer_topk_cuda(q, weights, key_cache, key_scale, key_rows, visible, topk
 def _indexer_topk_candidates_cuda(q, weights, key_cache, key_scale, candidate_rows,
                                   candidate_positions, topk):
     listed = ref.listed_candidates(candidate_rows, candidate_positions)
-    tk = _triton_indexer()
-    if tk is not None and tk.indexer_scores_supported(q, weights, key_cache, key_scale, candidate_rows, listed):
-        scores = tk.indexer_scores(q, weights, key_cache, key_scale, candidate_rows, listed)
-    else:
-        scores = ref.indexer_scores(q, weights, ref.gather_index_k(key_cache, key_scale, candidate_rows, q.dtype),
-                                    listed)
+    scores = _indexer_scores(q, weights, key_cache, key_scale, candidate_rows, listed)
     return ref.topk_over_candidates(scores, candidate_positions, topk)

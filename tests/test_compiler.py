@@ -434,6 +434,15 @@ def test_p1_generality_and_near_misses():
     assert _count(graphs[0], torch.ops.aten.rsqrt.default) == 3
 
 
+def test_compile_raises_dynamo_recompile_limit(tiny, monkeypatch):
+    """Each CompiledModel adds several Dynamo entries for V41Model.forward; with the default
+    limit (8) a second compile of the model in one process failed hard (seen on the H200 in the
+    third compiled-model test of a module)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    v41graph.compile(tiny, backend="cpu", batch_sizes=(1,))
+    assert torch._dynamo.config.recompile_limit >= 64
+
+
 def test_share_decode_graph_switch(tiny):
     """Buckets >= 2 mark their persistent buffers' batch dimension dynamic (one shared trace);
     bucket 1 and share_decode_graph=False keep fully static buffers; "all" marks every bucket,

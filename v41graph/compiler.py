@@ -131,6 +131,11 @@ class CompiledModel:
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be positive, got {batch_sizes}")
+        # Dynamo keeps at most `recompile_limit` (default 8) compiled entries per code object,
+        # and every CompiledModel adds 3-5 for V41Model.forward (prefill, its dynamic recompile,
+        # bucket 1, the shared decode graph). Compiling a model a second time in one process
+        # (ablations, tests) then fails hard under fullgraph=True; raise the limit instead.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # Decode buckets are compiled per static shape; prefill lets Dynamo mark the token
         # count dynamic after the first recompile.
         self._fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=False)
