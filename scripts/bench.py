@@ -8,9 +8,11 @@ memory), side by side in one process.
         --prefill 32 --steps 3                                  # smoke run (tests do this)
 
 How a step is measured. One cache set holds max(batches) sequences at max(contexts) tokens,
-filled with random valid FP8/FP4 bytes (a decode step's cost does not depend on the values);
-the block-table width is fixed, so every context of a batch size has the same shapes and each
-variant compiles once per batch size. The same decode step (B sequences at position `context`)
+filled with random valid FP8/FP4 bytes (a decode step's cost does not depend on the values).
+Each context gets block tables as wide as it needs (the Full layers' indexer scores the whole
+width, so a table sized for 32K would make a 4K step cost a 32K one); v41graph's shared decode
+trace has the width symbolic, so another context costs a capture, not a trace (bucket 1 and
+the other variants trace per width). The same decode step (B sequences at position `context`)
 is then timed repeatedly: CUDA events around each call, median of --steps after --warmup calls.
 Compile/capture time is the wall time of the first call(s) of a batch size (for v41graph: the
 explicit warm-up of every bucket, reported once as "compile+capture of N buckets").
@@ -101,10 +103,12 @@ def allocate_caches(model: V41Model, batch: int, context: int, device: str,
 
 
 def decode_inputs(model: V41Model, batch: int, context: int, blocks_per_seq: int, device: str):
-    """One decode step of sequences 0..batch-1 at position `context` (fixed table width)."""
-    tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(batch)]
-    meta = build_metadata(list(range(batch)), [context] * batch, [1] * batch, tables,
-                          blocks_per_seq, device)
+    """One decode step of sequences 0..batch-1 at position `context`. Sequence b owns blocks
+    b*blocks_per_seq... of the cache set; its table is as wide as `context` needs, as a
+    serving engine sized for that context would give it (Full layers score the whole width)."""
+    width = min(blocks_per_seq, math.ceil((context + 1) / BLOCK))
+    tables = [list(range(b * blocks_per_seq, b * blocks_per_seq + width)) for b in range(batch)]
+    meta = build_metadata(list(range(batch)), [context] * batch, [1] * batch, tables, width, device)
     g = torch.Generator(device=device).manual_seed(2)
     ids = torch.randint(0, model.config.vocab_size, (batch,), device=device, generator=g)
     return ids, positions_of(meta), meta

@@ -363,7 +363,7 @@ def test_compile_api_end_to_end_with_padding_and_errors(tiny):
     # Buckets >= 2 share one symbolic-batch graph: two sequences (bucket 2) on a third session
     # of the same shapes compile no new decode graph and still match eager.
     comp3, decode_graphs = _eager_vs_compiled_decodes(tiny, compiled, 2, 11, 2)
-    assert (2, id(comp3.caches)) in compiled._decode
+    assert (2, id(comp3.caches), comp3.max_blocks) in compiled._decode
     assert decode_graphs == 0
     records = compiled.pass_manager.records[-1]
     assert [r["pass"] for r in records] == list(ALL)
@@ -457,6 +457,26 @@ def test_share_decode_graph_switch(tiny):
         marked = [0 in getattr(t, "_dynamo_dynamic_indices", set()) or 0 in getattr(t, "_dynamo_unbacked_indices", set())
                   for t in (graph.input_ids, graph.positions, graph.meta.block_table)]
         assert marked == [want] * 3
+
+
+def test_shared_decode_graph_block_table_width_is_symbolic(tiny):
+    """Sessions whose block tables have another width (max_seq_len 48 vs 96: 3 vs 6 blocks) over
+    caches of one size reuse the shared decode trace (a new capture, no new trace) and match
+    eager. (Caches of another size would retrace: their shapes are static.)"""
+    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(4,))
+    decode_graphs = []
+    for max_len, seed in ((48, 30), (96, 31)):
+        eager, comp = (Session(m, 3, max_len, block_size=16, num_blocks=24) for m in (tiny, compiled))
+        prompt = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(seed))
+        a, b = eager.prefill(prompt), comp.prefill(prompt)
+        before = compiled.pass_manager.graph_index
+        for _ in range(2):
+            nxt = a.argmax(-1, keepdim=True)
+            a, b = eager.decode(nxt), comp.decode(nxt)
+            assert torch.allclose(a, b, atol=ATOL, rtol=0)
+        decode_graphs.append(compiled.pass_manager.graph_index - before)
+    assert decode_graphs == [1, 0]
+    assert sorted(key[2] for key in compiled._decode) == [3, 6]
 
 
 def test_share_all_buckets_one_decode_trace(tiny):

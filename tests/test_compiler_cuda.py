@@ -51,7 +51,7 @@ def test_capture_replay_matches_eager_and_never_recompiles(model):
         assert torch.allclose(a, b, atol=ATOL, rtol=0), f"step {step}: {(a - b).abs().max()}"
         if step == 0:
             graphs_after_first = compiled.pass_manager.graph_index
-            assert compiled._decode[(4, id(comp.caches))].cuda_graph is not None   # 3 seqs -> bucket 4
+            assert compiled._decode[(4, id(comp.caches), comp.max_blocks)].cuda_graph is not None   # 3 seqs -> bucket 4
     assert compiled.pass_manager.graph_index == graphs_after_first   # no recompiles
 
 

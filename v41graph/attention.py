@@ -243,8 +243,8 @@ class Attention(nn.Module):
             return ops.indexer_topk_candidates(q, weights, caches.index_k[src], caches.index_scale[src],
                                                cand_rows, cand, self.config.index_topk)
         capacity = self._compressed_capacity(ctx)
-        rows = ctx.shared(("compressed_rows", role.ratio, capacity),
-                          lambda: ctx.compressed_rows(role.ratio, capacity))
+        # keyed by ratio alone: the capacity follows from it (and may be symbolic, unhashable)
+        rows = ctx.shared(("compressed_rows", role.ratio), lambda: ctx.compressed_rows(role.ratio, capacity))
         visible_count = (ctx.positions + 1) // role.ratio
         visible = (torch.arange(capacity, device=rows.device) < visible_count.unsqueeze(-1)) & (rows >= 0)
         keep_blocks = self.config.candidate_topk_blocks if role.is_candidate_source else 0

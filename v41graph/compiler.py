@@ -196,11 +196,14 @@ class CompiledModel:
     def _decode_step(self, input_ids, positions, caches, metadata):
         n = input_ids.shape[0]
         bucket = self.bucket_for(n)
-        # One graph per bucket and cache set: a captured graph is bound to its buffers' addresses.
-        key = (bucket, id(caches))
+        # One graph per bucket, cache set and block-table width: a captured graph is bound to its
+        # buffers' addresses and shapes (the shared trace has the width symbolic, so another
+        # width costs a capture, not a trace).
+        width = metadata.block_table.shape[1]
+        key = (bucket, id(caches), width)
         graph = self._decode.get(key)
         if graph is None or graph.caches is not caches:
-            graph = self._decode[key] = DecodeGraph(self, bucket, caches, metadata.block_table.shape[1])
+            graph = self._decode[key] = DecodeGraph(self, bucket, caches, width)
         logits = graph.run(input_ids, positions, metadata)[:n]
         # A replay writes the captured graph's output buffer again: hand out a copy, as an eager
         # call would (a caller keeping step t's logits must not see step t+1's). [n, vocab]
@@ -213,8 +216,8 @@ class CompiledModel:
             if show_progress:
                 print(f"[v41graph] decode bucket {b}: compile + capture ({i + 1}/{len(self.batch_sizes)})",
                       file=sys.stderr, flush=True)
-            if (b, id(caches)) not in self._decode:
-                graph = self._decode[(b, id(caches))] = DecodeGraph(self, b, caches, max_blocks)
+            if (b, id(caches), max_blocks) not in self._decode:
+                graph = self._decode[(b, id(caches), max_blocks)] = DecodeGraph(self, b, caches, max_blocks)
                 graph.prepare()
 
 
@@ -246,6 +249,8 @@ class DecodeGraph:
             for t in (self.input_ids, self.positions, m.token_seq, m.seq_slot, m.chunk_start,
                       m.seq_len, m.query_start, m.block_table, m.logits_index):
                 mark(t, 0)
+            if max_blocks >= 2:   # the width too (Dynamo would specialize a width of 1)
+                torch._dynamo.mark_dynamic(m.block_table, 1)
         self.cuda_graph = None
         self.output = None
         self._static = None    # (static_key, n) of the seq_slot / block_table rows loaded
