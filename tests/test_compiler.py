@@ -434,6 +434,30 @@ def test_p1_generality_and_near_misses():
     assert _count(graphs[0], torch.ops.aten.rsqrt.default) == 3
 
 
+def test_captured_decode_hands_out_copies(tiny, monkeypatch):
+    """A replay overwrites a captured graph's output buffer, so a captured decode step must
+    return a copy (what an eager call gives): a caller's step-t logits must survive step t+1.
+    Simulated on CPU: DecodeGraph.run returns one persistent buffer and claims a CUDA graph."""
+    from v41graph.cache import ModelCaches, build_metadata
+    from v41graph.compiler import DecodeGraph
+    buffer = torch.zeros(4, tiny.config.vocab_size)
+
+    def fake_run(self, input_ids, positions, meta):
+        self.cuda_graph = object()
+        buffer.fill_(float(input_ids[0]))       # "replay": new contents, same storage
+        return buffer
+
+    monkeypatch.setattr(DecodeGraph, "run", fake_run)
+    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(4,))
+    caches = ModelCaches.allocate(tiny.config, 5, 8, 16)
+    meta = build_metadata([0, 1], [5, 5], [1, 1], [[0], [1]], 1, "cpu")
+    first = compiled(torch.tensor([1, 1]), torch.tensor([5, 5]), caches, meta)
+    second = compiled(torch.tensor([2, 2]), torch.tensor([5, 5]), caches, meta)
+    assert first.shape == (2, tiny.config.vocab_size)
+    assert first.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    assert torch.all(first == 1) and torch.all(second == 2)
+
+
 def test_compile_raises_dynamo_recompile_limit(tiny, monkeypatch):
     """Each CompiledModel adds several Dynamo entries for V41Model.forward; with the default
     limit (8) a second compile of the model in one process failed hard (seen on the H200 in the
