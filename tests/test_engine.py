@@ -7,6 +7,8 @@ other. The prompts below were checked to have no such near-tie.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -266,3 +268,33 @@ def test_waits_for_memory_instead_of_failing(tiny_model, reference_greedy):
     outs = eng.generate(PROMPTS[:3], SamplingParams(max_tokens=N_NEW))
     assert [o.token_ids for o in outs] == reference_greedy[:3]
     assert _all_free(eng)
+
+
+def test_decode_width_buckets_same_tokens_fewer_blocks(tiny_model):
+    """decode_width_buckets=True cuts a decode step's block tables to its longest context
+    (rounded up to a power of two of blocks): the same greedy tokens as full-width tables, with
+    widths that grow with the contexts; on a compiled model, every width runs the one shared
+    decode trace."""
+    prompts = _prompts([5, 9, 12], seed=4)        # contexts up to 42: 2 then 4 of 6 blocks
+    params = SamplingParams(max_tokens=30)
+    want = [o.token_ids for o in _engine(tiny_model).generate(prompts, params)]
+    widths = []
+
+    def recording(model):
+        def call(ids, positions, caches, meta, *rest, **kw):
+            if ids.shape[0] == meta.num_seqs:
+                widths.append(meta.block_table.shape[1])
+            return model(ids, positions, caches, meta, *rest, **kw)
+        return call
+
+    eng = _engine(tiny_model, decode_width_buckets=True)
+    eng.model = recording(tiny_model)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    full = math.ceil(MAX_SEQ / BLOCK)
+    assert min(widths) == 2 and max(widths) < full and widths == sorted(widths)
+    assert all(w & (w - 1) == 0 for w in widths)           # powers of two
+    compiled = v41graph.compile(tiny_model, backend="cpu", batch_sizes=(4,))
+    eng = _engine(compiled, decode_width_buckets=True)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert {key[2] for key in compiled._decode} == set(widths)
+    assert len(compiled.traced) <= 3        # prefill (+ its dynamic recompile) and one decode trace

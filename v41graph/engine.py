@@ -51,6 +51,7 @@ fp32 summation order in differently shaped batches, see tests/test_model_consist
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 import time
@@ -124,14 +125,20 @@ class Engine:
     def __init__(self, model, max_batch_size: int, max_seq_len: int, block_size: int = 128,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  prefill_chunk_size: int | None = None, speculative=None, draft_head=None,
-                 prefill_mode: str = "auto", persistent_metadata: bool = True):
+                 prefill_mode: str = "auto", persistent_metadata: bool = True,
+                 decode_width_buckets: bool = False):
         """model: a V41Model or a v41graph.compile()d CompiledModel (same call signature).
 
         speculative=SpecConfig(num_draft=k) with draft_head=DSparkHead: lossless DSpark
         speculative decoding (v41graph.speculative); every step then runs the eager V41Model.
         prefill_mode: "auto" (decoder bounded replay for prompts longer than the window),
         "full" or "replay" (see the module docstring). persistent_metadata=False: rebuild the
-        decode metadata from host lists every step instead of keeping it on the device."""
+        decode metadata from host lists every step instead of keeping it on the device.
+        decode_width_buckets=True: a decode step's block tables are cut to its longest context,
+        rounded up to a power of two of blocks, instead of max_seq_len (the Full layers score
+        every position of the table width, so the step's cost then follows the contexts in it;
+        same tokens). With a compiled model each width is one more capture of the shared
+        decode trace, not a new trace."""
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         self.model = model
@@ -168,6 +175,7 @@ class Engine:
         self.prefill_mode = prefill_mode
         self.decode_batch = DecodeBatch(max_batch_size, self.max_blocks, self.device) \
             if persistent_metadata else None
+        self.decode_width_buckets = decode_width_buckets
         self.spec = None
         if speculative is not None:
             from .speculative import SpeculativeDecoder
@@ -356,6 +364,8 @@ class Engine:
         dec.sync([r.request_id for r, _ in batch[:nd]], self._describe)
         if nd == len(batch):  # a decode step: the persistent rows as they are
             positions, meta = self.decode_metadata()
+            if self.decode_width_buckets:
+                meta = dataclasses.replace(meta, block_table=meta.block_table[:, :self._decode_width(batch)])
             return dec.load_ids([c[0] for _, c in batch]), positions, meta
         pids, ppos, pmeta = self._host_inputs(batch[nd:])
         if nd == 0:
@@ -363,6 +373,12 @@ class Engine:
         dpos, dmeta = self.decode_metadata()
         ids = torch.cat([dec.load_ids([c[0] for _, c in batch[:nd]]), pids])
         return ids, torch.cat([dpos, ppos]), concat_metadata(dmeta, pmeta)
+
+    def _decode_width(self, batch: list) -> int:
+        """Blocks a decode step's tables need: its longest context after this token, rounded up
+        to a power of two (>= 2, which keeps the width symbolic in the shared decode trace)."""
+        need = max(math.ceil((r.num_cached + len(c)) / self.block_size) for r, c in batch)
+        return min(self.max_blocks, max(2, 1 << max(0, need - 1).bit_length()))
 
     def _host_inputs(self, entries: list):
         """(input ids, positions, metadata) of (request, chunk) entries built from host lists."""
