@@ -189,8 +189,9 @@ def mhc_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h
     """The mHC predictor's coefficients (pre, post, comb) from its mixes, Sinkhorn included
     (reference.mhc_sinkhorn). One op because the 20 Sinkhorn rounds are ~130 tiny elementwise
     kernels per call when left to the graph, twice per layer; on CUDA it is one Triton launch."""
-    pre, post, comb = ref.mhc_sinkhorn(mixes, scale, base, hc, iters, eps)
-    return pre, post, comb
+    if mixes.shape[-1] != (2 + hc) * hc:
+        raise ValueError(f"mhc_sinkhorn: mixes last dim {mixes.shape[-1]} != (2 + hc) * hc = {(2 + hc) * hc}")
+    return ref.mhc_sinkhorn(mixes, scale, base, hc, iters, eps)
 
 
 @mhc_sinkhorn.register_fake

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from .base import GraphPass, cast_dtype, is_call
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 
 
 class Cleanup(GraphPass):
@@ -36,8 +36,9 @@ class Cleanup(GraphPass):
             return False
         if is_call(node, aten.alias.default):
             return True
-        if cast_dtype(node) is not None:
-            return cast_dtype(node) == src.dtype
+        to = cast_dtype(node)
+        if to is not None:
+            return to == src.dtype
         if is_call(node, aten.view.default, aten.reshape.default):
             return tuple(val.shape) == tuple(src.shape) and val.dtype == src.dtype
         return False

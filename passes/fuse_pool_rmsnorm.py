@@ -40,7 +40,8 @@ import torch
 import torch.fx as fx
 
 from .base import is_call
-from .fuse_wkv_rmsnorm import RMSNormFusion, _single_user, _strip_convert, _val, match_rmsnorm
+from .fuse_wkv_rmsnorm import (RMSNormFusion, _single_user, _strip_convert, _val, match_rmsnorm,
+                               transposed_weight)
 
 aten = torch.ops.aten
 STATE_WRITE = torch.ops.v41graph.state_write.default
@@ -128,12 +129,7 @@ class FusePoolRMSNorm(RMSNormFusion):
             return None
         weights = []
         for mm in mms:
-            wt = mm.args[1]
-            if not ((is_call(wt, aten.t.default) or (is_call(wt, aten.permute.default)
-                                                      and list(wt.args[1]) == [1, 0]))
-                    and _single_user(wt, mm)):
-                return None
-            w = wt.args[0]
+            w = transposed_weight(mm.args[1], mm)
             if not (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr")):
                 return None
             weights.append(w)

@@ -41,12 +41,20 @@ def _strip_convert(node, dtype=None):
     return node, None
 
 
+def transposed_weight(wt, mm: fx.Node):
+    """w when `wt` is w transposed for a Linear's mm (`t(w)` or `permute(w, [1, 0])`) and feeds
+    only that mm, else None."""
+    if not (is_call(wt, aten.t.default) or (is_call(wt, aten.permute.default) and list(wt.args[1]) == [1, 0])):
+        return None
+    return wt.args[0] if _single_user(wt, mm) else None
+
+
 def _single_user(node: fx.Node, user: fx.Node) -> bool:
     return list(node.users) == [user]
 
 
 def match_rmsnorm(rsqrt: fx.Node):
-    """The RMSNorm around an rsqrt node, as the decomposed graph spells it:
+    """The RMSNorm around an rsqrt node, as the post-AOT graph spells it:
     (normed input y before its optional fp32 upcast, output node, norm weight node, eps), or
     None. Requires keepdim over the last dim and that y (through the upcast) and every
     intermediate feed only the norm."""
@@ -146,11 +154,9 @@ class FuseWkvRMSNorm(RMSNormFusion):
         if not is_call(mm, aten.mm.default):
             return None
         x2, wt = mm.args
-        if not (is_call(wt, aten.permute.default, aten.t.default) and len(wt.users) == 1):
+        w = transposed_weight(wt, mm)
+        if w is None:
             return None
-        if is_call(wt, aten.permute.default) and list(wt.args[1]) != [1, 0]:
-            return None
-        w = wt.args[0]
         x = x2.args[0] if is_call(x2, aten.view.default, aten.reshape.default) else x2
         xv, ov, wv = _val(x), _val(out), _val(w)
         if xv is None or ov is None or wv is None or xv.dtype != ov.dtype or wv.dtype != xv.dtype:

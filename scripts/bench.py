@@ -49,6 +49,7 @@ from v41graph.model import V41Model, init_random_weights_
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
             "v41graph-noP6", "v41graph-bf16cache", "v41graph-engram-host")
 DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",)}
+SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE)   # one trace, pass lists switched (make_runner)
 BLOCK = 128
 SHARE_DECODE_GRAPH = True     # --no-shared-decode-graph: False; --share-bucket-1: "all"
 
@@ -192,27 +193,28 @@ _PASS_ABLATIONS: dict = {}   # the one CompiledModel that v41graph and its -noP*
 
 
 def make_runner(model: V41Model, variant: str, batches: list[int]):
-    """The callable a variant times. v41graph and v41graph-noP1/-noP4/-noP6 share one trace:
-    the first of them compiles, the others only re-run the passes on the kept post-AOT graphs
-    (CompiledModel.set_passes) and capture again, so an ablation costs seconds, not a trace."""
-    if variant in ("v41graph", *DISABLE):
+    """(the callable a variant times, whether it reuses an earlier variant's trace).
+    SHARED_TRACE_VARIANTS share one trace: the first of them compiles, the others only re-run
+    the passes on the kept post-AOT graphs (CompiledModel.set_passes) and capture again, so an
+    ablation costs seconds, not a trace."""
+    if variant in SHARED_TRACE_VARIANTS:
         compiled = _PASS_ABLATIONS.get("model")
         if compiled is None:
             compiled = _PASS_ABLATIONS["model"] = v41graph.compile(
                 model, backend="auto", disable=DISABLE.get(variant, ()), batch_sizes=batches,
                 share_decode_graph=SHARE_DECODE_GRAPH)
-        else:
-            compiled.set_passes(disable=DISABLE.get(variant, ()))
-            compiled.trace_reused = True
-        return compiled
+            return compiled, False
+        compiled.set_passes(disable=DISABLE.get(variant, ()))
+        return compiled, True
     if variant == "eager":
-        return model
+        return model, False
     if variant == "inductor":
-        return torch.compile(model, dynamic=False)
+        return torch.compile(model, dynamic=False), False
     if variant == "reduce-overhead":
-        return torch.compile(model, mode="reduce-overhead", dynamic=False)
-    return v41graph.compile(model, backend="auto", disable=DISABLE.get(variant, ()),
-                            batch_sizes=batches, share_decode_graph=SHARE_DECODE_GRAPH)
+        return torch.compile(model, mode="reduce-overhead", dynamic=False), False
+    # bf16-cache / Engram-host: other cache dtypes or table devices, so a trace of their own
+    return v41graph.compile(model, backend="auto", batch_sizes=batches,
+                            share_decode_graph=SHARE_DECODE_GRAPH), False
 
 
 # ----------------------------------------------------------------------------- profile
@@ -258,15 +260,14 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
     place_engram(model, "host" if variant == "v41graph-engram-host" and device == "cuda" else "device")
     gdtype = torch.bfloat16 if variant == "v41graph-bf16cache" else torch.uint8
     caches, bps = allocate_caches(model, max(batches), max(contexts), device, gdtype)
-    runner = make_runner(model, variant, batches)
+    runner, trace_reused = make_runner(model, variant, batches)
     warm_s = None
     if variant.startswith("v41graph") and device == "cuda":
         t0 = time.perf_counter()
         runner.warmup(caches, bps, show_progress=False)   # compile + capture every bucket
         _sync(device)
         warm_s = time.perf_counter() - t0
-        what = ("passes + capture (trace reused)" if getattr(runner, "trace_reused", False)
-                else "compile + capture")
+        what = "passes + capture (trace reused)" if trace_reused else "compile + capture"
         log(f"{variant}: {what} of {len(batches)} buckets {warm_s:.1f} s")
     for batch in batches:
         first = True
@@ -291,7 +292,7 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
             rows.append({"kind": "decode", "context": context, "batch": batch, "variant": variant,
                          "step_ms": med, "step_ms_min": min(ms), "tokens_per_s": batch / med * 1e3,
                          "compile_s": compile_s, "warmup_all_buckets_s": warm_s,
-                         "trace_reused": bool(getattr(runner, "trace_reused", False)),
+                         "trace_reused": trace_reused,
                          "floor_bytes": fb, "floor_ms": fb / bw * 1e3,
                          "floor_fraction": fb / bw * 1e3 / med,
                          "peak_mem_gb": (torch.cuda.max_memory_allocated() / 1e9
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
             place_engram(model, "device")
             if device == "cuda":
                 torch.cuda.empty_cache()
-        if variant not in ("v41graph", *DISABLE):   # those keep the shared trace (make_runner)
+        if variant not in SHARED_TRACE_VARIANTS:   # those keep the shared trace (make_runner)
             torch._dynamo.reset()
         if out:   # after every variant: a killed run still leaves its numbers
             out.mkdir(parents=True, exist_ok=True)

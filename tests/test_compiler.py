@@ -15,7 +15,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import v41graph
-from v41graph.compiler import DECOMPOSITIONS
+from v41graph.compiler import DECOMPOSITIONS, copy_graph_module
 from v41graph.model import V41Model, init_random_
 from v41graph.passes.base import STREAM_KEY, module_path
 from v41graph.passes.pass_manager import PassManager, resolve_passes
@@ -29,14 +29,6 @@ ALL = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "defunctionalize", "h
 ATOL = 1e-4
 
 
-def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy with its own nodes (node.meta dicts copied shallowly; fake values shared)."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return fx.GraphModule(gm, graph)
-
-
 class VariantBackend:
     """Traces once; runs the post-AOT graph through the pass list selected in `self.passes`."""
 
@@ -48,12 +40,12 @@ class VariantBackend:
 
     def fw_compiler(self, gm, example_inputs):
         index = len(self.graphs)
-        self.graphs.append(clone_graph_module(gm))
+        self.graphs.append(copy_graph_module(gm))
 
         def run(*args):
             key = (index, tuple(self.passes))
             if key not in self.variants:
-                g = clone_graph_module(self.graphs[index])
+                g = copy_graph_module(self.graphs[index])
                 manager = PassManager(list(self.passes))
                 manager(g)
                 self.variants[key], self.managers[key] = g, manager
@@ -67,7 +59,7 @@ class VariantBackend:
     def passed(self, graph_index: int, passes=ALL) -> fx.GraphModule:
         key = (graph_index, tuple(passes))
         if key not in self.variants:
-            g = clone_graph_module(self.graphs[graph_index])
+            g = copy_graph_module(self.graphs[graph_index])
             PassManager(list(passes))(g)
             self.variants[key] = g
         return self.variants[key]
@@ -303,7 +295,7 @@ def test_p6_window_write_forks_after_the_ring_is_read(traced):
 def test_stream_check_rejects_unjoined_work(traced):
     from v41graph.passes.stream_check import StreamCheck
     vb, *_ = traced
-    g = clone_graph_module(vb.passed(1))
+    g = copy_graph_module(vb.passed(1))
     wait = next(n for n in g.graph.nodes if n.target == ops.event_wait.default and n.args[0].startswith("join:"))
     g.graph.erase_node(wait)
     with pytest.raises(ValueError, match="never joined"):
@@ -481,6 +473,8 @@ def test_share_decode_graph_switch(tiny):
         marked = [0 in getattr(t, "_dynamo_dynamic_indices", set()) or 0 in getattr(t, "_dynamo_unbacked_indices", set())
                   for t in (graph.input_ids, graph.positions, graph.meta.block_table)]
         assert marked == [want] * 3
+    with pytest.raises(ValueError, match="share_decode_graph must be True, False or"):
+        v41graph.compile(tiny, backend="cpu", share_decode_graph="yes")
 
 
 def test_shared_decode_graph_block_table_width_is_symbolic(tiny):

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 import v41graph
 from v41graph import cli
+from v41graph.compiler import copy_graph_module
 from v41graph.inspect import DumpError, MissingDependency, draw_timeline, load_dump, to_dot
 from v41graph.passes.pass_manager import ARTIFACT, PASS_CLASSES, PassManager, resolve_passes
 
@@ -27,12 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 GATHER, INDEXER = "v41graph.engram_gather.default", "v41graph.indexer_topk.default"
 REINDEXER = "v41graph.indexer_topk_candidates.default"     # Reindex layers' indexer
 WINDOW, INDEX_K = "v41graph.window_kv_write.default", "v41graph.index_k_write.default"
-
-
-def _clone(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +40,7 @@ def dumps(tmp_path_factory):
         if self.dump_dir == a:     # the same input graph, passed and dumped again into b
             twin = PassManager(self.names, dump_dir=b)
             twin.graph_index = self.graph_index
-            twin(_clone(gm))
+            twin(copy_graph_module(gm))
         return original(self, gm)
 
     mp = pytest.MonkeyPatch()

@@ -41,6 +41,11 @@ def test_op_matches_naive_float64(spread):
     assert worst < 1e-5, worst
 
 
+def test_op_rejects_wrong_mixes_width():
+    with pytest.raises(ValueError, match=r"mixes last dim 20 != \(2 \+ hc\) \* hc = 24"):
+        ops.mhc_sinkhorn(torch.zeros(2, 20), torch.ones(3), torch.zeros(24), HC, ITERS, EPS)
+
+
 def test_comb_is_doubly_stochastic_after_sinkhorn():
     # Counted property of the spec: after the final column normalisation every column sums to
     # 1 (up to eps), and the row sums move towards 1 with more rounds.

@@ -45,19 +45,19 @@ class TracedGraph:
     tracing (Dynamo + AOT) is ~90 % of compile time, our passes a few seconds."""
 
     def __init__(self, gm: torch.fx.GraphModule):
-        self.untouched = _copy_graph_module(gm)
+        self.untouched = copy_graph_module(gm)
         self.current = gm
 
     def __call__(self, *args):
         return self.current.forward(*args)
 
     def repass(self, manager: PassManager) -> None:
-        gm = _copy_graph_module(self.untouched)
+        gm = copy_graph_module(self.untouched)
         manager(gm)
         self.current = gm
 
 
-def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy with its own nodes (node.meta copied shallowly, so fake values are shared)."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -116,6 +116,8 @@ class CompiledModel:
     def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
                  batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True):
         self.model = model.eval().requires_grad_(False)
+        if share_decode_graph not in (True, False, "all"):
+            raise ValueError(f"share_decode_graph must be True, False or \"all\", got {share_decode_graph!r}")
         self.share_decode_graph = share_decode_graph
         self.device = model.embed.weight.device
         self.platform = _resolve_platform(backend, self.device)
@@ -196,19 +198,26 @@ class CompiledModel:
     def _decode_step(self, input_ids, positions, caches, metadata):
         n = input_ids.shape[0]
         bucket = self.bucket_for(n)
-        # One graph per bucket, cache set and block-table width: a captured graph is bound to its
-        # buffers' addresses and shapes (the shared trace has the width symbolic, so another
-        # width costs a capture, not a trace).
-        width = metadata.block_table.shape[1]
-        key = (bucket, id(caches), width)
-        graph = self._decode.get(key)
-        if graph is None or graph.caches is not caches:
-            graph = self._decode[key] = DecodeGraph(self, bucket, caches, width)
+        graph = self._graph_for(bucket, caches, metadata.block_table.shape[1])
         logits = graph.run(input_ids, positions, metadata)[:n]
         # A replay writes the captured graph's output buffer again: hand out a copy, as an eager
         # call would (a caller keeping step t's logits must not see step t+1's). [n, vocab]
         # fp32, a few µs per step.
         return logits.clone() if graph.cuda_graph is not None else logits
+
+    def _graph_for(self, bucket: int, caches: ModelCaches, width: int,
+                   prepare: bool = False) -> "DecodeGraph":
+        """The decode graph of a bucket, cache set and block-table width (made on first use, and
+        then compiled + captured at once when `prepare`): a captured graph is bound to its
+        buffers' addresses and shapes (the shared trace has the width symbolic, so another
+        width costs a capture, not a trace)."""
+        key = (bucket, id(caches), width)
+        graph = self._decode.get(key)
+        if graph is None or graph.caches is not caches:   # an id reused by a new cache set
+            graph = self._decode[key] = DecodeGraph(self, bucket, caches, width)
+            if prepare:
+                graph.prepare()
+        return graph
 
     def warmup(self, caches: ModelCaches, max_blocks: int, show_progress: bool = True) -> None:
         """Compile (and on CUDA capture) every decode bucket up front, showing progress."""
@@ -216,9 +225,7 @@ class CompiledModel:
             if show_progress:
                 print(f"[v41graph] decode bucket {b}: compile + capture ({i + 1}/{len(self.batch_sizes)})",
                       file=sys.stderr, flush=True)
-            if (b, id(caches), max_blocks) not in self._decode:
-                graph = self._decode[(b, id(caches), max_blocks)] = DecodeGraph(self, b, caches, max_blocks)
-                graph.prepare()
+            self._graph_for(b, caches, max_blocks, prepare=True)
 
 
 class DecodeGraph:
@@ -251,6 +258,9 @@ class DecodeGraph:
                 mark(t, 0)
             if max_blocks >= 2:   # the width too (Dynamo would specialize a width of 1)
                 torch._dynamo.mark_dynamic(m.block_table, 1)
+        # cpu: the plain graph; npu: torchair captures itself; capture=False: the same bucketed
+        # graph and buffers without a CUDA graph (so capture on/off changes nothing else)
+        self.captures = compiled.platform == "cuda" and compiled.capture
         self.cuda_graph = None
         self.output = None
         self._static = None    # (static_key, n) of the seq_slot / block_table rows loaded
@@ -279,7 +289,7 @@ class DecodeGraph:
 
     def prepare(self) -> None:
         """Compile this bucket (all-padding inputs) and, on CUDA, capture it."""
-        if self.compiled.platform == "cuda" and self.compiled.capture:
+        if self.captures:
             self._capture()
         else:
             saved = [t.clone() for t in self.caches.tensors()]
@@ -289,9 +299,7 @@ class DecodeGraph:
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         self._load(input_ids, positions, meta)
-        # cpu: plain graph; npu: torchair captures itself; capture=False: the same bucketed
-        # graph and buffers, run without a CUDA graph (so capture on/off changes nothing else)
-        if self.compiled.platform != "cuda" or not self.compiled.capture:
+        if not self.captures:
             return self._step()
         if self.cuda_graph is None:
             self._capture()
@@ -331,4 +339,4 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
                          share_decode_graph=share_decode_graph)
 
 
-__all__ = ["compile", "CompiledModel", "make_backend"]
+__all__ = ["compile", "CompiledModel", "copy_graph_module", "make_backend"]
