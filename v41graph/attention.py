@@ -75,10 +75,8 @@ class StepContext:
 
     def compressed_rows(self, ratio: int, capacity: int) -> torch.Tensor:
         """Paged cache rows [N, capacity] of compressed positions 0..capacity-1 (-1 = no block)."""
-        rows_per_block = self.caches.block_size // ratio
         j = torch.arange(capacity, device=self.positions.device)
-        block = self.meta.block_table[self.tok_seq][:, j // rows_per_block]
-        return torch.where(block >= 0, block * rows_per_block + j % rows_per_block, -1)
+        return self.compressed_rows_at(ratio, j.expand(self.tok_seq.shape[0], capacity))
 
     def compressed_rows_at(self, ratio: int, pos: torch.Tensor) -> torch.Tensor:
         """Paged cache rows of the compressed positions `pos` [N, M] (0 <= pos < capacity) of
