@@ -8,9 +8,8 @@ on the GPU instead, so results never depend on which path ran beyond the stated 
 
 Registered: fused_wkv_rmsnorm, window_kv_write, global_kv_write, index_k_write,
 sparse_attention, engram_gather, mhc_sinkhorn, fake_quant; indexer_topk and
-indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place when
-V41GRAPH_TRITON_INDEXER=1 (bit-identical to the reference in Triton's CPU interpreter; not yet
-run on a GPU, so off by default), selection stays torch. (engram_hash, fused_pool_rmsnorm and
+indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place
+(bit-identical to the reference on the H200, fp32 and bf16), selection stays torch. (engram_hash, fused_pool_rmsnorm and
 fused_ratio2_compressor keep the reference on CUDA.)
 """
 from __future__ import annotations
@@ -112,17 +111,10 @@ def _fake_quant_cuda(x, fmt, block):
     return fake_quant_reference(x, fmt, block)
 
 
-def _triton_indexer():
-    """triton_kernels when the indexer kernel is switched on (V41GRAPH_TRITON_INDEXER=1)."""
-    if os.environ.get("V41GRAPH_TRITON_INDEXER", "0") in ("", "0"):
-        return None
-    return triton_kernels()
-
-
 def _indexer_scores(q, weights, key_cache, key_scale, rows, visible):
-    """[N, C] scores: the in-place FP4 kernel when switched on and supported, else the reference
-    (gather + dequantize + einsum); bit-identical either way."""
-    tk = _triton_indexer()
+    """[N, C] scores: the in-place FP4 kernel where supported, else the reference (gather +
+    dequantize + einsum); bit-identical either way (tests/test_kernels_cuda.py)."""
+    tk = triton_kernels()
     if tk is not None and tk.indexer_scores_supported(q, weights, key_cache, key_scale, rows, visible):
         return tk.indexer_scores(q, weights, key_cache, key_scale, rows, visible)
     return ref.indexer_scores(q, weights, ref.gather_index_k(key_cache, key_scale, rows, q.dtype), visible)

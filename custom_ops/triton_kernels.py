@@ -998,5 +998,8 @@ def indexer_scores(q, weights, key_cache, key_scale, key_rows, visible, *, block
         q.contiguous(), weights.contiguous(), key_cache.view(torch.uint8), key_scale.view(torch.uint8),
         key_rows.contiguous(), visible.to(torch.uint8).contiguous(), out, c,
         H=h, D2=d // 2, NB=d // 32, BC=block_c, LOG2H=h.bit_length() - 1,
-        F32_DOT=f32_dot or q.dtype == torch.float32, DTYPE=_TL_DTYPE[q.dtype], num_warps=4)
+        F32_DOT=f32_dot or q.dtype == torch.float32, DTYPE=_TL_DTYPE[q.dtype], num_warps=4,
+        # no fused multiply-add: in fp32 `relu(dot) * w` then the head sum would contract into
+        # FMAs (one rounding instead of two) and differ from the reference in the last bit
+        enable_fp_fusion=False)
     return out
