@@ -14,7 +14,9 @@ Needs a CUDA GPU and Triton. Everything is measured side by side in one process:
     composite (gather + dequant + blockwise online softmax), B = 1, 8, 64 at contexts 8K and 64K
     (each sequence owns `ctx` cache rows; 512 random rows per token; window rows read in place
     from each sequence's FP8 ring plus this call's fresh rows) and prefill T = 4096;
-  - Engram gather from a device table and from a pinned host table (UVA) vs the copy ceilings.
+  - Engram gather from a device table and from a pinned host table (UVA) vs the copy ceilings;
+  - lightning indexer, decode: a Reindex layer (the P = 16384 listed candidates) vs a Full layer
+    (all C positions) at contexts 64K..512K; the Reindex time must not grow with C.
 Each fast result is checked against its baseline before it is timed. Prints a short table last;
 writes bench.log, bench.json and bench_ops.md (the docs section) to --out (default $OUT).
 """
@@ -347,13 +349,51 @@ def bench_engram(tk, bw, h2d, quick):
                 + f"; {100 * gbps / h2d:.0f}% of bulk H2D {h2d:.0f} GB/s")
 
 
+# =============================================================================== lightning indexer
+def bench_indexer(tk, bw, quick):
+    """Reindex layer (score the candidate source's P = 2048 x 8 listed positions, top-512) vs the
+    candidate source / Full layer (score all C positions, candidate blocks, top-512), decode, at
+    contexts 64K..512K: the Reindex time must stay flat in C (issue 4: within +-15 %). Index keys
+    FP4 [rows, 64 B] + UE8M0 [rows, 4]; each sequence owns `ctx` rows; real widths (32 heads x 128)."""
+    from v41graph.custom_ops import codecs
+    ops = torch.ops.v41graph
+    h, d, topk, blk, keep = 32, 128, 512, 8, 2048
+    p = blk * keep
+    for n in ([1, 64] if quick else [1, 8, 64]):
+        ctxs = [1 << 16, 1 << 19] if quick else [1 << 16, 1 << 17, 1 << 18, 1 << 19]
+        for ctx in ctxs:
+            rows_total = n * ctx
+            if rows_total * 68 > 8 << 30:
+                continue
+            kc = torch.randint(0, 256, (rows_total, d // 2), dtype=torch.uint8, device="cuda")
+            ks = torch.randint(118, 130, (rows_total, d // 32), dtype=torch.uint8, device="cuda")
+            q = codecs.qdq_fp4_ue8m0(torch.randn(n, h, d, device="cuda"), 32).bfloat16()
+            w = (torch.randn(n, h, device="cuda") * 0.1).bfloat16()
+            base = (torch.arange(n, device="cuda") * ctx).unsqueeze(1)
+            # Reindex: P candidate positions per query, ascending (the candidate source's list)
+            cand = torch.sort(torch.randperm(ctx, device="cuda")[:p].expand(n, p), dim=1).values.contiguous()
+            cand_rows = (cand + base).contiguous()
+            shape = f"N={n} ctx={ctx >> 10}K P={p}"
+            t = gbench([lambda: ops.indexer_topk_candidates(q, w, kc, ks, cand_rows, cand, topk)] * 4)
+            row("indexer", shape, "Reindex layer: indexer_topk_candidates", t, n * p * 68, bw=bw,
+                note="reads only the listed keys")
+            # Full layer / candidate source: all C positions visible
+            all_rows = (torch.arange(ctx, device="cuda").unsqueeze(0) + base).contiguous()
+            visible = torch.ones(n, ctx, dtype=torch.bool, device="cuda")
+            t = gbench([lambda: ops.indexer_topk(q, w, kc, ks, all_rows, visible, topk, blk, keep)] * 2)
+            row("indexer", shape, "Full layer (candidate source): indexer_topk over all C", t,
+                n * ctx * 68, bw=bw)
+            del kc, ks, all_rows, visible
+            torch.cuda.empty_cache()
+
+
 # =============================================================================== main
 def main():
     global LOG
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram")
+    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     LOG = open(os.path.join(args.out, "bench.log"), "w")
@@ -380,7 +420,8 @@ def main():
     sections = [("wkv", lambda: bench_wkv(tk, d2d, args.quick)),
                 ("writes", lambda: bench_writes(tk, d2d, args.quick)),
                 ("attn", lambda: bench_attention(tk, d2d, args.quick)),
-                ("engram", lambda: bench_engram(tk, d2d, h2d, args.quick))]
+                ("engram", lambda: bench_engram(tk, d2d, h2d, args.quick)),
+                ("indexer", lambda: bench_indexer(tk, d2d, args.quick))]
     for name, fn in sections:
         if only and name not in only:
             continue
@@ -408,7 +449,7 @@ def main():
     for r in ROWS:
         v = r["variant"]
         if (r["op"] == "ceiling" or "(default" in v or v.startswith("BEST") or v.startswith("graph:")
-                or (r["op"].endswith("_write") and v == "triton") or "PINNED" in v and "rpp=4" in v):
+                or (r["op"].endswith("_write") and v == "triton") or "PINNED" in v and "rpp=4" in v or r["op"] == "indexer"):
             say(f"{r['op'][:18]:18s} {r['shape'][:34]:34s} {v[:52]:52s} {r['us']:>9} "
                 f"x{r.get('speedup', '')} {r.get('pct_copy_bw', '')}% err={r.get('rel_err', '')} {r.get('note', '')[:60]}")
     say(f"done in {time.time() - t0:.0f} s")
