@@ -240,7 +240,7 @@ def profile_step(fn, device: str, steps: int = 3) -> dict:
         for _ in range(steps):
             fn()
         _sync(device)
-    by_class, by_stream, n_kernels = {}, {}, 0
+    by_class, by_stream, by_name, n_kernels = {}, {}, {}, 0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -249,9 +249,16 @@ def profile_step(fn, device: str, steps: int = 3) -> dict:
         by_class[cls] = by_class.get(cls, 0.0) + ms
         stream = f"stream {getattr(e, 'device_resource_id', '?')}"
         by_stream[stream] = by_stream.get(stream, 0.0) + ms
+        ms_calls = by_name.setdefault(e.name[:120], [0.0, 0])
+        ms_calls[0] += ms
+        ms_calls[1] += 1
         n_kernels += 1
+    # the kernels that cost most, by name: where the next fusion or GEMM fix should look
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]
     return {"by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
-            "by_stream_ms": by_stream, "kernels_per_step": n_kernels / steps}
+            "by_stream_ms": by_stream, "kernels_per_step": n_kernels / steps,
+            "top_kernels": [{"name": k, "ms_per_step": round(v[0], 4), "calls_per_step": v[1] / steps}
+                            for k, v in top]}
 
 
 # ----------------------------------------------------------------------------- main
