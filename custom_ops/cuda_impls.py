@@ -6,7 +6,7 @@ call on a CUDA tensor. Where Triton is missing, an input is outside what a kerne
 V41GRAPH_DISABLE_TRITON=1 is set, the call runs the pure-torch reference (the specification)
 on the GPU instead, so results never depend on which path ran beyond the stated tolerances.
 
-Registered: fused_wkv_rmsnorm, window_kv_write, global_kv_write, index_k_write,
+Registered: fused_wkv_rmsnorm, rms_norm, rope, window_kv_write, global_kv_write, index_k_write,
 sparse_attention, engram_gather, mhc_sinkhorn, fake_quant; indexer_topk and
 indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place
 (bit-identical to the reference on the H200, fp32 and bf16), selection stays torch. (engram_hash, fused_pool_rmsnorm and
@@ -54,6 +54,22 @@ def _fused_wkv_rmsnorm_cuda(x, wkv, norm_weight, eps):
     if tk is not None and tk.wkv_supported(x, wkv, norm_weight):
         return tk.fused_wkv_rmsnorm(x, wkv, norm_weight, eps)
     return _wkv_rmsnorm_ref(x, wkv, norm_weight, eps)
+
+
+@torch.library.register_kernel(f"{_NS}::rope", "cuda")
+def _rope_cuda(x, rotation, inverse):
+    tk = triton_kernels()
+    if tk is not None and tk.rope_supported(x, rotation):
+        return tk.rope(x, rotation, inverse)
+    return ref.apply_rope(x, rotation, inverse).contiguous()
+
+
+@torch.library.register_kernel(f"{_NS}::rms_norm", "cuda")
+def _rms_norm_cuda(x, weight, eps):
+    tk = triton_kernels()
+    if tk is not None and tk.rms_norm_supported(x, weight):
+        return tk.rms_norm(x, weight, eps)
+    return ref.rms_norm(x, weight, eps).contiguous()
 
 
 def _register_cache_write(op: str, block: int) -> None:

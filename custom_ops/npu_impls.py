@@ -9,6 +9,7 @@ and raises a RuntimeError naming exactly what is missing.
 
 Ops with a torch_npu equivalent:
   fused_wkv_rmsnorm   matmul (aclnn through torch) + torch_npu.npu_rms_norm
+  rms_norm            torch_npu.npu_rms_norm
 Ops without one keep the pure-torch reference (it runs on NPU tensors through torch_npu's
 aten kernels): the cache writes (FP8 / FP4 E2M1 with UE8M0 or E4M3 scales have no torch_npu
 quantize op with these exact formats), sparse_attention (the seed's P2: SparseFlashMla compiles
@@ -46,12 +47,18 @@ def _fused_wkv_rmsnorm_npu(x, wkv, norm_weight, eps):
     return out.to(x.dtype)
 
 
+def _rms_norm_npu(x, weight, eps):
+    torch_npu = torch_npu_module("npu_rms_norm")
+    return torch_npu.npu_rms_norm(x.float(), weight.float(), epsilon=float(eps))[0].to(x.dtype)
+
+
 def register() -> None:
     """Register the NPU kernels (idempotent; runs at package import, needs no torch_npu)."""
     global _REGISTERED
     if _REGISTERED:
         return
     torch.library.register_kernel(f"{_NS}::fused_wkv_rmsnorm", _KEY, _fused_wkv_rmsnorm_npu)
+    torch.library.register_kernel(f"{_NS}::rms_norm", _KEY, _rms_norm_npu)
     _REGISTERED = True
 
 

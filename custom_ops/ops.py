@@ -201,7 +201,37 @@ def _(mixes, scale, base, hc, iters, eps):
             mixes.new_empty((*lead, hc, hc)))
 
 
-# ----------------------------------------------------------------------------- fusions
+# ----------------------------------------------------------------------------- RoPE
+@custom_op(f"{_NS}::rope", mutates_args=())
+def rope(x: torch.Tensor, rotation: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x [N, ..., D] with the interleaved pairs of its last 2*P channels rotated by rotation
+    [N, P] (complex64; conjugated when inverse), in fp32, result in x's dtype and contiguous;
+    the first D - 2P channels are copied. One op (one kernel on CUDA) for what is ~5 elementwise
+    kernels spelled in torch (upcast, contiguous copy, complex multiply, downcast, concat); the
+    model applies it five times per Full layer."""
+    return ref.apply_rope(x, rotation, inverse).contiguous()
+
+
+@rope.register_fake
+def _(x, rotation, inverse):
+    return x.new_empty(x.shape)
+
+
+@custom_op(f"{_NS}::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in one op: fp32 math, result in x's dtype, weight [D].
+    passes/fuse_rmsnorm.py rewrites every RMSNorm the P1 fusions left (the attention, FFN and
+    final norms; all of them with P1 off) into this op: one kernel instead of ~7 elementwise
+    ones (upcast, square, mean, add, rsqrt, two multiplies, downcast). The result is always
+    contiguous (the fast kernels write it so)."""
+    return ref.rms_norm(x, weight, eps).contiguous()
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
 @custom_op(f"{_NS}::fused_wkv_rmsnorm", mutates_args=())
 def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor,
                       eps: float) -> torch.Tensor:

@@ -154,20 +154,41 @@ def sparse_attention_over_caches(q, window_kv, window_scale, fresh_kv, window_ro
     return sparse_attention(q, torch.cat(parts, 1), torch.cat(valid, 1), sink, softmax_scale)
 
 
+def apply_rope(x, rotation, inverse):
+    """The `rope` op: rotate the interleaved pairs of the LAST 2*pairs channels of x by the
+    complex rotations [N, pairs] (conjugated when inverse), in fp32, result in x's dtype; the
+    channels before them are copied. rotation broadcasts over any dims between N and D."""
+    pairs = rotation.shape[-1]
+    head, tail = x[..., : -2 * pairs], x[..., -2 * pairs:]
+    xc = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
+    # conj_physical, not the lazy conj(): inside a compiled graph the op runs where the
+    # conjugate bit of a view is not honoured (torch 2.13, CPU: the inverse rotation came out
+    # unconjugated); the values are the same either way
+    rot = rotation.conj_physical() if inverse else rotation
+    while rot.dim() < xc.dim():
+        rot = rot.unsqueeze(-2)
+    rotated = torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
+    return torch.cat([head, rotated], dim=-1)
+
+
+def rms_norm(x, weight, eps):
+    """The `rms_norm` op: RMSNorm over the last dim, fp32 math, result in x's dtype (the
+    model's layers.RMSNorm, op for op)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
 def wkv_rmsnorm(x, wkv, norm_weight, eps):
     """The `fused_wkv_rmsnorm` op: RMSNorm(x @ wkv^T), norm in fp32, result in x's dtype."""
-    y = torch.nn.functional.linear(x, wkv).float()
-    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
-    return (norm_weight.float() * y).to(x.dtype)
+    return rms_norm(torch.nn.functional.linear(x, wkv), norm_weight, eps)
 
 
 def pool_rmsnorm(kv, score, norm_weight, eps, out_dtype):
     """The `fused_pool_rmsnorm` op: per-channel softmax pooling over each group's r rows
     (kv, score [N, r, D] fp32), cast to out_dtype, then RMSNorm (fp32 math) in out_dtype."""
     latent = (kv * score.softmax(dim=1)).sum(dim=1).to(out_dtype)
-    y = latent.float()
-    y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)
-    return (norm_weight.float() * y).to(out_dtype)
+    return rms_norm(latent, norm_weight, eps)
 
 
 def ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype):

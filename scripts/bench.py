@@ -1,7 +1,7 @@
 """Decode-step and prefill benchmark of the whole model: eager vs torch.compile (Inductor) vs
 reduce-overhead vs v41graph (all passes + CUDA-graph capture) vs v41graph with one thing changed
-(P1 / P4 / P6 off, a BF16 global cache instead of FP4 (P2), Engram tables in pinned host
-memory), side by side in one process.
+(P1 / P4 / P6 / the RMSNorm fusion off, stream-free segments compiled by Inductor, a BF16 global cache instead of FP4
+(P2), Engram tables in pinned host memory), side by side in one process.
 
     python scripts/bench.py --out $OUT                          # the issue-8 run, on the H200
     python scripts/bench.py --config tiny --device cpu --batches 1,2 --contexts 64,128 \\
@@ -47,9 +47,16 @@ from v41graph.layers import default_dtype
 from v41graph.model import V41Model, init_random_weights_
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
-            "v41graph-noP6", "v41graph-bf16cache", "v41graph-engram-host")
-DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",)}
-SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE)   # one trace, pass lists switched (make_runner)
+            "v41graph-noP6", "v41graph-noRMS", "v41graph-inductor", "v41graph-bf16cache",
+            "v41graph-engram-host")
+DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",),
+           "v41graph-noRMS": ("fuse_rmsnorm",)}
+# v41graph with its stream-free segments compiled by Inductor (compile(inductor_segments=True))
+INDUCTOR_SEGMENT_VARIANTS = ("v41graph-inductor",)
+# One trace, pass lists (and the Inductor-segment lowering) switched by make_runner. In VARIANTS
+# they come before the variants after which main() calls torch._dynamo.reset() (that would make
+# the shared model trace again).
+SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE, *INDUCTOR_SEGMENT_VARIANTS)
 BLOCK = 128
 SHARE_DECODE_GRAPH = True     # --no-shared-decode-graph: False; --share-bucket-1: "all"
 
@@ -195,15 +202,17 @@ _PASS_ABLATIONS: dict = {}   # the one CompiledModel that v41graph and its -noP*
 def make_runner(model: V41Model, variant: str, batches: list[int]):
     """(the callable a variant times, whether it reuses an earlier variant's trace).
     SHARED_TRACE_VARIANTS share one trace: the first of them compiles, the others only re-run
-    the passes on the kept post-AOT graphs (CompiledModel.set_passes) and capture again, so an
-    ablation costs seconds, not a trace."""
+    the passes (and the Inductor-segment lowering, for v41graph-inductor) on the kept post-AOT
+    graphs (CompiledModel.set_passes) and capture again, so an ablation costs no trace."""
     if variant in SHARED_TRACE_VARIANTS:
+        inductor_segments = variant in INDUCTOR_SEGMENT_VARIANTS
         compiled = _PASS_ABLATIONS.get("model")
         if compiled is None:
             compiled = _PASS_ABLATIONS["model"] = v41graph.compile(
                 model, backend="auto", disable=DISABLE.get(variant, ()), batch_sizes=batches,
-                share_decode_graph=SHARE_DECODE_GRAPH)
+                share_decode_graph=SHARE_DECODE_GRAPH, inductor_segments=inductor_segments)
             return compiled, False
+        compiled.inductor_segments = inductor_segments     # read when set_passes lowers again
         compiled.set_passes(disable=DISABLE.get(variant, ()))
         return compiled, True
     if variant == "eager":
@@ -215,6 +224,20 @@ def make_runner(model: V41Model, variant: str, batches: list[int]):
     # bf16-cache / Engram-host: other cache dtypes or table devices, so a trace of their own
     return v41graph.compile(model, backend="auto", batch_sizes=batches,
                             share_decode_graph=SHARE_DECODE_GRAPH), False
+
+
+def inductor_segment_totals(runner) -> dict | None:
+    """The Inductor-segment reports (passes/inductor_segments.py) of every graph the runner
+    runs now, summed; None when it runs none (not a v41graph-inductor variant)."""
+    reports = [g.current.meta.get("inductor_segments") for g in getattr(runner, "traced", ())]
+    reports = [r for r in reports if r]
+    if not reports:
+        return None
+    totals = {k: sum(r[k] for r in reports)
+              for k in ("found", "compiled", "left", "too_small", "refused", "nodes_compiled", "compile_s")}
+    totals["graphs"] = len(reports)
+    totals["refusals"] = [x for r in reports for x in r["refusals"]]
+    return totals
 
 
 # ----------------------------------------------------------------------------- profile
@@ -267,7 +290,11 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
     place_engram(model, "host" if variant == "v41graph-engram-host" and device == "cuda" else "device")
     gdtype = torch.bfloat16 if variant == "v41graph-bf16cache" else torch.uint8
     caches, bps = allocate_caches(model, max(batches), max(contexts), device, gdtype)
+    t0 = time.perf_counter()
     runner, trace_reused = make_runner(model, variant, batches)
+    setup_s = time.perf_counter() - t0     # set_passes (and Inductor segments) on a reused trace
+    if setup_s > 1:
+        log(f"{variant}: ready in {setup_s:.1f} s")
     warm_s = None
     if variant.startswith("v41graph") and device == "cuda":
         t0 = time.perf_counter()
@@ -276,6 +303,9 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
         warm_s = time.perf_counter() - t0
         what = "passes + capture (trace reused)" if trace_reused else "compile + capture"
         log(f"{variant}: {what} of {len(batches)} buckets {warm_s:.1f} s")
+        segments = inductor_segment_totals(runner)
+        if segments:
+            log(f"{variant}: Inductor segments {segments}")
     for batch in batches:
         first = True
         for context in contexts:
@@ -298,16 +328,17 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
             fb = floor_bytes(model, batch, context)
             rows.append({"kind": "decode", "context": context, "batch": batch, "variant": variant,
                          "step_ms": med, "step_ms_min": min(ms), "tokens_per_s": batch / med * 1e3,
-                         "compile_s": compile_s, "warmup_all_buckets_s": warm_s,
+                         "compile_s": compile_s, "warmup_all_buckets_s": warm_s, "setup_s": setup_s,
                          "trace_reused": trace_reused,
                          "floor_bytes": fb, "floor_ms": fb / bw * 1e3,
                          "floor_fraction": fb / bw * 1e3 / med,
                          "peak_mem_gb": (torch.cuda.max_memory_allocated() / 1e9
                                          if device == "cuda" else None),
+                         "inductor_segments": inductor_segment_totals(runner),
                          "profile": profile})
             log(f"{variant} B={batch} ctx={context}: {med:.3f} ms (compile {compile_s:.1f} s)")
     del caches
-    if prefill and variant in ("eager", "inductor", "v41graph"):
+    if prefill and variant in ("eager", "inductor", "v41graph", "v41graph-inductor"):
         rows.append(run_prefill(model, runner, variant, prefill, args, device))
     place_engram(model, "device")
     return rows

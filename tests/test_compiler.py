@@ -16,14 +16,15 @@ from torch._dynamo.backends.common import aot_autograd
 
 import v41graph
 from v41graph.compiler import DECOMPOSITIONS, copy_graph_module
+from v41graph.layers import RMSNorm
 from v41graph.model import V41Model, init_random_
 from v41graph.passes.base import STREAM_KEY, module_path
 from v41graph.passes.pass_manager import PassManager, resolve_passes
 from v41graph.session import Session
 
 ops = torch.ops.v41graph
-ALL = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream",
-       "stream_check")
+ALL = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize", "hoist_engram",
+       "dual_stream", "stream_check")
 # fp32 CPU: the fused op and the unfused pair compute the same expression; only BLAS
 # blocking may differ, so logits (|logit| ~ 1-5) agree to ~1e-5.
 ATOL = 1e-4
@@ -34,6 +35,7 @@ class VariantBackend:
 
     def __init__(self):
         self.passes = ALL
+        self.lower = None        # a lowering run after the passes (e.g. inductor segments), or None
         self.graphs: list[fx.GraphModule] = []     # untouched post-AOT graphs
         self.variants: dict = {}
         self.managers: dict = {}
@@ -43,11 +45,13 @@ class VariantBackend:
         self.graphs.append(copy_graph_module(gm))
 
         def run(*args):
-            key = (index, tuple(self.passes))
+            key = (index, tuple(self.passes), self.lower)
             if key not in self.variants:
                 g = copy_graph_module(self.graphs[index])
                 manager = PassManager(list(self.passes))
                 manager(g)
+                if self.lower is not None:
+                    self.lower(g)
                 self.variants[key], self.managers[key] = g, manager
             return self.variants[key](*args)
         return make_boxed_func(run)
@@ -106,9 +110,11 @@ def _run(model, fn, prompt, steps=16):
 
 
 # ---------------------------------------------------------------------------- numerics
-@pytest.mark.parametrize("disabled", [(), ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm"), ("hoist_engram",), ("dual_stream",),
+@pytest.mark.parametrize("disabled", [(), ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm"), ("fuse_rmsnorm",),
+                                      ("hoist_engram",), ("dual_stream",),
                                       ("defunctionalize", "hoist_engram", "dual_stream"),
-                                      ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "defunctionalize", "hoist_engram", "dual_stream")])
+                                      ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize",
+                                       "hoist_engram", "dual_stream")])
 def test_compiled_matches_eager_prefill_and_16_decode_steps(tiny, traced, disabled):
     vb, fn, prompt = traced
     vb.passes = tuple(p for p in ALL if p not in disabled)
@@ -140,12 +146,37 @@ def test_p1_fuses_every_linear_rmsnorm_pair(tiny, traced):
     vb, *_ = traced
     for idx in (0, 1):
         before = vb.graphs[idx]
-        after = vb.passed(idx)
+        after = vb.passed(idx, tuple(p for p in ALL if p != "fuse_rmsnorm"))   # P1's own share
         expected = _expected_linear_rmsnorm_pairs(tiny)
         assert _count(after, ops.fused_wkv_rmsnorm.default) == expected == 24
         # every rsqrt left belongs to an RMSNorm that is not fed by a Linear (mHC, attn/ffn norms...)
         # every rsqrt removed belongs to a fused RMSNorm: the 24 pairs plus the 2 ratio-2 pools
         assert _count(before, torch.ops.aten.rsqrt.default) - _count(after, torch.ops.aten.rsqrt.default) == expected + 2
+
+
+def _expected_plain_rmsnorms(model) -> int:
+    """Counted from the module structure: the RMSNorms no Linear feeds (P1 takes the others):
+    every layer's attention and FFN norms, and the final norm."""
+    return sum(isinstance(b.attn_norm, RMSNorm) + isinstance(b.ffn_norm, RMSNorm) for b in model.layers) \
+        + isinstance(model.norm, RMSNorm)
+
+
+def test_fuse_rmsnorm_takes_every_norm_p1_left(tiny, traced):
+    vb, *_ = traced
+    p1_only = tuple(p for p in ALL if p != "fuse_rmsnorm")
+    for idx in (0, 1):
+        g, without = vb.passed(idx), vb.passed(idx, p1_only)
+        n = _count(g, ops.rms_norm.default)
+        assert n == _expected_plain_rmsnorms(tiny) == 21
+        # each fused norm took exactly one rsqrt; what is left are the mHC predictors' and the
+        # Engram gates' weightless norms (no [D] weight parameter)
+        assert _count(without, torch.ops.aten.rsqrt.default) - _count(g, torch.ops.aten.rsqrt.default) == n
+        left = [module_path(x) for x in g.graph.nodes if x.op == "call_function"
+                and x.target == torch.ops.aten.rsqrt.default]
+        assert left and all(p.endswith((".hc_attn", ".hc_ffn")) or p.startswith("engram.") for p in left), left
+        # P1 off: the Linear + RMSNorm pairs' norms become plain rms_norm ops instead
+        no_p1 = vb.passed(idx, tuple(resolve_passes(disable=("P1",))))
+        assert _count(no_p1, ops.rms_norm.default) == n + _expected_linear_rmsnorm_pairs(tiny) + 2
 
 
 def test_mhc_one_op_per_predictor(tiny, traced):
@@ -302,13 +333,79 @@ def test_stream_check_rejects_unjoined_work(traced):
         StreamCheck()(g)
 
 
+def test_inductor_segment_partition_of_the_tiny_graph(tiny, traced):
+    """passes/inductor_segments.py without Inductor (CPU codegen would cost minutes here): on the
+    final prefill and decode graphs no segment holds a stream op, a write or a view of a written
+    cache, each runs on one stream, every node lands in exactly one place, and the split graph
+    (segments run as plain GraphModules by our executor) gives bit-identical logits over a
+    prefill + 3 decode steps."""
+    import functools
+    from v41graph.custom_ops.streams import STREAM_OPS
+    from v41graph.passes.inductor_segments import MIN_COMPUTE_NODES, find_segments, lower_inductor_segments
+
+    def written_args(n):
+        schema = getattr(n.target, "_schema", None)
+        return [n.kwargs[a.name] for a in (schema.arguments if schema else ())
+                if a.alias_info is not None and a.alias_info.is_write]
+
+    vb, fn, prompt = traced
+    for idx in (0, 1):
+        g = copy_graph_module(vb.passed(idx))
+        originals = list(g.graph.nodes)
+        written = {w for n in originals for w in written_args(n)}
+        assert len(written) >= 10 and all(w.op == "placeholder" for w in written)   # the caches
+        segments = find_segments(g)
+        members = [n for seg in segments for n in seg.nodes]
+        assert len(members) == len(set(members))                     # no node in two segments
+        for seg in segments:
+            for n in seg.nodes:
+                assert n.op == "call_function" and n.target not in STREAM_OPS and not written_args(n), n.name
+                # a getitem read after a join joins its producer's segment (it launches nothing)
+                assert n.meta[STREAM_KEY] == seg.stream or n.args[0] in seg.nodes, n.name
+                if getattr(n.target, "is_view", False):
+                    assert not set(n.all_input_nodes) & written, f"{n.name} views a written cache"
+        assert {seg.stream for seg in segments} > {"main"}            # side-stream segments too
+        split = [seg for seg in segments if seg.compute_nodes() >= MIN_COMPUTE_NODES]
+        report = lower_inductor_segments(g, compile_segments=False)
+        assert (report["found"], report["split"], report["compiled"]) == (len(segments), len(split), 0)
+        calls = [n for n in g.graph.nodes if n.op == "call_module"]
+        assert len(calls) == len(split) > 0
+        remaining = set(g.graph.nodes)
+        moved = {n for seg in split for n in seg.nodes}
+        kept = [n for n in originals if n in remaining]
+        assert moved.isdisjoint(kept) and len(kept) + len(moved) == len(originals)
+        for call, seg in zip(calls, split):
+            sub = g.get_submodule(call.target)
+            assert [n.target for n in sub.graph.nodes if n.op == "call_function"] == [n.target for n in seg.nodes]
+            assert call.meta[STREAM_KEY] == seg.stream
+
+    def logits(lower):
+        vb.passes, vb.lower = ALL, lower
+        session = CompiledSession(tiny, fn, 2, 64, block_size=16)
+        out = [session.prefill(prompt)]
+        for _ in range(3):
+            out.append(session.decode(out[-1].argmax(-1, keepdim=True)))
+        return out
+
+    split_graphs = functools.partial(lower_inductor_segments, compile_segments=False)
+    try:
+        plain, split = logits(None), logits(split_graphs)
+    finally:
+        vb.lower = None
+    ran = [g for key, g in vb.variants.items() if len(key) == 3 and key[2] is split_graphs]
+    assert len(ran) == 2 and all(any(n.op == "call_module" for n in g.graph.nodes) for g in ran)
+    for step, (a, b) in enumerate(zip(plain, split)):
+        assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
+
+
 # ---------------------------------------------------------------------------- API
 def test_unknown_pass_name_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown pass 'fuse_everything'"):
         resolve_passes(disable=["fuse_everything"])
     with pytest.raises(ValueError, match="cannot be switched off"):
         resolve_passes(disable=["stream_check"])
-    assert resolve_passes(disable=["P1", "P6"]) == ["cleanup", "defunctionalize", "hoist_engram", "stream_check"]
+    assert resolve_passes(disable=["P1", "P6"]) == ["cleanup", "fuse_rmsnorm", "defunctionalize", "hoist_engram",
+                                                    "stream_check"]
 
 
 def _eager_vs_compiled_decodes(tiny, compiled, n_seqs: int, seed: int, steps: int):
@@ -424,6 +521,55 @@ def test_p1_generality_and_near_misses():
     # refused: the biased Linear (addmm), the norm over dim -2, the Linear output used twice
     assert _count(graphs[0], torch.ops.aten.addmm.default) == 1
     assert _count(graphs[0], torch.ops.aten.rsqrt.default) == 3
+
+
+class _Norms(torch.nn.Module):
+    """RMSNorms that are not V4.1's: torch's own nn.RMSNorm, ours in bf16 (casts in and out)
+    with another eps, and near misses: no weight, no cast back, norm over dim -2, and the
+    normalised value used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.torch_norm = torch.nn.RMSNorm(24, eps=1e-3)
+        self.w = torch.nn.Parameter(torch.rand(24) + 0.5)
+        self.w5 = torch.nn.Parameter(torch.rand(5) + 0.5)
+
+    @staticmethod
+    def rms(x, w, eps, dim=-1, cast_back=True):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(dim, keepdim=True) + eps)
+        y = y if w is None else w * y
+        return y.to(x.dtype) if cast_back else y
+
+    def forward(self, x):
+        h = self.torch_norm(x)                                          # fused
+        hb = self.rms(h.bfloat16(), self.w, 1e-2).float()               # fused (bf16 in/out)
+        h = h + hb + self.rms(h, None, 1e-6)                            # no weight: refused
+        h = h + self.rms(h.bfloat16(), self.w, 1e-6, cast_back=False)   # fp32 out of bf16: refused
+        h = h + self.rms(h, self.w5.unsqueeze(-1), 1e-6, dim=-2)        # other dim: refused
+        xf = h.float()
+        normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
+        return self.w * normed + normed.sum(-1, keepdim=True)           # second user: refused
+
+
+def test_fuse_rmsnorm_generality_and_near_misses():
+    torch.manual_seed(0)
+    m = _Norms().eval().requires_grad_(False)
+    x = torch.randn(2, 5, 24)
+    graphs = []
+
+    def fw(gm, ex):
+        PassManager(["cleanup", "fuse_rmsnorm"])(gm)
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+    be = aot_autograd(fw_compiler=fw, decompositions=DECOMPOSITIONS, keep_inference_input_mutations=True)
+    out = torch.compile(m, backend=be, fullgraph=True)(x)
+    # the op's CPU implementation is the same arithmetic as the model's spelling
+    assert torch.allclose(out, m(x), atol=1e-6, rtol=1e-6)
+    fused = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target == ops.rms_norm.default]
+    assert len(fused) == 2
+    assert sorted(n.args[2] for n in fused) == pytest.approx([1e-3, 1e-2], rel=1e-6)   # eps kept
+    assert _count(graphs[0], torch.ops.aten.rsqrt.default) == 4       # the four near misses
 
 
 def test_captured_decode_hands_out_copies(tiny, monkeypatch):

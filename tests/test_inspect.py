@@ -24,6 +24,12 @@ from v41graph.compiler import copy_graph_module
 from v41graph.inspect import DumpError, MissingDependency, draw_timeline, load_dump, to_dot
 from v41graph.passes.pass_manager import ARTIFACT, PASS_CLASSES, PassManager, resolve_passes
 
+
+def _stage(name: str) -> str:
+    """A pass's dump file stem under the default pass list: its position, then its name."""
+    return f"{resolve_passes().index(name):02d}_{name}"
+
+
 REPO = Path(__file__).resolve().parents[1]
 GATHER, INDEXER = "v41graph.engram_gather.default", "v41graph.indexer_topk.default"
 REINDEXER = "v41graph.indexer_topk_candidates.default"     # Reindex layers' indexer
@@ -226,7 +232,7 @@ def test_cli_inspect_end_to_end(dumps, capsys):
     assert len(re.findall(r"^  fused fused_wkv_rmsnorm_default\S* = ", out, re.M)) == 24
 
     assert cli.main(["inspect", a, "--graph", "1", "--stage", "final"]) == 0
-    assert capsys.readouterr().out == (dumps[0] / "graph1" / "06_stream_check.after.txt").read_text()
+    assert capsys.readouterr().out == (dumps[0] / "graph1" / f"{_stage('stream_check')}.after.txt").read_text()
     assert cli.main(["inspect", a]) == 0                     # no option: the summary
     assert capsys.readouterr().out.startswith("# v41graph dump")
 
@@ -345,7 +351,7 @@ def test_missing_or_corrupt_dump_is_a_clear_error(dumps, tmp_path, capsys):
     assert str(p) in err and "not valid JSON" in err
 
     d = copy("no_stage")
-    f = d / "graph0" / "04_hoist_engram.after.txt"
+    f = d / "graph0" / f"{_stage('hoist_engram')}.after.txt"
     f.unlink()
     with pytest.raises(DumpError, match=re.escape(str(f)) + ": missing"):
         load_dump(d)
@@ -389,12 +395,12 @@ def _small_graph():
 
 def test_redump_with_fewer_passes_leaves_no_stale_stage_files(tmp_path):
     PassManager(dump_dir=tmp_path)(_small_graph())
-    assert (tmp_path / "graph0" / "01_fuse_wkv_rmsnorm.after.txt").exists()
+    assert (tmp_path / "graph0" / f"{_stage('fuse_wkv_rmsnorm')}.after.txt").exists()
     PassManager(disable=["P1", "P4", "P6"], dump_dir=tmp_path)(_small_graph())
     names = sorted(p.name for p in (tmp_path / "graph0").glob("*.txt"))
     assert not any("fuse_wkv_rmsnorm" in n or "dual_stream" in n for n in names)
     d = load_dump(tmp_path)
-    assert d.stages(0) == ["input", "cleanup", "defunctionalize", "stream_check"]
+    assert d.stages(0) == ["input", "cleanup", "fuse_rmsnorm", "defunctionalize", "stream_check"]
     assert d.streams(0) == ["main"] and d.event_chains(0) == []
 
 

@@ -95,6 +95,73 @@ def test_fused_wkv_rmsnorm(m, k, n, dtype):
     assert torch.equal(a, b) and rel_err(a, truth) < tol
 
 
+# =============================================================================== rms_norm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 5120), (64, 5120), (4096, 5120), (3, 7, 512), (64, 1536),
+                                   (5, 128), (9, 33), (0, 64)])
+def test_rms_norm(shape, dtype):
+    """Triton RMSNorm (one row per program, fp32 math) vs a float64 truth, beside the CPU
+    reference: fp32 within 2e-6 relative; bf16 outputs within one bf16 rounding of the truth,
+    elementwise (the reference itself is one rounding away)."""
+    g = _rng(300 + shape[-1] + len(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    w = torch.rand(shape[-1], generator=g) + 0.5
+    eps = 1e-6
+    xf = x.double()
+    truth = w.double() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))
+    xd, wd = x.to(DEV), w.to(DEV)
+    assert tk.rms_norm_supported(xd, wd)
+    out = tk.rms_norm(xd, wd, eps)
+    assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+    if x.numel() == 0:
+        return
+    o = out.double().cpu()
+    assert torch.isfinite(o).all()
+    if dtype == torch.float32:
+        assert rel_err(out, truth) < 2e-6
+    else:   # |o - truth| <= one bf16 ulp of truth (2^-7 relative) plus the fp32 math's slack
+        assert ((o - truth).abs() <= truth.abs() * 2 ** -7 + 1e-6).all()
+    # dispatcher path, non-contiguous input (a strided view): same result
+    wide = torch.cat([xd, xd], dim=-1)[..., : shape[-1]]
+    assert not wide.is_contiguous()
+    assert torch.equal(ops.rms_norm(wide, wd, eps), out)
+
+
+# =============================================================================== rope
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,pairs", [((1, 512), 32), ((64, 512), 32), ((64, 64, 512), 32),
+                                         ((4096, 512), 32), ((7, 3, 128), 32), ((5, 64), 32), ((0, 512), 32)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope(shape, pairs, dtype, inverse):
+    """One-launch RoPE vs a float64 truth of the same rotation: the copied channels bit for
+    bit; each rotated channel within 1e-6 (fp32) or 2^-7 (bf16: one rounding) of |a| + |b|,
+    the size of its pair (the rotation's products can cancel, so not of the result)."""
+    g = _rng(500 + shape[-1] + len(shape) + inverse)
+    x = (torch.randn(shape, generator=g) * 2).to(dtype)
+    ang = torch.rand(shape[0], pairs, generator=g) * 100
+    rot = torch.polar(torch.ones_like(ang), ang)
+    xd, rd = x.to(DEV), rot.to(DEV)
+    assert tk.rope_supported(xd, rd)
+    out = tk.rope(xd, rd, inverse)
+    assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+    if x.numel() == 0:
+        return
+    head = shape[-1] - 2 * pairs
+    assert torch.equal(out[..., :head].cpu(), x[..., :head])
+    t = x[..., head:].double().unflatten(-1, (-1, 2))
+    c, s = rot.real.double(), rot.imag.double() * (-1 if inverse else 1)
+    while c.dim() < t.dim() - 1:
+        c, s = c.unsqueeze(-2), s.unsqueeze(-2)
+    truth = torch.stack([t[..., 0] * c - t[..., 1] * s, t[..., 0] * s + t[..., 1] * c], -1).flatten(-2)
+    o = out[..., head:].double().cpu()
+    mag = (t[..., 0].abs() + t[..., 1].abs()).unsqueeze(-1).expand(*t.shape).flatten(-2)   # |a| + |b|
+    bound = mag * (2 ** -7 if dtype == torch.bfloat16 else 1e-6)
+    assert ((o - truth).abs() <= bound).all()
+    # dispatcher path, non-contiguous input: same result
+    wide = torch.cat([xd, xd], dim=-1)[..., : shape[-1]]
+    assert torch.equal(ops.rope(wide, rd, inverse), out)
+
+
 def test_fused_wkv_rmsnorm_cuda_graph_replay():
     g = _rng(7)
     m, k, n = 4, 5120, 512

@@ -7,12 +7,17 @@ below have no near-tie. Drafts come from
   * a zero-weight head (forced rejection),
   * an "oracle" that proposes the plain engine's own continuation with some drafts corrupted
     (partial acceptance: accepted prefixes, rejected suffixes, full acceptance + bonus).
+The last section runs the verify steps through a v41graph.compile()d model (one trace for the
+module, ~30-40 s on a 2-core CPU).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+import v41graph
+from v41graph.cache import build_metadata, positions_of
+from v41graph.compiler import TracedGraph
 from v41graph.dspark import DSparkHead
 from v41graph.engine import Engine
 from v41graph.sampling import SamplingParams
@@ -209,3 +214,125 @@ def test_bad_config(tiny_model, head):
         _engine(tiny_model, speculative=SpecConfig(num_draft=8), draft_head=head)   # > W - 1, > block
     with pytest.raises(ValueError):
         _engine(tiny_model, speculative=SpecConfig(num_draft=2))                     # no head
+
+
+# =============================================================================== return_streams
+def _prefill_call(model, prompts, **kw):
+    """One all-logits prefill call of these prompts (slots 0.., fresh caches shaped as the
+    engine's, so a compiled model sees the shapes of its engine steps)."""
+    eng = _engine(model)
+    lens = [len(p) for p in prompts]
+    blocks = [list(range(i * eng.max_blocks, (i + 1) * eng.max_blocks)) for i in range(len(prompts))]
+    meta = build_metadata(list(range(len(prompts))), [0] * len(prompts), lens, blocks, eng.max_blocks)
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
+    with torch.no_grad():
+        return model(ids, positions_of(meta), eng.caches, meta, all_logits=True, **kw)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_return_streams_equal_debug(tiny_model, replay):
+    """return_streams gives the tensors model.debug records (block_out.layer{i}), in the order
+    asked for; without it the call returns the logits alone, as before."""
+    prompts = [PROMPTS[2], PROMPTS[1]]               # 40 tokens (> window 8) and 13
+    kw = {}
+    if replay:   # the engine's floors: the decoder runs over each prompt's last window only
+        w = tiny_model.config.sliding_window
+        kw["decoder_replay"] = torch.tensor([max(0, len(p) - w) for p in prompts])
+    layers = (8, 0, tiny_model.decoder_start, tiny_model.decoder_start - 1)
+    tiny_model.debug = {}
+    try:
+        logits = _prefill_call(tiny_model, prompts, **kw)
+        debug = tiny_model.debug
+    finally:
+        tiny_model.debug = None
+    assert isinstance(logits, torch.Tensor)
+    logits2, streams = _prefill_call(tiny_model, prompts, return_streams=layers, **kw)
+    assert torch.equal(logits2, logits)
+    assert len(streams) == len(layers)
+    for i, s in zip(layers, streams):
+        assert torch.equal(s, debug[f"block_out.layer{i}"]), i
+    # replay: a layer before the decoder keeps every token, a decoder layer the replayed ones
+    n = sum(len(p) for p in prompts)
+    assert streams[1].shape[0] == n and (streams[2].shape[0] < n) == replay
+    with pytest.raises(ValueError):
+        _prefill_call(tiny_model, prompts, return_streams=(len(tiny_model.layers),))
+
+
+# =============================================================================== compiled target
+@pytest.fixture(scope="module")
+def compiled(tiny_model):
+    """One compiled model for these tests: its verify graph (all logits + DSpark's streams) is
+    traced once, at its first call, and reused by every later test."""
+    return v41graph.compile(tiny_model, backend="cpu", batch_sizes=(4,))
+
+
+@pytest.fixture
+def graph_calls(monkeypatch):
+    """Outputs per call of every compiled graph our executor runs during the test."""
+    calls = []
+    run = TracedGraph.__call__
+
+    def counting(self, *args):
+        out = run(self, *args)
+        calls.append(len(out))
+        return out
+    monkeypatch.setattr(TracedGraph, "__call__", counting)
+    return calls
+
+
+def _recording(fn, log):
+    def draft(req, anchor, pos):
+        d, q, c = fn(req, anchor, pos)
+        log.append((req.request_id, pos, list(d)))
+        return d, q, c
+    return draft
+
+
+def test_compiled_verify_streams_match_eager(tiny_model, compiled, graph_calls):
+    targets = tuple(t - 1 for t in tiny_model.config.dspark_target_layer_ids)
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[0]]
+    ref_logits, ref_streams = _prefill_call(tiny_model, prompts, return_streams=targets)
+    logits, streams = _prefill_call(compiled, prompts, return_streams=targets)
+    assert graph_calls == [1 + len(targets)]          # ran our graph, streams as outputs
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for s, r in zip(streams, ref_streams):
+        torch.testing.assert_close(s, r, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_verify_greedy_identical_with_acceptance(tiny_model, compiled, head, reference,
+                                                          graph_calls):
+    """Oracle drafts (accepted prefixes, rejections, full acceptance): speculation through the
+    compiled model commits the plain engine's tokens and accepts what eager speculation does;
+    every step without a decoder-replay chunk ran the compiled graph."""
+    stats, outs = [], []
+    for model in (tiny_model, compiled):
+        eng = _engine(model, speculative=SpecConfig(num_draft=5), draft_head=head)
+        eng.spec.draft_fn = _oracle(eng, PROMPTS, reference)
+        outs.append([o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))])
+        stats.append(eng.stats)
+        assert _all_free(eng)
+    eager, comp = stats
+    assert outs[1] == reference and outs[0] == reference
+    assert comp["spec_accepted"] > 0 and comp["spec_accepted"] == eager["spec_accepted"]
+    assert comp["spec_verifies"] == eager["spec_verifies"]
+    assert 0 < comp["replay_steps"] < comp["steps"]
+    assert len(graph_calls) == comp["steps"] - comp["replay_steps"]
+
+
+def test_compiled_verify_random_head_full_prefill(tiny_model, compiled, head, graph_calls):
+    """The DSpark head drafting from the compiled model's streams: the same drafts as from the
+    eager model's, the plain engine's tokens, and every step through the compiled graph."""
+    ref = [o.token_ids for o in _engine(tiny_model, prefill_mode="full").generate(
+        PROMPTS, SamplingParams(max_tokens=N_NEW))]
+    drafts, outs = [], []
+    for model in (tiny_model, compiled):
+        eng = _engine(model, speculative=SpecConfig(num_draft=5), draft_head=head,
+                      prefill_mode="full")
+        log = []
+        eng.spec.draft_fn = _recording(eng.spec._draft, log)
+        del graph_calls[:]
+        outs.append([o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))])
+        drafts.append(log)
+    assert outs[1] == ref and outs[0] == ref
+    assert drafts[1] == drafts[0] and len(drafts[1]) > 20
+    assert len(graph_calls) == eng.stats["steps"] > 0

@@ -1,16 +1,17 @@
 """The v41graph torch.compile backend and the compile-and-run API.
 
     compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
-                                batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True)
+                                batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
+                                inductor_segments=False)
     logits = compiled(input_ids, positions, caches, metadata)     # same call as the model
 
     torch.compile(model, backend="v41graph")                      # also registered
 
 Flow (DESIGN.md): Dynamo graph -> aot_autograd(DECOMPOSITIONS,
 keep_inference_input_mutations=True) -> our pass manager (cleanup, P1, defunctionalize, P4,
-P6, stream check) -> platform lowering -> our executor (the FX graph's own forward; stream ops
-are real on CUDA, no-ops on CPU) -> static capture of decode steps per batch bucket (CUDA
-graphs on NVIDIA; ACL graphs through torchair on Ascend).
+P6, stream check) -> platform lowering (opt-in: Inductor segments) -> our executor (the FX
+graph's own forward; stream ops are real on CUDA, no-ops on CPU) -> static capture of decode
+steps per batch bucket (CUDA graphs on NVIDIA; ACL graphs through torchair on Ascend).
 
 Decode batches are padded up to the nearest bucket: padding tokens belong to a scratch cache
 slot (the caches' last slot, which Session keeps free) and have no cache blocks, so they
@@ -51,9 +52,11 @@ class TracedGraph:
     def __call__(self, *args):
         return self.current.forward(*args)
 
-    def repass(self, manager: PassManager) -> None:
+    def repass(self, manager: PassManager, lower=None) -> None:
         gm = copy_graph_module(self.untouched)
         manager(gm)
+        if lower is not None:
+            lower(gm)
         self.current = gm
 
 
@@ -64,9 +67,12 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None):
+def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None,
+                 lower=None):
     """A torch.compile backend running our pass manager; returns (backend, pass_manager).
-    `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes)."""
+    `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes).
+    `lower(gm)`, if given, is the platform lowering run on each final graph after the passes
+    (Inductor segments, passes/inductor_segments.py)."""
     from functorch.compile import make_boxed_func
 
     manager = PassManager(passes, disable, dump_dir)
@@ -75,11 +81,12 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
         return torchair_backend(manager), manager
 
     def fw_compiler(gm, example_inputs):
-        if traced is None:
-            manager(gm)
-            return make_boxed_func(gm.forward)
-        graph = TracedGraph(gm)
+        graph = TracedGraph(gm) if traced is not None else None
         manager(gm)
+        if lower is not None:
+            lower(gm)
+        if graph is None:
+            return make_boxed_func(gm.forward)
         traced.append(graph)
         return make_boxed_func(graph)
 
@@ -114,13 +121,18 @@ class CompiledModel:
     """The compiled model: same call signature as V41Model.forward."""
 
     def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
-                 batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True):
+                 batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
+                 inductor_segments=False):
         self.model = model.eval().requires_grad_(False)
         if share_decode_graph not in (True, False, "all"):
             raise ValueError(f"share_decode_graph must be True, False or \"all\", got {share_decode_graph!r}")
         self.share_decode_graph = share_decode_graph
         self.device = model.embed.weight.device
         self.platform = _resolve_platform(backend, self.device)
+        if inductor_segments and self.platform == "npu":
+            raise ValueError("inductor_segments: torchair compiles the graphs on npu")
+        # Read at each lowering (set_passes included), so it can be switched between set_passes.
+        self.inductor_segments = bool(inductor_segments)
         # MoE experts as grouped GEMMs over stacked weights (moe.py): stack them before tracing.
         from .moe import pack_moe_experts_
         pack_moe_experts_(self.model)
@@ -128,7 +140,7 @@ class CompiledModel:
         self.dump_dir = dump_dir
         self.traced: list[TracedGraph] = []     # every graph compiled so far (set_passes)
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
-                                                       traced=self.traced)
+                                                       traced=self.traced, lower=self._lower)
         self.capture = capture
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
@@ -157,35 +169,59 @@ class CompiledModel:
     def config(self):
         return self.model.config
 
+    def _lower(self, gm) -> None:
+        """Platform lowering of a final graph (after the passes): Inductor segments if asked for."""
+        if self.inductor_segments:
+            from v41graph.passes.inductor_segments import lower_inductor_segments
+            lower_inductor_segments(gm)
+
     def set_passes(self, passes=None, disable=()) -> None:
         """Change the pass list (same arguments as compile()) of every graph compiled so far and
         of later ones, without tracing again: each graph's untouched post-AOT copy goes through
         the new list. Captured decode graphs are dropped (they hold the old kernels) and are
-        captured again at their next step. For ablations: one trace, many pass lists."""
+        captured again at their next step. For ablations: one trace, many pass lists.
+        The graphs are lowered again too, with Inductor segments if `self.inductor_segments`
+        is set now."""
         if self.platform == "npu":
             raise NotImplementedError("set_passes: torchair owns the compiled graphs on npu; "
                                       "compile again with the new pass list")
         self.pass_manager.configure(passes, disable)    # the backend's own manager: later graphs too
         for graph in self.traced:
-            graph.repass(self.pass_manager)
+            graph.repass(self.pass_manager, self._lower)
         self._decode.clear()
         # A new pool too: capturing into the pool of graphs just released trips the caching
         # allocator (INTERNAL ASSERT use_count > 0, torch 2.11, seen on the H200).
         self.graph_pool = None
 
     def __call__(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata,
-                 all_logits: bool = False, decoder_replay: int | None = None):
+                 all_logits: bool = False, decoder_replay: int | None = None,
+                 return_streams: tuple[int, ...] = ()):
+        """One step, as V41Model.forward. A decode step (one token per sequence, last logits
+        only) runs its bucket's graph (captured on CUDA); anything else runs the compiled graph
+        without capture, like prefill. That includes speculative verify steps (a chunk of
+        anchor + drafts per request, all_logits=True, return_streams=DSpark's target layers):
+        their chunk lengths change every step, so a captured bucket would not fit them. Their
+        token and sequence counts are marked dynamic from the first verify call on, so one trace
+        (with the streams as extra outputs) serves every verify step of two or more sequences
+        instead of a static trace and recompiles as the counts change (a step of one sequence
+        gets one more trace: Dynamo specializes sizes of 1). decoder_replay (data-dependent
+        shapes) runs the eager model."""
         for name, t in (("input_ids", input_ids), ("positions", positions)):
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device} but the compiled model is on {self.device}")
-        is_decode = (not all_logits and decoder_replay is None
+        is_decode = (not all_logits and decoder_replay is None and not return_streams
                      and input_ids.shape[0] == metadata.num_seqs)
+        # only passed when asked for, so the plain prefill call (and its trace) stays as it was
+        extra = {"return_streams": tuple(return_streams)} if return_streams else {}
         with torch.no_grad():
             if is_decode:
                 return self._decode_step(input_ids, positions, caches, metadata)
             if decoder_replay is not None:   # data-dependent shapes: runs eagerly
-                return self.model(input_ids, positions, caches, metadata, all_logits, decoder_replay)
-            return self._prefill_fn(input_ids, positions, caches, metadata, all_logits)
+                return self.model(input_ids, positions, caches, metadata, all_logits, decoder_replay,
+                                  **extra)
+            if return_streams:
+                _mark_batch_dims_dynamic(input_ids, positions, metadata)
+            return self._prefill_fn(input_ids, positions, caches, metadata, all_logits, **extra)
 
     # ------------------------------------------------------------------ decode buckets
     def bucket_for(self, n: int) -> int:
@@ -226,6 +262,15 @@ class CompiledModel:
                 print(f"[v41graph] decode bucket {b}: compile + capture ({i + 1}/{len(self.batch_sizes)})",
                       file=sys.stderr, flush=True)
             self._graph_for(b, caches, max_blocks, prepare=True)
+
+
+def _mark_batch_dims_dynamic(input_ids, positions, metadata: AttentionMetadata) -> None:
+    """Mark the token count and the sequence count of a step's inputs dynamic for Dynamo (a
+    count of 1 is still specialized: `maybe_mark_dynamic` does not insist)."""
+    m = metadata
+    for t in (input_ids, positions, m.token_seq, m.seq_slot, m.chunk_start, m.seq_len,
+              m.query_start, m.block_table, m.logits_index):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 class DecodeGraph:
@@ -327,16 +372,19 @@ class DecodeGraph:
 
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
-            batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = True) -> CompiledModel:
+            batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = True,
+            inductor_segments: bool = False) -> CompiledModel:
     """Compile a V41Model with the v41graph backend. See the module docstring.
     capture=False runs the same decode buckets (padding, persistent buffers, graphs) without
     CUDA-graph capture: for debugging a capture, everything else stays the same.
     share_decode_graph=False traces every decode bucket on its own (static shapes throughout);
     "all" lets bucket 1 share the graph too (an unbacked batch size: 4 buckets = 1 trace; checked
-    on CPU, not yet on a GPU)."""
+    on CPU, not yet on a GPU).
+    inductor_segments=True compiles the final graph's stream-free stretches with Inductor
+    (passes/inductor_segments.py); stream ops and cache writes stay with our executor."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
                          batch_sizes=batch_sizes, dump_dir=dump_dir,
-                         share_decode_graph=share_decode_graph)
+                         share_decode_graph=share_decode_graph, inductor_segments=inductor_segments)
 
 
 __all__ = ["compile", "CompiledModel", "copy_graph_module", "make_backend"]

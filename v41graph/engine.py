@@ -130,7 +130,8 @@ class Engine:
         """model: a V41Model or a v41graph.compile()d CompiledModel (same call signature).
 
         speculative=SpecConfig(num_draft=k) with draft_head=DSparkHead: lossless DSpark
-        speculative decoding (v41graph.speculative); every step then runs the eager V41Model.
+        speculative decoding (v41graph.speculative); its verify steps run `model` as given
+        (a compiled model's graph, uncaptured; the draft head runs eagerly).
         prefill_mode: "auto" (decoder bounded replay for prompts longer than the window),
         "full" or "replay" (see the module docstring). persistent_metadata=False: rebuild the
         decode metadata from host lists every step instead of keeping it on the device.

@@ -160,12 +160,6 @@ def rope_rotation(positions: torch.Tensor, inv_freqs: torch.Tensor) -> torch.Ten
 
 def apply_rope(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate interleaved pairs of the LAST dims of x (x[..., -2*pairs:]); returns a new tensor.
-    rotation [N, pairs] broadcasts over any head dims between N and the channels."""
-    pairs = rotation.shape[-1]
-    head, tail = x[..., : -2 * pairs], x[..., -2 * pairs:]
-    xc = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
-    rot = rotation.conj() if inverse else rotation
-    while rot.dim() < xc.dim():
-        rot = rot.unsqueeze(-2)
-    rotated = torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
-    return torch.cat([head, rotated], dim=-1)
+    rotation [N, pairs] broadcasts over any head dims between N and the channels. The math is
+    custom_ops/reference.apply_rope; the `rope` op runs it as one kernel on CUDA."""
+    return torch.ops.v41graph.rope(x, rotation, inverse)

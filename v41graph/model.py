@@ -131,14 +131,27 @@ class V41Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
                 metadata: AttentionMetadata, all_logits: bool = False,
-                decoder_replay: int | None = None) -> torch.Tensor:
+                decoder_replay: int | None = None, return_streams: tuple[int, ...] = ()):
         """Logits (fp32) of the last token of each sequence [B, V], or of every token [N, V].
 
         decoder_replay=R (prefill only): CED "decoder bounded replay" (MODEL.md §9). The
         encoder runs over every token, the first decoder layer compresses every token's encoder
         output into the global KV, and the decoder layers then run only on the last R tokens of
         each sequence with their window truncated to that segment.
+
+        return_streams=(i, ...): also return the residual streams [N, hc, d] leaving each of
+        these layers (= entering layer i + 1; what `model.debug` records as
+        `block_out.layer{i}`), in the order given: the call then returns (logits, [streams]).
+        They are ordinary graph outputs, so a compiled graph returns them too (DSpark's context
+        comes from them). With decoder_replay, a layer before the decoder start keeps every
+        token, a later one only the replayed ones (as its debug entry). Empty (the default):
+        the logits alone, as always.
         """
+        wanted = tuple(int(i) for i in return_streams)
+        bad = [i for i in wanted if not 0 <= i < len(self.layers)]
+        if bad:
+            raise ValueError(f"return_streams: layer {bad[0]} outside 0..{len(self.layers) - 1}")
+        kept_streams = {}
         ctx = StepContext.build(metadata, caches, positions, self.debug)
         cfg = self.config
         engram_rows = history = None
@@ -165,6 +178,8 @@ class V41Model(nn.Module):
                 if self.debug is not None:
                     self.debug[f"engram_out.layer{role.layer_id}"] = streams
             streams, pre = block(streams, pre, ctx)
+            if role.layer_id in wanted:
+                kept_streams[role.layer_id] = streams
             if self.debug is not None:
                 self.debug[f"block_out.layer{role.layer_id}"] = streams
                 self.debug[f"block_pre_mix.layer{role.layer_id}"] = pre
@@ -175,7 +190,10 @@ class V41Model(nn.Module):
         x = self.norm(collapse(streams, pre))
         if self.debug is not None:
             self.debug["final_norm"] = x
-        return F.linear(x.float(), self.head.float())
+        logits = F.linear(x.float(), self.head.float())
+        if wanted:
+            return logits, [kept_streams[i] for i in wanted]
+        return logits
 
 
 def init_random_weights_(module: nn.Module, generator: torch.Generator) -> nn.Module:

@@ -38,14 +38,21 @@ One engine step with speculation (`SpeculativeDecoder.step`), ONE target call pe
          position is processed (the group's earlier, accepted rows come from the compressor
          ring, which was restored).
   5. DSpark context: head.context() of the residual streams entering the target layers
-     (model.debug `block_out.layer{t-1}`) of the accepted positions (and of every prefill
-     token the decoder ran) is appended to the request's DSpark window rings.
+     (returned by the target call: `return_streams=(t-1, ...)`, model.debug's
+     `block_out.layer{t-1}`) of the accepted positions (and of every prefill token the decoder
+     ran) is appended to the request's DSpark window rings.
+The target of step 3 is the engine's model: with a v41graph.compile()d model the verify call
+runs the compiled graph (without CUDA-graph capture: the verify chunks' lengths change every
+step, so no decode bucket fits them); steps with a decoder-replay prefill chunk run eagerly, as
+in the plain engine. The draft head (step 1) always runs eagerly.
 Prefill chunks follow the engine's prefill_mode: with decoder bounded replay (the default for
 prompts longer than the window) the decoder -- and so the target layers -- runs only over the
 last `sliding_window` prompt tokens, exactly what DSpark's window rings hold.
 
-Not done yet: batched drafting (drafts are one head call per request), drafting through captured
-graphs (speculation runs the eager V41Model), shared draft/target top-k buffers, persistent
+Not done yet: batched drafting (drafts are one head call per request), a compiled or captured
+draft head (the DSpark head runs eagerly), CUDA-graph capture of verify steps (they run the
+compiled graph uncaptured; tested on CPU only, not yet on a GPU), compiled steps with a
+decoder-replay prefill chunk (eager, see above), shared draft/target top-k buffers, persistent
 verify metadata (the verify chunks' lengths change every step; their metadata is rebuilt).
 """
 from __future__ import annotations
@@ -88,10 +95,15 @@ class SpeculativeDecoder:
             raise ValueError(f"num_draft {k} must be <= sliding_window - 1 ({cfg.sliding_window - 1}) "
                              f"and <= {COMPRESSOR_RING - 1} (ring rollback)")
         self.engine, self.head, self.config = engine, head, config
+        # The target runs as the engine runs it: its compiled model when it was given one
+        # (verify steps run the compiled graph, without capture), else the eager V41Model. The
+        # drafts use the eager model's embedding and head (shared weights).
+        self.target = engine.model
         self.model = getattr(engine.model, "model", engine.model)      # the eager V41Model
         self.state = head.new_state(engine.max_batch_size + 1)
         self.stats = engine.stats
-        self.targets = [t - 1 for t in cfg.dspark_target_layer_ids]     # block_out.layer{t-1}
+        # streams entering each target layer t = leaving layer t - 1 (block_out.layer{t-1})
+        self.targets = tuple(t - 1 for t in cfg.dspark_target_layer_ids)
         self.draft_fn = self._draft                                       # tests may replace it
         self.rollback = True                # False only to show the tests notice a missing rollback
 
@@ -211,18 +223,13 @@ class SpeculativeDecoder:
                 idx.extend(range(full_start + n - k, full_start + n))
                 full_start += n
             keep = torch.tensor(idx, dtype=torch.int64, device=eng.device)
-        old_debug = model.debug
-        model.debug = {}
-        try:
-            with torch.no_grad():
-                logits = model(ids, positions, eng.caches, meta, all_logits=True, **replay_kw)
-                streams = [model.debug[f"block_out.layer{t}"] for t in self.targets]
-                if keep is not None:   # a target before the decoder still has every token
-                    streams = [s[keep] if t < model.decoder_start else s
-                               for s, t in zip(streams, self.targets)]
-                main_x = head.context(streams)
-        finally:
-            model.debug = old_debug
+        with torch.no_grad():
+            logits, streams = self.target(ids, positions, eng.caches, meta, all_logits=True,
+                                          return_streams=self.targets, **replay_kw)
+            if keep is not None:   # a target before the decoder still has every token
+                streams = [s[keep] if t < model.decoder_start else s
+                           for s, t in zip(streams, self.targets)]
+            main_x = head.context(streams)
         eng.stats["steps"] += 1
         eng.stats["tokens"] += ids.shape[0]
         if keep is not None:

@@ -1,0 +1,326 @@
+"""Inductor segments (opt-in platform lowering, issue #5): stream-free stretches of the final
+graph compiled by Inductor, the rest still run by our executor.
+
+    v41graph.compile(model, ..., inductor_segments=True)
+
+Our executor runs the final graph op by op (one kernel per ATen op). Inductor could fuse the
+elementwise chains between the GEMMs and custom ops, but it knows nothing of our stream and
+event ops, and a fused kernel must not straddle a stream switch or a cache write. So this step
+runs after the pass manager (after the stream check, on the final graph) and cuts the graph into
+segments: maximal runs of consecutive nodes that
+
+  - have one stream label (node.meta["stream"]),
+  - contain no stream / event op (stream_enter/exit, event_record/wait, mark_stream_use) or
+    other side-effecting op,
+  - contain no node that writes memory (our cache writes called in place after defunctionalize,
+    copy_ into an input, any op whose schema marks an argument as written), nor a node whose
+    value shares storage with memory that some node writes (a view of a cache: Inductor may hand
+    out a copy where the graph had a view, and a later write would then not be seen through it),
+  - are ATen / custom ops (OpOverloads) giving tensors; getitem joins the segment of its
+    producer (also one read later, e.g. on the main stream after a join: a getitem launches
+    nothing, and only tensors leave a segment). Higher-order ops, SymInt arithmetic and
+    placeholders stay outside.
+
+Node order is kept: a segment is a run of neighbouring nodes, so nothing moves across a stream
+op or a write, and the stream semantics are unchanged without proving anything about them. Each
+segment becomes a submodule called from the outer graph (`segment_<i>`, returning a tuple that
+getitem nodes unpack), in the place of its first node. Segments with fewer than
+`min_compute_nodes` compute nodes (views and getitems do not count) stay inline. The others are
+compiled by Inductor (compile_fx_inner on the segment, decomposed with Inductor's table first,
+fake inputs from node.meta["val"]); a segment Inductor refuses stays a plain GraphModule run by
+the executor. Our functional custom ops (torch.ops.v41graph.*) inside a segment become Inductor
+fallback kernels.
+
+CUDA graphs: the compiled code reads the current stream at each call (so a segment inside a
+side-stream region runs on that stream), allocates from the caching allocator and introduces no
+host sync; Triton autotuning runs on a segment's first call, which is a warm-up step before
+capture (DecodeGraph._capture). Inductor's own CUDA graphs are off: we capture the whole step.
+
+Shapes: a graph with symbolic sizes gives segments with symbolic sizes. A segment whose compile
+added shape guards (a specialization Inductor wanted) is refused: when set_passes re-lowers a
+kept graph, Dynamo's guards are already built and would not check them.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from v41graph.custom_ops.streams import STREAM_OPS
+from .base import MAIN_STREAM, STREAM_KEY
+
+log = logging.getLogger(__name__)
+
+# Segments with fewer compute nodes stay inline in the executor: compiling them costs compile
+# time and a Python call for (at best) a kernel or two saved. A first guess, not measured.
+MIN_COMPUTE_NODES = 4
+
+
+@dataclass
+class Segment:
+    """A run of neighbouring graph nodes on one stream that Inductor may compile."""
+    stream: str
+    nodes: list = field(default_factory=list)     # in graph order
+
+    def members(self) -> set:
+        return set(self.nodes)
+
+    def compute_nodes(self) -> int:
+        """Nodes that do work: not getitem, not a view."""
+        return sum(1 for n in self.nodes
+                   if n.target is not operator.getitem and not getattr(n.target, "is_view", False))
+
+    def inputs(self) -> list:
+        """Nodes outside the segment that it reads, in order of first use."""
+        members = self.members()
+        return list(dict.fromkeys(i for n in self.nodes for i in n.all_input_nodes if i not in members))
+
+    def outputs(self) -> list:
+        """Nodes of the segment read outside it (by later nodes or the graph output)."""
+        members = self.members()
+        return [n for n in self.nodes if any(u not in members for u in n.users)]
+
+
+# ---------------------------------------------------------------------------- partitioning
+def writes_memory(node: fx.Node) -> bool:
+    """The node's op writes one of its arguments (in-place cache writes, copy_, add_, ...)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                      for a in schema.arguments)
+
+
+def _tensors(val) -> list:
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
+def written_args(node: fx.Node) -> list:
+    """The argument nodes a node writes (by its op's schema), passed by keyword or position."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    out = []
+    for pos, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.kwargs.get(arg.name, node.args[pos] if pos < len(node.args) else None)
+            out += [v for v in _tensors(value) if isinstance(v, fx.Node)]
+    return out
+
+
+def returns_alias(node: fx.Node) -> bool:
+    """The node's value may share memory with one of its inputs: a view by its op's schema
+    (`view(Tensor(a) self) -> Tensor(a)`), `_unsafe_view` (a view without the annotation), a
+    getitem of such a tuple."""
+    if node.op != "call_function":
+        return False
+    if node.target in (operator.getitem, torch.ops.aten._unsafe_view.default):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def written_aliases(gm: fx.GraphModule) -> set:
+    """Nodes whose value may share memory with a tensor some node of the graph writes: each
+    written argument, what it is a view of (back to the placeholder), and every view of those.
+    Followed through the graph by the ops' schemas (the fake values in node.meta do not share
+    storages reliably across AOT's functionalization)."""
+    roots, stack = set(), [arg for node in gm.graph.nodes for arg in written_args(node)]
+    while stack:
+        node = stack.pop()
+        if node not in roots:
+            roots.add(node)
+            if returns_alias(node):
+                stack.extend(node.all_input_nodes)
+    family = set()
+    for node in gm.graph.nodes:      # graph order: a view comes after what it views
+        if node in roots or (returns_alias(node) and any(i in family for i in node.all_input_nodes)):
+            family.add(node)
+    return family
+
+
+def is_segment_op(node: fx.Node, written: set) -> bool:
+    """May this node (not a getitem) be part of a segment? See the module docstring.
+    `written`: the graph's written_aliases."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if node.target in STREAM_OPS or writes_memory(node) or node in written:
+        return False
+    if node.is_impure():     # any other op registered as side-effecting (torch.fx.node.has_side_effect)
+        return False
+    vals = _tensors(node.meta.get("val"))
+    return bool(vals) and all(isinstance(v, torch.Tensor) for v in vals)
+
+
+def find_segments(gm: fx.GraphModule) -> list[Segment]:
+    """Every maximal run of neighbouring segment nodes on one stream, in graph order (tiny ones
+    included)."""
+    written = written_aliases(gm)
+    segments: list[Segment] = []
+    current: Segment | None = None
+    members: set = set()
+    for node in gm.graph.nodes:
+        stream = node.meta.get(STREAM_KEY, MAIN_STREAM)
+        if node.op == "call_function" and node.target is operator.getitem:
+            joins = node.args[0] in members            # with its producer, or not at all
+        else:
+            joins = is_segment_op(node, written)
+        if not joins:
+            current, members = None, set()
+            continue
+        if current is None or current.stream != stream:
+            current, members = Segment(stream), set()
+            segments.append(current)
+        current.nodes.append(node)
+        members.add(node)
+    for segment in segments:
+        # A multi-output op read after the segment (indexer_topk's indices, read by the main
+        # stream after the join): its getitems join the segment, so that only tensors leave
+        # it. A getitem launches nothing, so moving it up changes no order of work.
+        members = segment.members()
+        segment.nodes += [u for n in segment.nodes if not isinstance(n.meta.get("val"), torch.Tensor)
+                          for u in n.users if u not in members and u.target is operator.getitem]
+    return segments
+
+
+def _size_symbol_inputs(gm: fx.GraphModule, segment: Segment) -> list:
+    """The graph's SymInt placeholders (one size symbol each, e.g. the batch s6) that the
+    segment's sizes are made of. Inductor binds a symbol only from an input that is that symbol
+    or has it as a whole size or stride; a segment that only sees 8*s6 fails without it."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+    used = set()
+    for n in segment.nodes + segment.inputs():
+        if n.meta.get("val") is not None:
+            used |= set(free_symbols(n.meta["val"]))
+    by_symbol = {}      # the first placeholder of each symbol
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt):
+            by_symbol.setdefault(n.meta["val"].node.expr, n)
+    return [n for symbol, n in by_symbol.items() if symbol in used]
+
+
+def extract_segment(gm: fx.GraphModule, segment: Segment, name: str) -> fx.GraphModule:
+    """Move `segment`'s nodes into a submodule `name` of gm (returning its outputs as a tuple)
+    called in their place. Returns the submodule. Node names inside are generated from the
+    ops (in_0, mm, mm_1, ...), so equal segments of different layers give equal code (Inductor's
+    FX graph cache compiles such a segment once)."""
+    inputs, outputs, members = segment.inputs(), segment.outputs(), segment.members()
+    if not all(isinstance(o.meta.get("val"), torch.Tensor) for o in outputs):
+        raise ValueError(f"segment at {segment.nodes[0].name}: an output is not a tensor")
+    inputs += [n for n in _size_symbol_inputs(gm, segment) if n not in inputs]
+    graph = fx.Graph()
+    env: dict = {}
+    for i, n in enumerate(inputs):
+        env[n] = graph.placeholder(f"in_{i}")
+        env[n].meta = dict(n.meta)
+    for n in segment.nodes:
+        env[n] = graph.create_node(n.op, n.target, fx.map_arg(n.args, env.__getitem__),
+                                   fx.map_arg(n.kwargs, env.__getitem__))
+        env[n].meta = dict(n.meta)
+    graph.output(tuple(env[o] for o in outputs))
+    sub = fx.GraphModule(torch.nn.Module(), graph)
+    gm.add_submodule(name, sub)
+
+    outer = gm.graph
+    with outer.inserting_before(segment.nodes[0]):
+        call = outer.call_module(name, tuple(inputs))
+        call.meta[STREAM_KEY] = segment.stream
+        for i, o in enumerate(outputs):
+            out = outer.create_node("call_function", operator.getitem, (call, i), name=f"{name}_out{i}")
+            out.meta = {"val": o.meta.get("val"), STREAM_KEY: segment.stream}
+            o.replace_all_uses_with(out, delete_user_cb=lambda user: user not in members)
+    for n in reversed(segment.nodes):
+        outer.erase_node(n)
+    return sub
+
+
+# ---------------------------------------------------------------------------- Inductor
+class InductorSegment(torch.nn.Module):
+    """A segment compiled by Inductor. `graph_module` is the segment before compiling."""
+
+    def __init__(self, compiled, graph_module: fx.GraphModule):
+        super().__init__()
+        self.compiled = compiled
+        self.graph_module = graph_module
+
+    def forward(self, *args):
+        return self.compiled(list(args))      # Inductor's calling convention: one list
+
+
+def _shape_env_state(fake_mode):
+    env = getattr(fake_mode, "shape_env", None)
+    return None if env is None else (len(env.guards), len(env.replacements))
+
+
+def compile_segment(sub: fx.GraphModule):
+    """Inductor's compiled callable for a segment GraphModule. Raises when Inductor refuses it."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    example_inputs = [n.meta["val"] for n in sub.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        raise ValueError("segment inputs carry no fake values (node.meta['val'])")
+    before = _shape_env_state(fake_mode)
+    # A fresh tracing context: Inductor records things (output strides...) in the current one,
+    # which inside our backend is the whole graph's.
+    with tracing(TracingContext(fake_mode)), inductor_config.patch({
+        "triton.cudagraphs": False,          # we capture the whole step ourselves
+        # Round where eager rounds (bf16 intermediates): the model's fake quantization turns a
+        # last-bit difference into another FP8/FP4 code (see compiler.DECOMPOSITIONS).
+        "emulate_precision_casts": True,
+    }):
+        # Our graph keeps ops that Inductor expects decomposed (silu, clamp, _to_copy, t...):
+        # re-trace the segment through Inductor's decomposition table first.
+        decomposed = make_fx(sub, decomposition_table=select_decomp_table(),
+                             tracing_mode="symbolic")(*example_inputs)
+        compiled = compile_fx_inner(decomposed, example_inputs, is_inference=True)
+    if _shape_env_state(fake_mode) != before:
+        raise ValueError("Inductor added shape guards (a specialization) that nothing would check")
+    return compiled
+
+
+def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COMPUTE_NODES,
+                            compile_segments: bool = True) -> dict:
+    """Split gm (in place) into segments and, with `compile_segments`, compile each with Inductor.
+    Returns the summary also kept in gm.meta["inductor_segments"] and logged: segments found,
+    split out, compiled, left to the executor (too small / refused, with Inductor's reasons),
+    compute nodes compiled, seconds (splitting + compiling). compile_segments=False only
+    splits: the segments run as plain GraphModules (the same ops, for testing the split)."""
+    t0 = time.perf_counter()
+    segments = find_segments(gm)
+    large = [s for s in segments if s.compute_nodes() >= min_compute_nodes]
+    report = {"found": len(segments), "split": len(large), "compiled": 0,
+              "too_small": len(segments) - len(large), "refused": 0, "refusals": [],
+              "nodes_compiled": 0, "compile_s": 0.0}
+    subs = []
+    for i, segment in enumerate(large):
+        subs.append((f"segment_{i}", segment.compute_nodes(), extract_segment(gm, segment, f"segment_{i}")))
+    gm.graph.lint()
+    if compile_segments:
+        for name, n_compute, sub in subs:
+            try:
+                compiled = compile_segment(sub)
+            except Exception as exc:   # Inductor refused: the executor runs the segment
+                report["refused"] += 1
+                first_line = (str(exc).splitlines() or [""])[0][:200]
+                report["refusals"].append(f"{name}: {type(exc).__name__}: {first_line}")
+                log.info("inductor segment %s refused: %s", name, report["refusals"][-1])
+                continue
+            setattr(gm, name, InductorSegment(compiled, sub))
+            report["compiled"] += 1
+            report["nodes_compiled"] += n_compute
+    gm.recompile()
+    report["left"] = report["found"] - report["compiled"]
+    report["compile_s"] = round(time.perf_counter() - t0, 3)
+    gm.meta["inductor_segments"] = report
+    log.info("inductor segments: %d found, %d compiled (%d compute nodes), %d left "
+             "(%d below %d compute nodes, %d refused), %.1f s", report["found"], report["compiled"],
+             report["nodes_compiled"], report["left"], report["too_small"], min_compute_nodes,
+             report["refused"], report["compile_s"])
+    return report

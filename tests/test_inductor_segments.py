@@ -1,0 +1,117 @@
+"""Inductor segments (passes/inductor_segments.py) on a toy graph, compiled by Inductor on CPU.
+
+Inductor's CPU codegen costs seconds per segment on this machine, so this is one small graph;
+the partitioner on the tiny V4.1 graph (no Inductor, run bit-identical) is in test_compiler.py,
+which has that graph traced already.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import v41graph  # noqa: F401  (registers torch.ops.v41graph)
+from v41graph.compiler import DECOMPOSITIONS
+from v41graph.custom_ops.streams import STREAM_OPS
+from v41graph.passes.base import STREAM_KEY
+from v41graph.passes.inductor_segments import InductorSegment, lower_inductor_segments
+from v41graph.passes.pass_manager import PassManager
+from v41graph.passes.side_stream import exclusive_ancestors, move_to_side_stream
+from v41graph.passes.stream_check import StreamCheck
+
+ops = torch.ops.v41graph
+MIN_COMPUTE = 3
+# fp32 on CPU, the same ops: Inductor's fused loops may differ from eager in the last bit
+# (vectorized tanh / exp / sigmoid), nothing more. fake_quant reads an exact input (|x| * 2), so no
+# FP8 rounding step can flip.
+ATOL = 1e-5
+
+
+class Toy(torch.nn.Module):
+    """A state write (an in-place custom op after defunctionalize) and a read of a view of the
+    written state in the middle; the test moves the fake_quant chain onto a side stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x, state, rows):
+        h = torch.sigmoid(torch.relu(x @ self.w) * 2 + 1) - 0.5
+        g = ops.fake_quant(x.abs() * 2, "fp8_ue8m0", 32)        # -> side stream (with its producers)
+        g = torch.tanh(g) * 3 + h
+        ops.state_write(state, rows, h[:2])
+        late = (h * h + state.view(-1)[:32]).exp() - 1           # reads the state after the write
+        return late + g * 0.5
+
+
+def _is_view(node) -> bool:
+    return getattr(node.target, "is_view", False)
+
+
+def _expected_runs(gm: fx.GraphModule, written: fx.Node) -> list[int]:
+    """Compute-node counts (views not counted) of the runs between barriers, spelled from the
+    graph: a barrier is a stream op, an op with a written argument, or a view chain of the
+    written state; placeholders and the output do not split runs (there are none in between)."""
+    runs, current, state_views = [], None, {written}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        barrier = (n.target in STREAM_OPS
+                   or any(a.alias_info is not None and a.alias_info.is_write
+                          for a in getattr(n.target, "_schema", None).arguments or ())
+                   or (_is_view(n) and n.args[0] in state_views))
+        if barrier:
+            if _is_view(n):
+                state_views.add(n)
+            current = None
+            continue
+        if current is None:
+            current = [0]
+            runs.append(current)
+        current[0] += 0 if _is_view(n) else 1
+    return [r[0] for r in runs]
+
+
+def test_toy_graph_segments_between_stream_ops_and_writes_match_eager():
+    torch.manual_seed(0)
+    model = Toy().eval().requires_grad_(False)
+    x, rows = torch.randn(4, 32), torch.tensor([0, 2])
+    seen = {}
+
+    def fw_compiler(gm, example_inputs):
+        PassManager(["cleanup", "defunctionalize"])(gm)
+        quant = [n for n in gm.graph.nodes if n.target == ops.fake_quant.default]
+        move_to_side_stream(gm, exclusive_ancestors(quant), "toy", "toy")    # as P6 does
+        StreamCheck()(gm)
+        state = next(n for n in gm.graph.nodes if n.target == ops.state_write.default).kwargs["dst"]
+        seen["runs"] = _expected_runs(gm, state)
+        seen["stream_ops"] = sum(n.target in STREAM_OPS for n in gm.graph.nodes)
+        seen["report"] = lower_inductor_segments(gm, min_compute_nodes=MIN_COMPUTE)
+        seen["gm"] = gm
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=fw_compiler, decompositions=DECOMPOSITIONS,
+                           keep_inference_input_mutations=True)
+    eager_state, compiled_state = torch.zeros(3, 32), torch.zeros(3, 32)
+    expected = model(x, eager_state, rows)
+    got = torch.compile(model, backend=backend, fullgraph=True)(x, compiled_state, rows)
+
+    runs, report, gm = seen["runs"], seen["report"], seen["gm"]
+    large = sum(r >= MIN_COMPUTE for r in runs)
+    # the side-stream region, the join's wait, the write and the view of the written state cut
+    # the graph into runs; the one between the write and the view is too small
+    assert len(runs) >= 4 and 0 < large < len(runs)
+    assert report["found"] == len(runs)
+    assert report["compiled"] == large and report["refused"] == 0
+    assert report["too_small"] == report["left"] == len(runs) - large
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert len(calls) == large
+    assert all(isinstance(gm.get_submodule(n.target), InductorSegment) for n in calls)
+    # one segment runs on the side stream; every stream op and the write stayed outside
+    assert [n.meta[STREAM_KEY] for n in calls].count("aux:toy") == 1
+    assert sum(n.target in STREAM_OPS for n in gm.graph.nodes) == seen["stream_ops"]
+    assert sum(n.target == ops.state_write.default for n in gm.graph.nodes) == 1
+    assert torch.allclose(got, expected, atol=ATOL, rtol=0), (got - expected).abs().max()
+    assert torch.allclose(compiled_state, eager_state, atol=ATOL, rtol=0)
+    assert compiled_state.abs().sum() > 0          # the write happened
