@@ -30,6 +30,8 @@ CUDA-specific parts.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -222,7 +224,7 @@ def rope_supported(x: torch.Tensor, rotation: torch.Tensor) -> bool:
 def rope(x: torch.Tensor, rotation: torch.Tensor, inverse: bool) -> torch.Tensor:
     """reference.apply_rope as one launch: out contiguous, x's dtype."""
     n, d, p = x.shape[0], x.shape[-1], rotation.shape[1]
-    x3 = x.reshape(n, -1, d)
+    x3 = x.reshape(n, math.prod(x.shape[1:-1]), d)      # no -1: ambiguous when n == 0
     if not x3.is_contiguous():
         x3 = x3.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -121,9 +121,8 @@ def test_rms_norm(shape, dtype):
         assert rel_err(out, truth) < 2e-6
     else:   # |o - truth| <= one bf16 ulp of truth (2^-7 relative) plus the fp32 math's slack
         assert ((o - truth).abs() <= truth.abs() * 2 ** -7 + 1e-6).all()
-    # dispatcher path, non-contiguous input (a strided view): same result
+    # dispatcher path, a strided view as input (non-contiguous unless it has one row): same result
     wide = torch.cat([xd, xd], dim=-1)[..., : shape[-1]]
-    assert not wide.is_contiguous()
     assert torch.equal(ops.rms_norm(wide, wd, eps), out)
 
 
