@@ -503,24 +503,32 @@ class _Pairs(torch.nn.Module):
         return self.rms(y, torch.ones(8), 1e-6) + y.sum(-1, keepdim=True)   # second user: refused
 
 
-def test_p1_generality_and_near_misses():
+def _compiled_with(module_cls, passes):
+    """(compiled output, eager output, the one passed graph) of a fresh `module_cls` on a fixed
+    [2, 5, 24] input, compiled through our backend with only these passes."""
     torch.manual_seed(0)
-    m = _Pairs().eval().requires_grad_(False)
+    m = module_cls().eval().requires_grad_(False)
     x = torch.randn(2, 5, 24)
     graphs = []
 
     def fw(gm, ex):
-        PassManager(["cleanup", "fuse_wkv_rmsnorm"])(gm)
+        PassManager(passes)(gm)
         graphs.append(gm)
         return make_boxed_func(gm.forward)
     be = aot_autograd(fw_compiler=fw, decompositions=DECOMPOSITIONS, keep_inference_input_mutations=True)
     out = torch.compile(m, backend=be, fullgraph=True)(x)
-    assert torch.allclose(out, m(x), atol=1e-5)
+    assert len(graphs) == 1
+    return out, m(x), graphs[0]
+
+
+def test_p1_generality_and_near_misses():
+    out, want, g = _compiled_with(_Pairs, ["cleanup", "fuse_wkv_rmsnorm"])
+    assert torch.allclose(out, want, atol=1e-5)
     # fused: a -> torch.nn.RMSNorm (torch's own spelling) and b -> our spelling (3-D input)
-    assert _count(graphs[0], ops.fused_wkv_rmsnorm.default) == 2
+    assert _count(g, ops.fused_wkv_rmsnorm.default) == 2
     # refused: the biased Linear (addmm), the norm over dim -2, the Linear output used twice
-    assert _count(graphs[0], torch.ops.aten.addmm.default) == 1
-    assert _count(graphs[0], torch.ops.aten.rsqrt.default) == 3
+    assert _count(g, torch.ops.aten.addmm.default) == 1
+    assert _count(g, torch.ops.aten.rsqrt.default) == 3
 
 
 class _Norms(torch.nn.Module):
@@ -553,23 +561,13 @@ class _Norms(torch.nn.Module):
 
 
 def test_fuse_rmsnorm_generality_and_near_misses():
-    torch.manual_seed(0)
-    m = _Norms().eval().requires_grad_(False)
-    x = torch.randn(2, 5, 24)
-    graphs = []
-
-    def fw(gm, ex):
-        PassManager(["cleanup", "fuse_rmsnorm"])(gm)
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-    be = aot_autograd(fw_compiler=fw, decompositions=DECOMPOSITIONS, keep_inference_input_mutations=True)
-    out = torch.compile(m, backend=be, fullgraph=True)(x)
+    out, want, g = _compiled_with(_Norms, ["cleanup", "fuse_rmsnorm"])
     # the op's CPU implementation is the same arithmetic as the model's spelling
-    assert torch.allclose(out, m(x), atol=1e-6, rtol=1e-6)
-    fused = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target == ops.rms_norm.default]
+    assert torch.allclose(out, want, atol=1e-6, rtol=1e-6)
+    fused = [n for n in g.graph.nodes if n.op == "call_function" and n.target == ops.rms_norm.default]
     assert len(fused) == 2
     assert sorted(n.args[2] for n in fused) == pytest.approx([1e-3, 1e-2], rel=1e-6)   # eps kept
-    assert _count(graphs[0], torch.ops.aten.rsqrt.default) == 4       # the four near misses
+    assert _count(g, torch.ops.aten.rsqrt.default) == 4       # the four near misses
 
 
 def test_captured_decode_hands_out_copies(tiny, monkeypatch):
