@@ -204,8 +204,8 @@ def _size_symbol_inputs(gm: fx.GraphModule, segment: Segment) -> list:
 def extract_segment(gm: fx.GraphModule, segment: Segment, name: str) -> fx.GraphModule:
     """Move `segment`'s nodes into a submodule `name` of gm (returning its outputs as a tuple)
     called in their place. Returns the submodule. Node names inside are generated from the
-    ops (in_0, mm, mm_1, ...), so equal segments of different layers give equal code (Inductor's
-    FX graph cache compiles such a segment once)."""
+    ops (in_0, mm, mm_1, ...), so equal segments of different layers give equal code and are
+    compiled once (segment_key)."""
     inputs, outputs, members = segment.inputs(), segment.outputs(), segment.members()
     if not all(isinstance(o.meta.get("val"), torch.Tensor) for o in outputs):
         raise ValueError(f"segment at {segment.nodes[0].name}: an output is not a tensor")
@@ -285,6 +285,18 @@ def compile_segment(sub: fx.GraphModule):
     return compiled
 
 
+def segment_key(sub: fx.GraphModule) -> tuple:
+    """Segments with equal keys compute the same function of their inputs: the same code (node
+    names are generated from the ops, see extract_segment) and inputs of the same size, stride,
+    dtype and device (symbolic sizes by their expressions, which name the graph's symbols)."""
+    def meta(n):
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return ("tensor", str(tuple(v.shape)), str(v.stride()), str(v.dtype), str(v.device))
+        return ("value", str(v))
+    return (sub.code, tuple(meta(n) for n in sub.graph.nodes if n.op == "placeholder"))
+
+
 def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COMPUTE_NODES,
                             compile_segments: bool = True) -> dict:
     """Split gm (in place) into segments and, with `compile_segments`, compile each with Inductor.
@@ -295,7 +307,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
     t0 = time.perf_counter()
     segments = find_segments(gm)
     large = [s for s in segments if s.compute_nodes() >= min_compute_nodes]
-    report = {"found": len(segments), "split": len(large), "compiled": 0,
+    report = {"found": len(segments), "split": len(large), "compiled": 0, "distinct_compiled": 0,
               "too_small": len(segments) - len(large), "refused": 0, "refusals": [],
               "nodes_compiled": 0, "compile_s": 0.0}
     subs = []
@@ -303,14 +315,24 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
         subs.append((f"segment_{i}", segment.compute_nodes(), extract_segment(gm, segment, f"segment_{i}")))
     gm.graph.lint()
     if compile_segments:
+        # The 40 layers repeat a few segment shapes; compile each distinct one once. (Inductor's
+        # own FX graph cache would do this, but on torch 2.11 with symbolic sizes it could not
+        # pickle the cache key on the H200 and compiled every segment again, ~2 s each.)
+        done: dict = {}        # segment key -> compiled callable, or the refusal text
         for name, n_compute, sub in subs:
-            try:
-                compiled = compile_segment(sub)
-            except Exception as exc:   # Inductor refused: the executor runs the segment
+            key = segment_key(sub)
+            if key not in done:
+                try:
+                    done[key] = compile_segment(sub)
+                    report["distinct_compiled"] += 1
+                except Exception as exc:   # Inductor refused: the executor runs the segment
+                    first_line = (str(exc).splitlines() or [""])[0][:200]
+                    done[key] = f"{type(exc).__name__}: {first_line}"
+            compiled = done[key]
+            if isinstance(compiled, str):
                 report["refused"] += 1
-                first_line = (str(exc).splitlines() or [""])[0][:200]
-                report["refusals"].append(f"{name}: {type(exc).__name__}: {first_line}")
-                log.info("inductor segment %s refused: %s", name, report["refusals"][-1])
+                report["refusals"].append(f"{name}: {compiled}")
+                log.info("inductor segment %s refused: %s", name, compiled)
                 continue
             setattr(gm, name, InductorSegment(compiled, sub))
             report["compiled"] += 1
@@ -319,8 +341,8 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
     report["left"] = report["found"] - report["compiled"]
     report["compile_s"] = round(time.perf_counter() - t0, 3)
     gm.meta["inductor_segments"] = report
-    log.info("inductor segments: %d found, %d compiled (%d compute nodes), %d left "
+    log.info("inductor segments: %d found, %d compiled (%d distinct, %d compute nodes), %d left "
              "(%d below %d compute nodes, %d refused), %.1f s", report["found"], report["compiled"],
-             report["nodes_compiled"], report["left"], report["too_small"], min_compute_nodes,
-             report["refused"], report["compile_s"])
+             report["distinct_compiled"], report["nodes_compiled"], report["left"],
+             report["too_small"], min_compute_nodes, report["refused"], report["compile_s"])
     return report

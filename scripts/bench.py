@@ -234,7 +234,8 @@ def inductor_segment_totals(runner) -> dict | None:
     if not reports:
         return None
     totals = {k: sum(r[k] for r in reports)
-              for k in ("found", "compiled", "left", "too_small", "refused", "nodes_compiled", "compile_s")}
+              for k in ("found", "compiled", "distinct_compiled", "left", "too_small", "refused",
+                        "nodes_compiled", "compile_s")}
     totals["graphs"] = len(reports)
     totals["refusals"] = [x for r in reports for x in r["refusals"]]
     return totals

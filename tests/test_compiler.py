@@ -179,6 +179,43 @@ def test_fuse_rmsnorm_takes_every_norm_p1_left(tiny, traced):
         assert _count(no_p1, ops.rms_norm.default) == n + _expected_linear_rmsnorm_pairs(tiny) + 2
 
 
+def test_inductor_segments_compile_each_distinct_segment_once(tiny, traced, monkeypatch):
+    """The layers repeat segment shapes: lowering compiles each distinct segment (segment_key)
+    once and hands the same compiled callable to its repeats. Inductor replaced by a stub that
+    runs the FIRST segment of each key, so reuse across layers must still give the unsplit
+    graph's logits bit for bit (prefill + 3 decode steps)."""
+    import v41graph.passes.inductor_segments as seg_mod
+
+    compiled_subs = []
+
+    def stub(sub):
+        compiled_subs.append(sub)
+        return lambda args: sub(*args)
+    monkeypatch.setattr(seg_mod, "compile_segment", stub)
+    vb, fn, prompt = traced
+    g = copy_graph_module(vb.passed(1))
+    report = seg_mod.lower_inductor_segments(g)
+    calls = [g.get_submodule(n.target) for n in g.graph.nodes if n.op == "call_module"]
+    keys = [seg_mod.segment_key(c.graph_module) for c in calls]
+    assert report["compiled"] == len(calls) and report["refused"] == 0
+    assert report["distinct_compiled"] == len(compiled_subs) == len(set(keys)) < len(calls)
+    for c, k in zip(calls, keys):        # one callable per key, shared by every repeat
+        assert c.compiled is next(x.compiled for x, kk in zip(calls, keys) if kk == k)
+
+    def logits(lower):
+        vb.passes, vb.lower = ALL, lower
+        session = CompiledSession(tiny, fn, 2, 64, block_size=16)
+        out = [session.prefill(prompt)]
+        for _ in range(3):
+            out.append(session.decode(out[-1].argmax(-1, keepdim=True)))
+        return out
+    try:
+        plain, lowered = logits(None), logits(seg_mod.lower_inductor_segments)
+    finally:
+        vb.lower = None
+    assert all(torch.equal(a, b) for a, b in zip(plain, lowered))
+
+
 def test_mhc_one_op_per_predictor(tiny, traced):
     """Two mHC predictors per layer (attention, FFN), each one mhc_sinkhorn node: the Sinkhorn
     rounds (2 fp32 divisions each) no longer appear as graph arithmetic: the whole graph has
