@@ -6,8 +6,6 @@ the real `v41graph.compile` path is exercised end to end in a few tests as well.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.fx as fx
@@ -179,6 +177,21 @@ def test_fuse_rmsnorm_takes_every_norm_p1_left(tiny, traced):
         assert _count(no_p1, ops.rms_norm.default) == n + _expected_linear_rmsnorm_pairs(tiny) + 2
 
 
+def _logits_with_lowering(tiny, traced, lower, steps=3):
+    """Logits of prefill + `steps` greedy decode steps through the traced graphs with all passes
+    and `lower` (a lowering run after them, or None)."""
+    vb, fn, prompt = traced
+    vb.passes, vb.lower = ALL, lower
+    try:
+        session = CompiledSession(tiny, fn, 2, 64, block_size=16)
+        out = [session.prefill(prompt)]
+        for _ in range(steps):
+            out.append(session.decode(out[-1].argmax(-1, keepdim=True)))
+    finally:
+        vb.lower = None
+    return out
+
+
 def test_inductor_segments_compile_each_distinct_segment_once(tiny, traced, monkeypatch):
     """The layers repeat segment shapes: lowering compiles each distinct segment (segment_key)
     once and hands the same compiled callable to its repeats. Inductor replaced by a stub that
@@ -192,7 +205,7 @@ def test_inductor_segments_compile_each_distinct_segment_once(tiny, traced, monk
         compiled_subs.append(sub)
         return lambda args: sub(*args)
     monkeypatch.setattr(seg_mod, "compile_segment", stub)
-    vb, fn, prompt = traced
+    vb, *_ = traced
     g = copy_graph_module(vb.passed(1))
     report = seg_mod.lower_inductor_segments(g)
     calls = [g.get_submodule(n.target) for n in g.graph.nodes if n.op == "call_module"]
@@ -202,17 +215,8 @@ def test_inductor_segments_compile_each_distinct_segment_once(tiny, traced, monk
     for c, k in zip(calls, keys):        # one callable per key, shared by every repeat
         assert c.compiled is next(x.compiled for x, kk in zip(calls, keys) if kk == k)
 
-    def logits(lower):
-        vb.passes, vb.lower = ALL, lower
-        session = CompiledSession(tiny, fn, 2, 64, block_size=16)
-        out = [session.prefill(prompt)]
-        for _ in range(3):
-            out.append(session.decode(out[-1].argmax(-1, keepdim=True)))
-        return out
-    try:
-        plain, lowered = logits(None), logits(seg_mod.lower_inductor_segments)
-    finally:
-        vb.lower = None
+    plain = _logits_with_lowering(tiny, traced, None)
+    lowered = _logits_with_lowering(tiny, traced, seg_mod.lower_inductor_segments)
     assert all(torch.equal(a, b) for a, b in zip(plain, lowered))
 
 
@@ -385,7 +389,7 @@ def test_inductor_segment_partition_of_the_tiny_graph(tiny, traced):
         return [n.kwargs[a.name] for a in (schema.arguments if schema else ())
                 if a.alias_info is not None and a.alias_info.is_write]
 
-    vb, fn, prompt = traced
+    vb, *_ = traced
     for idx in (0, 1):
         g = copy_graph_module(vb.passed(idx))
         originals = list(g.graph.nodes)
@@ -416,19 +420,8 @@ def test_inductor_segment_partition_of_the_tiny_graph(tiny, traced):
             assert [n.target for n in sub.graph.nodes if n.op == "call_function"] == [n.target for n in seg.nodes]
             assert call.meta[STREAM_KEY] == seg.stream
 
-    def logits(lower):
-        vb.passes, vb.lower = ALL, lower
-        session = CompiledSession(tiny, fn, 2, 64, block_size=16)
-        out = [session.prefill(prompt)]
-        for _ in range(3):
-            out.append(session.decode(out[-1].argmax(-1, keepdim=True)))
-        return out
-
     split_graphs = functools.partial(lower_inductor_segments, compile_segments=False)
-    try:
-        plain, split = logits(None), logits(split_graphs)
-    finally:
-        vb.lower = None
+    plain, split = _logits_with_lowering(tiny, traced, None), _logits_with_lowering(tiny, traced, split_graphs)
     ran = [g for key, g in vb.variants.items() if len(key) == 3 and key[2] is split_graphs]
     assert len(ran) == 2 and all(any(n.op == "call_module" for n in g.graph.nodes) for g in ran)
     for step, (a, b) in enumerate(zip(plain, split)):
