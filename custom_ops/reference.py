@@ -172,8 +172,8 @@ def apply_rope(x, rotation, inverse):
 
 
 def rms_norm(x, weight, eps):
-    """The `rms_norm` op: RMSNorm over the last dim, fp32 math, result in x's dtype (the
-    model's layers.RMSNorm, op for op)."""
+    """The `rms_norm` op: RMSNorm over the last dim, fp32 math, result in x's dtype. Also what
+    the model's layers.RMSNorm runs (as plain ops, which the compiler's passes match)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)

@@ -170,18 +170,16 @@ def _rmsnorm_rows_kernel(y_ptr, nw_ptr, out_ptr, M, N, eps, BR: tl.constexpr, NP
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.is_cuda and weight.is_cuda and x.dtype in _FLOAT_DTYPES and x.dim() >= 1
-            and weight.dim() == 1 and weight.shape[0] == x.shape[-1] and 0 < x.shape[-1] <= 16384)
+            and weight.dim() == 1 and weight.is_contiguous() and weight.shape[0] == x.shape[-1]
+            and 0 < x.shape[-1] <= 16384)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (reference.rms_norm): one program per row (per 4 rows when rows
     are short), fp32 math, result in x's dtype, contiguous."""
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    x2 = _rows(x)
+    m, n = x2.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    m = x2.shape[0]
     if m:
         np2 = max(16, triton.next_power_of_2(n))
         rows = 1 if np2 >= 2048 else 4

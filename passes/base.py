@@ -61,3 +61,27 @@ def cast_dtype(node) -> "torch.dtype | None":
     if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"}:
         return node.kwargs["dtype"]
     return None
+
+
+def _write_params(node: fx.Node) -> list:
+    """(position, schema argument) of each argument the node's op writes, by its schema."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    return [(pos, a) for pos, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def writes_memory(node: fx.Node) -> bool:
+    """The node's op writes one of its arguments (our in-place cache writes after
+    defunctionalize, copy_, add_, ...)."""
+    return bool(_write_params(node))
+
+
+def written_args(node: fx.Node) -> list:
+    """The argument nodes a node writes, passed by keyword or position (lists flattened)."""
+    out = []
+    for pos, arg in _write_params(node):
+        value = node.kwargs.get(arg.name, node.args[pos] if pos < len(node.args) else None)
+        out += [v for v in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(v, fx.Node)]
+    return out

@@ -40,8 +40,7 @@ import torch
 import torch.fx as fx
 
 from .base import is_call
-from .fuse_wkv_rmsnorm import (RMSNormFusion, _single_user, _strip_convert, _val, match_rmsnorm,
-                               transposed_weight)
+from .fuse_wkv_rmsnorm import RMSNormFusion, _single_user, _strip_convert, _val, transposed_weight
 
 aten = torch.ops.aten
 STATE_WRITE = torch.ops.v41graph.state_write.default
@@ -172,11 +171,7 @@ class FusePoolRMSNorm(RMSNormFusion):
             u.replace_input_with(rows, new_rows)     # the state write(s) keep writing the rows
         graph.erase_node(pooled)
 
-    def _match(self, rsqrt: fx.Node):
-        norm = match_rmsnorm(rsqrt)
-        if norm is None:
-            return None
-        y, out, g, eps = norm
+    def _match(self, y: fx.Node, out: fx.Node, g: fx.Node, eps: float):
         lat, convert_mid = _strip_convert(y)
         if convert_mid is not None and not _single_user(lat, convert_mid):
             return None

@@ -2,20 +2,21 @@
 
 Our executor runs the graph op by op, and an RMSNorm as the post-AOT graph spells it is ~7
 kernels (fp32 upcast, square, mean, add eps, rsqrt, two multiplies, downcast; see
-fuse_wkv_rmsnorm.match_rmsnorm for the accepted spellings). A decoder layer has four or five of
-them (attention and FFN norms, query / KV norms, the indexer's key norm), so at batch 1, where
+fuse_wkv_rmsnorm.match_rmsnorm for the accepted spellings). P1 takes the norms that follow a
+Linear (query, KV and indexer-key norms, the compressors); this pass takes the rest: every
+layer's attention and FFN norms and the final norm (with P1 off, all of them). At batch 1, where
 a captured step is bound by how many small kernels it runs, one kernel per norm matters.
 
-Runs after P1, so a Linear + RMSNorm pair is still fused with its Linear when P1 is on. It
-refuses what would change a value: a norm whose output dtype is not its input's (no cast back),
-a weight that is not one [D] parameter, and any extra user of an intermediate (match_rmsnorm).
+It refuses what would change a value: a norm whose output dtype is not its input's (no cast
+back), a weight that is not one [D] parameter, and any extra user of an intermediate
+(match_rmsnorm).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from .fuse_wkv_rmsnorm import RMSNormFusion, _val, match_rmsnorm
+from .fuse_wkv_rmsnorm import RMSNormFusion, _val
 
 
 class FuseRMSNorm(RMSNormFusion):
@@ -23,16 +24,10 @@ class FuseRMSNorm(RMSNormFusion):
     target = torch.ops.v41graph.rms_norm.default
     kind = "rmsnorm"
 
-    def _match(self, rsqrt: fx.Node):
-        norm = match_rmsnorm(rsqrt)
-        if norm is None:
-            return None
-        x, out, weight, eps = norm
+    def _match(self, x: fx.Node, out: fx.Node, weight: fx.Node, eps: float):
         xv, ov, wv = _val(x), _val(out), _val(weight)
         if xv is None or ov is None or wv is None:
             return None
-        if ov.dtype != xv.dtype or wv.dim() != 1 or tuple(ov.shape) != tuple(xv.shape):
-            return None
-        if wv.shape[0] != xv.shape[-1]:
+        if ov.dtype != xv.dtype or tuple(wv.shape) != (xv.shape[-1],):
             return None
         return out, (x, weight, eps)

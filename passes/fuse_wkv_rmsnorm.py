@@ -114,15 +114,17 @@ def replace_with(gm: fx.GraphModule, out: fx.Node, target, args, kind: str) -> f
 
 
 class RMSNormFusion(GraphPass):
-    """Shared driver of the RMSNorm fusions: every rsqrt whose surroundings `_match` accepts
-    becomes one `target` call; `_match` returns (node to replace, call args) or None."""
+    """Shared driver of the RMSNorm fusions: every rsqrt that `match_rmsnorm` accepts as an
+    RMSNorm and whose surroundings `_match(y, out, weight, eps)` accepts becomes one `target`
+    call; `_match` gets the norm's parts and returns (node to replace, call args) or None."""
     target = None
     kind = ""
 
     def run(self, gm: fx.GraphModule) -> int:
         count = 0
         for rsqrt in [n for n in gm.graph.nodes if is_call(n, aten.rsqrt.default)]:
-            match = self._match(rsqrt)
+            norm = match_rmsnorm(rsqrt)
+            match = self._match(*norm) if norm is not None else None
             if match is not None:
                 replace_with(gm, match[0], self.target, match[1], self.kind)
                 count += 1
@@ -130,7 +132,7 @@ class RMSNormFusion(GraphPass):
             gm.graph.eliminate_dead_code()
         return count
 
-    def _match(self, rsqrt: fx.Node):  # pragma: no cover - interface
+    def _match(self, y: fx.Node, out: fx.Node, weight: fx.Node, eps: float):  # pragma: no cover
         raise NotImplementedError
 
 
@@ -140,11 +142,7 @@ class FuseWkvRMSNorm(RMSNormFusion):
     kind = "linear+rmsnorm"
 
     # ------------------------------------------------------------------ matching
-    def _match(self, rsqrt: fx.Node):
-        norm = match_rmsnorm(rsqrt)
-        if norm is None:
-            return None
-        y, out, g_inner, eps = norm
+    def _match(self, y: fx.Node, out: fx.Node, g_inner: fx.Node, eps: float):
         # the Linear: (view) <- mm(x2, permute(w)) (<- view)
         mm = y
         if is_call(y, aten.view.default, aten.reshape.default, aten._unsafe_view.default):

@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 
 from v41graph.custom_ops.streams import STREAM_OPS
-from .base import MAIN_STREAM, STREAM_KEY
+from .base import MAIN_STREAM, STREAM_KEY, writes_memory, written_args
 
 log = logging.getLogger(__name__)
 
@@ -86,28 +86,8 @@ class Segment:
 
 
 # ---------------------------------------------------------------------------- partitioning
-def writes_memory(node: fx.Node) -> bool:
-    """The node's op writes one of its arguments (in-place cache writes, copy_, add_, ...)."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write
-                                      for a in schema.arguments)
-
-
 def _tensors(val) -> list:
     return list(val) if isinstance(val, (tuple, list)) else [val]
-
-
-def written_args(node: fx.Node) -> list:
-    """The argument nodes a node writes (by its op's schema), passed by keyword or position."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return []
-    out = []
-    for pos, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.kwargs.get(arg.name, node.args[pos] if pos < len(node.args) else None)
-            out += [v for v in _tensors(value) if isinstance(v, fx.Node)]
-    return out
 
 
 def returns_alias(node: fx.Node) -> bool:

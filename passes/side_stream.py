@@ -17,22 +17,9 @@ import torch
 import torch.fx as fx
 
 from v41graph.custom_ops.streams import STREAM_OPS
-from .base import MAIN_STREAM, STREAM_KEY
+from .base import MAIN_STREAM, STREAM_KEY, written_args
 
 ops = torch.ops.v41graph
-
-
-def mutated_bases(node: fx.Node) -> list:
-    """Graph inputs an in-place custom op call writes (after defunctionalize)."""
-    if node.op != "call_function" or not hasattr(node.target, "_schema"):
-        return []
-    out = []
-    for arg in node.target._schema.arguments:
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            v = node.kwargs.get(arg.name)
-            if isinstance(v, fx.Node):
-                out.append(v)
-    return out
 
 
 def exclusive_ancestors(targets: list) -> set:
@@ -56,7 +43,7 @@ def move_to_side_stream(gm: fx.GraphModule, group: set, stream: str, tag: str) -
     graph = gm.graph
     nodes = [n for n in graph.nodes if n in group]
     order = {n: i for i, n in enumerate(graph.nodes)}
-    written = list(dict.fromkeys(b for n in nodes for b in mutated_bases(n)))   # ordered: deterministic dumps
+    written = list(dict.fromkeys(b for n in nodes for b in written_args(n)))   # ordered: deterministic dumps
     # Dependencies: inputs from outside the group, and earlier readers of caches it writes.
     deps = [i for n in nodes for i in n.all_input_nodes if i not in group]
     first = order[nodes[0]]

@@ -137,7 +137,6 @@ class CompiledModel:
         from .moe import pack_moe_experts_
         pack_moe_experts_(self.model)
         dump_dir = dump_dir or os.environ.get("V41GRAPH_DUMP") or None
-        self.dump_dir = dump_dir
         self.traced: list[TracedGraph] = []     # every graph compiled so far (set_passes)
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower)
@@ -264,12 +263,17 @@ class CompiledModel:
             self._graph_for(b, caches, max_blocks, prepare=True)
 
 
+def _batch_tensors(input_ids, positions, m: AttentionMetadata) -> tuple:
+    """A step's inputs whose dim 0 is its token or sequence count (what a symbolic-batch graph
+    marks dynamic)."""
+    return (input_ids, positions, m.token_seq, m.seq_slot, m.chunk_start, m.seq_len,
+            m.query_start, m.block_table, m.logits_index)
+
+
 def _mark_batch_dims_dynamic(input_ids, positions, metadata: AttentionMetadata) -> None:
     """Mark the token count and the sequence count of a step's inputs dynamic for Dynamo (a
     count of 1 is still specialized: `maybe_mark_dynamic` does not insist)."""
-    m = metadata
-    for t in (input_ids, positions, m.token_seq, m.seq_slot, m.chunk_start, m.seq_len,
-              m.query_start, m.block_table, m.logits_index):
+    for t in _batch_tensors(input_ids, positions, metadata):
         torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
@@ -297,12 +301,10 @@ class DecodeGraph:
             # "all": an unbacked batch size, which Dynamo does not specialize at 1, so bucket 1
             # shares the graph too (every bucket marks it that way, so one graph serves all)
             mark = torch._dynamo.decorators.mark_unbacked if share == "all" else torch._dynamo.mark_dynamic
-            m = self.meta
-            for t in (self.input_ids, self.positions, m.token_seq, m.seq_slot, m.chunk_start,
-                      m.seq_len, m.query_start, m.block_table, m.logits_index):
+            for t in _batch_tensors(self.input_ids, self.positions, self.meta):
                 mark(t, 0)
             if max_blocks >= 2:   # the width too (Dynamo would specialize a width of 1)
-                torch._dynamo.mark_dynamic(m.block_table, 1)
+                torch._dynamo.mark_dynamic(self.meta.block_table, 1)
         # cpu: the plain graph; npu: torchair captures itself; capture=False: the same bucketed
         # graph and buffers without a CUDA graph (so capture on/off changes nothing else)
         self.captures = compiled.platform == "cuda" and compiled.capture
@@ -378,8 +380,8 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     capture=False runs the same decode buckets (padding, persistent buffers, graphs) without
     CUDA-graph capture: for debugging a capture, everything else stays the same.
     share_decode_graph=False traces every decode bucket on its own (static shapes throughout);
-    "all" lets bucket 1 share the graph too (an unbacked batch size: 4 buckets = 1 trace; checked
-    on CPU, not yet on a GPU).
+    "all" lets bucket 1 share the graph too (an unbacked batch size: 4 buckets = 1 trace; on the
+    H200 4 buckets compiled and captured in 80.6 s, docs/BENCHMARKS.md).
     inductor_segments=True compiles the final graph's stream-free stretches with Inductor
     (passes/inductor_segments.py); stream ops and cache writes stay with our executor."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,

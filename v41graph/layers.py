@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from v41graph.custom_ops import codecs
+from v41graph.custom_ops.reference import rms_norm as rms_norm_reference
 
 QUANT_BLOCK = 32  # K-block of activation quantization and of the blockwise GEMM
 
@@ -40,10 +41,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(dtype)
+        # plain torch ops (the compiler's fuse_rmsnorm / P1 passes match them in the graph);
+        # the same function is the reference of the v41graph::rms_norm op
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 def blockwise_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
