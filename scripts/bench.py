@@ -296,14 +296,16 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
     setup_s = time.perf_counter() - t0     # set_passes (and Inductor segments) on a reused trace
     if setup_s > 1:
         log(f"{variant}: ready in {setup_s:.1f} s")
-    warm_s = None
+    warm_s, breakdown = None, None
     if variant.startswith("v41graph") and device == "cuda":
+        runner.timings.clear()      # this variant's warm-up only (a reused trace keeps the dict)
         t0 = time.perf_counter()
         runner.warmup(caches, bps, show_progress=False)   # compile + capture every bucket
         _sync(device)
         warm_s = time.perf_counter() - t0
+        breakdown = {k: round(v, 2) for k, v in runner.timings.items()}
         what = "passes + capture (trace reused)" if trace_reused else "compile + capture"
-        log(f"{variant}: {what} of {len(batches)} buckets {warm_s:.1f} s")
+        log(f"{variant}: {what} of {len(batches)} buckets {warm_s:.1f} s; breakdown {breakdown}")
         segments = inductor_segment_totals(runner)
         if segments:
             log(f"{variant}: Inductor segments {segments}")
@@ -330,7 +332,7 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
             rows.append({"kind": "decode", "context": context, "batch": batch, "variant": variant,
                          "step_ms": med, "step_ms_min": min(ms), "tokens_per_s": batch / med * 1e3,
                          "compile_s": compile_s, "warmup_all_buckets_s": warm_s, "setup_s": setup_s,
-                         "trace_reused": trace_reused,
+                         "warmup_breakdown_s": breakdown, "trace_reused": trace_reused,
                          "floor_bytes": fb, "floor_ms": fb / bw * 1e3,
                          "floor_fraction": fb / bw * 1e3 / med,
                          "peak_mem_gb": (torch.cuda.max_memory_allocated() / 1e9

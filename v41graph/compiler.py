@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import os
 import sys
+import time
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
@@ -68,11 +69,12 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None,
-                 lower=None):
+                 lower=None, timings=None):
     """A torch.compile backend running our pass manager; returns (backend, pass_manager).
     `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes).
     `lower(gm)`, if given, is the platform lowering run on each final graph after the passes
-    (Inductor segments, passes/inductor_segments.py)."""
+    (Inductor segments, passes/inductor_segments.py). `timings`, a dict, accumulates the
+    seconds spent in our passes ("passes_s") and in the lowering ("lower_s")."""
     from functorch.compile import make_boxed_func
 
     manager = PassManager(passes, disable, dump_dir)
@@ -82,9 +84,14 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
 
     def fw_compiler(gm, example_inputs):
         graph = TracedGraph(gm) if traced is not None else None
+        t0 = time.perf_counter()
         manager(gm)
+        t1 = time.perf_counter()
         if lower is not None:
             lower(gm)
+        if timings is not None:
+            timings["passes_s"] = timings.get("passes_s", 0.0) + t1 - t0
+            timings["lower_s"] = timings.get("lower_s", 0.0) + time.perf_counter() - t1
         if graph is None:
             return make_boxed_func(gm.forward)
         traced.append(graph)
@@ -138,8 +145,13 @@ class CompiledModel:
         pack_moe_experts_(self.model)
         dump_dir = dump_dir or os.environ.get("V41GRAPH_DUMP") or None
         self.traced: list[TracedGraph] = []     # every graph compiled so far (set_passes)
+        # Where compile time goes (seconds, summed over graphs and buckets): our passes, the
+        # lowering, each bucket's first warm-up step (Dynamo + AOT tracing, passes, Triton JIT
+        # of kernels seen for the first time) and its capture (second warm-up + graph capture).
+        self.timings: dict[str, float] = {}
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
-                                                       traced=self.traced, lower=self._lower)
+                                                       traced=self.traced, lower=self._lower,
+                                                       timings=self.timings)
         self.capture = capture
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
@@ -357,12 +369,18 @@ class DecodeGraph:
         # Warm up on a side stream (compiles, allocates workspaces), then capture. Warm-up
         # steps write only the scratch slot and real slots' current rows again.
         saved = [t.clone() for t in self.caches.tensors()]
+        timings = self.compiled.timings
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(2):
+            for i in range(2):
+                t0 = time.perf_counter()
                 self._step()
+                torch.cuda.synchronize()
+                key = "first_step_s" if i == 0 else "capture_s"
+                timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
         torch.cuda.current_stream().wait_stream(s)
+        t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         if self.compiled.graph_pool is None:   # one pool for all buckets of this model
             self.compiled.graph_pool = torch.cuda.graph_pool_handle()
@@ -371,6 +389,7 @@ class DecodeGraph:
         for t, old in zip(self.caches.tensors(), saved):   # capture must not advance state
             t.copy_(old)
         self.cuda_graph = graph
+        timings["capture_s"] = timings.get("capture_s", 0.0) + time.perf_counter() - t0
 
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
