@@ -7,10 +7,11 @@ V41GRAPH_DISABLE_TRITON=1 is set, the call runs the pure-torch reference (the sp
 on the GPU instead, so results never depend on which path ran beyond the stated tolerances.
 
 Registered: fused_wkv_rmsnorm, rms_norm, rope, window_kv_write, global_kv_write, index_k_write,
-sparse_attention, engram_gather, mhc_sinkhorn, fake_quant; indexer_topk and
+sparse_attention, engram_gather, mhc_sinkhorn, fake_quant, fused_ratio2_compressor(_update)
+(cuBLAS projections + one Triton kernel for pooling, RMSNorm and the state-ring write); indexer_topk and
 indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place
-(bit-identical to the reference on the H200, fp32 and bf16), selection stays torch. (engram_hash, fused_pool_rmsnorm and
-fused_ratio2_compressor keep the reference on CUDA.)
+(bit-identical to the reference on the H200, fp32 and bf16), selection stays torch. (engram_hash and fused_pool_rmsnorm keep
+the reference on CUDA.)
 """
 from __future__ import annotations
 
@@ -98,6 +99,27 @@ def _sparse_attention_cuda(q, window_kv, window_scale, fresh_kv, window_rows, gl
     if tk is not None and tk.sparse_attention_supported(*args):
         return tk.sparse_attention(*args, softmax_scale)
     return _sparse_attention_ref(*args, softmax_scale)
+
+
+@torch.library.register_kernel(f"{_NS}::fused_ratio2_compressor", "cuda")
+def _fused_ratio2_compressor_cuda(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype):
+    tk = triton_kernels()
+    if tk is not None and tk.ratio2_supported(x, wkv, wgate, state, member_rows, norm_weight, out_dtype):
+        latent, kv, score = tk.ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype)
+        return latent, torch.cat([kv, score], dim=-1)
+    return ref.ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype)
+
+
+@torch.library.register_kernel(f"{_NS}::fused_ratio2_compressor_update", "cuda")
+def _fused_ratio2_compressor_update_cuda(x, wkv, wgate, state, member_rows, state_rows, norm_weight,
+                                         eps, out_dtype):
+    tk = triton_kernels()
+    if (tk is not None and state_rows.dim() == 1 and state_rows.shape[0] == x.shape[0]
+            and tk.ratio2_supported(x, wkv, wgate, state, member_rows, norm_weight, out_dtype)):
+        return tk.ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype,
+                                    state_rows=state_rows)[0]
+    return ref.ratio2_compressor_update(x, wkv, wgate, state, member_rows, state_rows, norm_weight,
+                                        eps, out_dtype)
 
 
 @torch.library.register_kernel(f"{_NS}::engram_gather", "cuda")

@@ -277,3 +277,21 @@ def _(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype):
     n, d = x.shape[0], wkv.shape[0]
     return (x.new_empty((n, d), dtype=out_dtype),
             x.new_empty((n, d + wgate.shape[0]), dtype=torch.float32))
+
+
+@custom_op(f"{_NS}::fused_ratio2_compressor_update", mutates_args=("state",))
+def fused_ratio2_compressor_update(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor,
+                                   state: torch.Tensor, member_rows: torch.Tensor,
+                                   state_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                   out_dtype: torch.dtype) -> torch.Tensor:
+    """fused_ratio2_compressor with the state-ring write folded in (passes/fuse_ratio2_state_write.py):
+    reads the ring's old rows, then writes this call's rows to `state_rows` (-1 skipped).
+    Returns the latent [N, D]. On CUDA one Triton kernel does the pooling, the RMSNorm and
+    the ring write (after the projection GEMMs)."""
+    return ref.ratio2_compressor_update(x, wkv, wgate, state, member_rows, state_rows, norm_weight,
+                                        eps, out_dtype)
+
+
+@fused_ratio2_compressor_update.register_fake
+def _(x, wkv, wgate, state, member_rows, state_rows, norm_weight, eps, out_dtype):
+    return x.new_empty((x.shape[0], wkv.shape[0]), dtype=out_dtype)

@@ -204,6 +204,15 @@ def ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_d
     return pool_rmsnorm(kv, score, norm_weight, eps, out_dtype), rows
 
 
+def ratio2_compressor_update(x, wkv, wgate, state, member_rows, state_rows, norm_weight, eps, out_dtype):
+    """The `fused_ratio2_compressor_update` op: ratio2_compressor, then the state-ring write
+    the model does after it (rows to state_rows, -1 skipped). Reads the ring before writing it,
+    as Compressor.forward does. Returns the latent [N, D]."""
+    latent, rows = ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype)
+    masked_row_write(state, state_rows, rows)
+    return latent
+
+
 # ----------------------------------------------------------------------------- indexer
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                    visible: torch.Tensor) -> torch.Tensor:

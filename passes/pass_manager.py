@@ -1,6 +1,7 @@
 """The pass manager: owns the order of the passes, runs them, records and dumps what each did.
 
-Order: cleanup -> fusions (P1, then the remaining RMSNorms) -> defunctionalize -> stream passes (P4, P6) -> stream check.
+Order: cleanup -> fusions (P1, then the remaining RMSNorms) -> defunctionalize -> P1's state-write
+fold (it needs the in-place write) -> stream passes (P4, P6) -> stream check.
 Fusions run before the stream passes so that no fusion can straddle a stream boundary; the
 stream check runs last and rejects a graph with unjoined side work.
 
@@ -50,18 +51,19 @@ from .cleanup import Cleanup
 from .defunctionalize import Defunctionalize
 from .dual_stream import DualStream
 from .fuse_pool_rmsnorm import FusePoolRMSNorm
+from .fuse_ratio2_state_write import FuseRatio2StateWrite
 from .fuse_rmsnorm import FuseRMSNorm
 from .fuse_wkv_rmsnorm import FuseWkvRMSNorm
 from .hoist_engram import HoistEngram
 from .stream_check import StreamCheck
 
 PASS_CLASSES = {cls.name: cls for cls in
-                (Cleanup, FuseWkvRMSNorm, FusePoolRMSNorm, FuseRMSNorm, Defunctionalize, HoistEngram,
-                 DualStream, StreamCheck)}
+                (Cleanup, FuseWkvRMSNorm, FusePoolRMSNorm, FuseRMSNorm, Defunctionalize,
+                 FuseRatio2StateWrite, HoistEngram, DualStream, StreamCheck)}
 DEFAULT_PASSES = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize",
-                  "hoist_engram", "dual_stream", "stream_check")
+                  "fuse_ratio2_state_write", "hoist_engram", "dual_stream", "stream_check")
 # Short names from the seed's opportunity points.
-ALIASES = {"P1": ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm"), "P4": ("hoist_engram",),
+ALIASES = {"P1": ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_ratio2_state_write"), "P4": ("hoist_engram",),
            "P6": ("dual_stream",)}
 
 DUMP_FORMAT = "v41graph-dump"

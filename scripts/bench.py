@@ -303,7 +303,7 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
         runner.warmup(caches, bps, show_progress=False)   # compile + capture every bucket
         _sync(device)
         warm_s = time.perf_counter() - t0
-        breakdown = {k: round(v, 2) for k, v in runner.timings.items()}
+        breakdown = {k: round(v, 2) for k, v in runner.timings.items() if k.endswith("_s")}
         what = "passes + capture (trace reused)" if trace_reused else "compile + capture"
         log(f"{variant}: {what} of {len(batches)} buckets {warm_s:.1f} s; breakdown {breakdown}")
         segments = inductor_segment_totals(runner)

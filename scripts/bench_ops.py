@@ -387,13 +387,65 @@ def bench_indexer(tk, bw, quick):
             torch.cuda.empty_cache()
 
 
+# =============================================================================== ratio-2 compressor
+def bench_ratio2(tk, bw, quick):
+    """The ratio-2 compressor step (fp32 projection pair [N, 5120] x [512, 5120]^T x 2, pooling
+    of each token's 2 group members from the state ring / this call, cast to bf16, RMSNorm, ring
+    write): the model's unfused ops (reference.ratio2_compressor_update = what attention.Compressor
+    runs) vs the fused op (the same cuBLAS projections + one Triton kernel). Graph of calls over 4
+    weight copies (84 MB > L2, like consecutive layers); us per call."""
+    from v41graph.custom_ops import reference as ref
+    ops = torch.ops.v41graph
+    d, k, ring, copies = 512, 5120, 32, 4
+    weights = [(torch.randn(d, k, device="cuda") / 72, torch.randn(d, k, device="cuda") / 72)
+               for _ in range(copies)]
+    g = torch.rand(d, device="cuda") + 0.5
+    shapes = [("decode B=1", [(0, 4095, 1)]), ("decode B=64", [(s, 4000 + s, 1) for s in range(64)]),
+              ("prefill T=4096", [(0, 0, 4096)])]
+    if not quick:
+        shapes.insert(1, ("decode B=8", [(s, 4000 + s, 1) for s in range(8)]))
+    for shape, chunks in shapes:
+        slots = len(chunks) + 1
+        members, writes, base = [], [], slots * ring
+        for slot, start, length in chunks:          # the model's layout (tests/test_ratio2_kernel.py)
+            for p in range(start, start + length):
+                for q in (max(p - 1, 0), p):
+                    members.append(base + q - start if q >= start else slot * ring + q % ring)
+                writes.append(slot * ring + p % ring if p >= start + length - ring else -1)
+            base += length
+        members = torch.tensor(members, device="cuda")
+        writes = torch.tensor(writes, device="cuda")
+        n = writes.shape[0]
+        x = torch.randn(n, k, device="cuda").bfloat16()
+        state = torch.randn(slots, ring, 2 * d, device="cuda")
+        nbytes = 2 * d * k * 4 + n * k * 2 + n * d * 2 + 2 * n * 2 * d * 4   # weights, x, out, ring r+w
+        unfused = [lambda w=w: ref.ratio2_compressor_update(x, w[0], w[1], state, members, writes, g, 1e-6,
+                                                            torch.bfloat16) for w in weights]
+        fused = [lambda w=w: ops.fused_ratio2_compressor_update(x, w[0], w[1], state, members, writes, g,
+                                                                1e-6, torch.bfloat16) for w in weights]
+        proj = [lambda w=w: (torch.nn.functional.linear(x.float(), w[0]),
+                             torch.nn.functional.linear(x.float(), w[1])) for w in weights]
+        s0 = state.clone()
+        want = ref.ratio2_compressor_update(x, *weights[0], s0, members, writes, g, 1e-6, torch.bfloat16)
+        s1 = state.clone()
+        got = ops.fused_ratio2_compressor_update(x, *weights[0], s1, members, writes, g, 1e-6, torch.bfloat16)
+        err = rel(got, want)
+        if not torch.equal(s0, s1):
+            say(f"  ratio2 {shape}: STATE RING DIFFERS")
+        t_un = gbench(unfused)
+        row("ratio2_compressor", shape, "torch (model's ops, unfused)", t_un, nbytes, bw=bw)
+        row("ratio2_compressor", shape, "cuBLAS projection pair alone", gbench(proj), nbytes, bw=bw)
+        row("ratio2_compressor", shape, "fused: projections + 1 kernel (pool, norm, ring write)",
+            gbench(fused), nbytes, base_us=t_un, err=err, bw=bw)
+
+
 # =============================================================================== main
 def main():
     global LOG
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer")
+    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     LOG = open(os.path.join(args.out, "bench.log"), "w")
@@ -421,7 +473,8 @@ def main():
                 ("writes", lambda: bench_writes(tk, d2d, args.quick)),
                 ("attn", lambda: bench_attention(tk, d2d, args.quick)),
                 ("engram", lambda: bench_engram(tk, d2d, h2d, args.quick)),
-                ("indexer", lambda: bench_indexer(tk, d2d, args.quick))]
+                ("indexer", lambda: bench_indexer(tk, d2d, args.quick)),
+                ("ratio2", lambda: bench_ratio2(tk, d2d, args.quick))]
     for name, fn in sections:
         if only and name not in only:
             continue

@@ -4,7 +4,7 @@ CPU by default, or the bench model (real widths, scripts/bench.py's build_model)
     python scripts/serve_example.py [--requests 300] [--batch 8] [--compile]
                                     [--spec K [--schedule fixed|confidence]]
                                     [--prefill auto|full|replay] [--rebuild-metadata]
-    python scripts/serve_example.py --config bench --device cuda --compile --batch 32
+    python scripts/serve_example.py --config bench --device cuda --compile --batch 32 [--eager-prefill]
 
 Requests arrive a few per engine step (Poisson-ish), with prompt lengths 4..64, 4..32 new
 tokens, half greedy and half sampled (temperature / top-p, per-request seeds), some with stop
@@ -41,6 +41,9 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="run through v41graph.compile (slow warm-up)")
+    ap.add_argument("--eager-prefill", action="store_true",
+                    help="with --compile: prefill / mixed steps run the eager model (one trace, "
+                         "the decode graph, instead of three)")
     ap.add_argument("--warmup-requests", type=int, default=32,
                     help="with --compile: requests served before the timed run (compiles, captures)")
     ap.add_argument("--spec", type=int, default=0, help="DSpark drafts per step (0 = off)")
@@ -62,8 +65,8 @@ def main():
         block_size = 128   # the serving layout of MODEL.md (ratio-2 sources: 64 rows per block)
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(args.batch, 1))
     t_compile = time.perf_counter()
-    runner = v41graph.compile(model, batch_sizes=buckets, share_decode_graph="all") \
-        if args.compile else model
+    runner = v41graph.compile(model, batch_sizes=buckets, share_decode_graph="all",
+                              compile_prefill=not args.eager_prefill) if args.compile else model
     spec_kw = {}
     if args.spec:
         from v41graph.dspark import DSparkHead

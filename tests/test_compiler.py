@@ -21,8 +21,8 @@ from v41graph.passes.pass_manager import PassManager, resolve_passes
 from v41graph.session import Session
 
 ops = torch.ops.v41graph
-ALL = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize", "hoist_engram",
-       "dual_stream", "stream_check")
+ALL = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize",
+       "fuse_ratio2_state_write", "hoist_engram", "dual_stream", "stream_check")
 # fp32 CPU: the fused op and the unfused pair compute the same expression; only BLAS
 # blocking may differ, so logits (|logit| ~ 1-5) agree to ~1e-5.
 ATOL = 1e-4
@@ -109,6 +109,7 @@ def _run(model, fn, prompt, steps=16):
 
 # ---------------------------------------------------------------------------- numerics
 @pytest.mark.parametrize("disabled", [(), ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm"), ("fuse_rmsnorm",),
+                                      ("fuse_ratio2_state_write",),
                                       ("hoist_engram",), ("dual_stream",),
                                       ("defunctionalize", "hoist_engram", "dual_stream"),
                                       ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize",
@@ -234,29 +235,38 @@ def test_mhc_one_op_per_predictor(tiny, traced):
 
 def test_p1_fuses_each_ratio2_compressor(tiny, traced):
     """Per ratio-2 Full layer of the plan: the projection pair, the gather from the state ring
-    and the pooling + RMSNorm become one fused_ratio2_compressor; its rows output feeds the
-    (separate, later) state write."""
+    and the pooling + RMSNorm become one fused_ratio2_compressor, and after defunctionalize
+    fuse_ratio2_state_write folds the (separate, later) state write into it:
+    fused_ratio2_compressor_update, placed where the write was."""
     vb, *_ = traced
     plan = v41graph.build_layer_plan(tiny.config)
     ratio2_full = sum(1 for r in plan if r.mode == "full" and r.ratio == 2)
     assert ratio2_full == sum(1 for b in tiny.layers if b.role.mode == "full" and b.role.ratio == 2) == 2
     aten = torch.ops.aten
+    no_fold = tuple(p for p in ALL if p != "fuse_ratio2_state_write")
     for idx in (0, 1):
         g = vb.passed(idx)
-        assert _count(g, ops.fused_ratio2_compressor.default) == ratio2_full
-        assert _count(g, ops.fused_pool_rmsnorm.default) == 0        # every pool took its projections
+        assert _count(g, ops.fused_ratio2_compressor_update.default) == ratio2_full
+        assert _count(g, ops.fused_ratio2_compressor.default, ops.fused_pool_rmsnorm.default) == 0
+        read = vb.passed(idx, no_fold)
+        assert _count(read, ops.fused_ratio2_compressor.default) == ratio2_full
+        assert _count(read, ops.fused_pool_rmsnorm.default) == 0        # every pool took its projections
+        # the fold removes exactly one state write per ratio-2 compressor (Engram's history
+        # writes stay)
+        assert _count(read, ops.state_write.default) - _count(g, ops.state_write.default) == ratio2_full
         # without the pool fusion (or without P1) nothing of it: softmax and the mm pair still there
         for passes in (tuple(p for p in ALL if p != "fuse_pool_rmsnorm"), tuple(resolve_passes(disable=("P1",)))):
             plain = vb.passed(idx, passes)
-            assert _count(plain, ops.fused_ratio2_compressor.default, ops.fused_pool_rmsnorm.default) == 0
+            assert _count(plain, ops.fused_ratio2_compressor.default, ops.fused_pool_rmsnorm.default,
+                          ops.fused_ratio2_compressor_update.default) == 0
             assert _count(plain, aten._softmax.default) - _count(g, aten._softmax.default) == ratio2_full
         plain = vb.passed(idx, tuple(p for p in ALL if p != "fuse_pool_rmsnorm"))
         assert _count(plain, aten.mm.default) - _count(g, aten.mm.default) == 2 * ratio2_full
         gathers = (aten.index.Tensor, aten.index_select.default)
         assert _count(plain, *gathers) - _count(g, *gathers) == ratio2_full
-        assert _count(plain, ops.state_write.default) == _count(g, ops.state_write.default)
-        order = {n: i for i, n in enumerate(g.graph.nodes)}
-        for n in g.graph.nodes:
+        assert _count(plain, ops.state_write.default) == _count(read, ops.state_write.default)
+        order = {n: i for i, n in enumerate(read.graph.nodes)}
+        for n in read.graph.nodes:
             if n.op == "call_function" and n.target == ops.fused_ratio2_compressor.default:
                 (rows,) = [u for u in n.users if u.args[1] == 1]
                 (write,) = rows.users
@@ -288,8 +298,10 @@ def test_defunctionalize_leaves_no_cache_copies(tiny, traced):
         g = vb.passed(idx)
         assert _count(g, torch.ops.higher_order.auto_functionalized_v2) == 0
         writes = _count(g, ops.window_kv_write.default, ops.global_kv_write.default,
-                        ops.index_k_write.default, ops.state_write.default)
-        assert writes == 10 + 3 + 3 + 2 + 1   # window x10, global x3, index x3, r2 state x2, Engram history
+                        ops.index_k_write.default, ops.state_write.default,
+                        ops.fused_ratio2_compressor_update.default)
+        # window x10, global x3, index x3, r2 state x2 (folded into the fused op), Engram history
+        assert writes == 10 + 3 + 3 + 2 + 1
         caches = {n for n in g.graph.nodes if n.op == "placeholder" and n.meta["val"].dtype == torch.uint8
                   and n.meta["val"].dim() == 3}
         for n in g.graph.nodes:
@@ -384,9 +396,10 @@ def test_inductor_segment_partition_of_the_tiny_graph(tiny, traced):
     from v41graph.custom_ops.streams import STREAM_OPS
     from v41graph.passes.inductor_segments import MIN_COMPUTE_NODES, find_segments, lower_inductor_segments
 
-    def written_args(n):
+    def written_args(n):   # by name or by position, as the graph passes them
         schema = getattr(n.target, "_schema", None)
-        return [n.kwargs[a.name] for a in (schema.arguments if schema else ())
+        return [n.kwargs[a.name] if a.name in n.kwargs else n.args[i]
+                for i, a in enumerate(schema.arguments if schema else ())
                 if a.alias_info is not None and a.alias_info.is_write]
 
     vb, *_ = traced
@@ -685,13 +698,15 @@ def test_share_all_buckets_one_decode_trace(tiny):
 
 # ---------------------------------------------------------------------------- P1, ratio 2
 class _Ratio2(torch.nn.Module):
-    """The ratio-2 compressor's read side as attention.Compressor spells it, with a switch for
-    a near miss: a projection output with one more user."""
+    """The ratio-2 compressor's read side as attention.Compressor spells it, with switches for
+    near misses: a projection output with one more user ("extra_user", refused by the pool
+    fusion) and a read of the state ring between the fused read and the ring write
+    ("peek_state", refused by the state-write fold only)."""
 
-    def __init__(self, extra_user: bool):
+    def __init__(self, extra_user: bool, peek_state: bool = False):
         super().__init__()
         from v41graph.layers import Linear, RMSNorm
-        self.extra_user = extra_user
+        self.extra_user, self.peek_state = extra_user, peek_state
         self.wkv = Linear(24, 8, dtype=torch.float32)
         self.wgate = Linear(24, 8, dtype=torch.float32)
         self.norm = RMSNorm(8, 1e-6)
@@ -706,17 +721,22 @@ class _Ratio2(torch.nn.Module):
         member = pool.index_select(0, member_rows).view(x.shape[0], 2, -1)
         kv, score = member.chunk(2, dim=-1)
         latent = (kv * score.softmax(dim=1)).sum(dim=1)
+        peek = state[0, 0, :1].clone() if self.peek_state else None
         ops.state_write(state, state_rows, rows)
         out = self.norm(latent.to(x.dtype))
+        if peek is not None:
+            out = out + peek.to(x.dtype)
         return out + a.sum(-1, keepdim=True).to(x.dtype) if self.extra_user else out
 
 
-@pytest.mark.parametrize("extra_user,dynamic", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("extra_user,peek_state,dynamic", [(False, False, False), (True, False, False),
+                                                          (False, True, False), (False, False, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_p1_ratio2_compressor_fusion_and_near_miss(extra_user, dynamic, dtype):
-    """Fused (also with a symbolic token count, as in the shared decode graph) and refused."""
+def test_p1_ratio2_compressor_fusion_and_near_miss(extra_user, peek_state, dynamic, dtype):
+    """Fused, the state write folded in (also with a symbolic token count, as in the shared
+    decode graph), and refused."""
     torch.manual_seed(0)
-    m = _Ratio2(extra_user).eval().requires_grad_(False)
+    m = _Ratio2(extra_user, peek_state).eval().requires_grad_(False)
     x = torch.randn(5, 24).to(dtype)
     state = torch.randn(3, 4, 16)
     member_rows = torch.randint(0, 3 * 4 + 5, (10,))
@@ -724,7 +744,7 @@ def test_p1_ratio2_compressor_fusion_and_near_miss(extra_user, dynamic, dtype):
     graphs = []
 
     def fw(gm, ex):
-        PassManager(["cleanup", "fuse_pool_rmsnorm", "defunctionalize"])(gm)
+        PassManager(["cleanup", "fuse_pool_rmsnorm", "defunctionalize", "fuse_ratio2_state_write"])(gm)
         graphs.append(gm)
         return make_boxed_func(gm.forward)
     be = aot_autograd(fw_compiler=fw, decompositions=DECOMPOSITIONS, keep_inference_input_mutations=True)
@@ -737,12 +757,39 @@ def test_p1_ratio2_compressor_fusion_and_near_miss(extra_user, dynamic, dtype):
     assert torch.equal(got, want) and torch.equal(s_comp, s_eager)
     g = graphs[0]
     fused = 0 if extra_user else 1
-    assert _count(g, ops.fused_ratio2_compressor.default) == fused
+    folded = fused if not peek_state else 0
+    assert _count(g, ops.fused_ratio2_compressor_update.default) == folded
+    assert _count(g, ops.fused_ratio2_compressor.default) == fused - folded
     assert _count(g, ops.fused_pool_rmsnorm.default) == 1 - fused      # refused: plain pool fusion
     assert _count(g, torch.ops.aten.mm.default) == 2 * (1 - fused)
-    # the state write still happens in place after the fused read (defunctionalized)
+    # the state write still happens in place after the fused read (defunctionalized), unless folded
     assert _count(g, torch.ops.higher_order.auto_functionalized_v2) == 0
-    assert _count(g, ops.state_write.default) == 1
+    assert _count(g, ops.state_write.default) == 1 - folded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ratio2_update_reference_reads_before_writing(dtype):
+    """fused_ratio2_compressor_update's reference == the read op followed by the ring write,
+    also when the call's own rows overwrite a ring row it reads (a chunk as long as the ring)."""
+    torch.manual_seed(1)
+    ring, d, k = 4, 8, 24
+    x = torch.randn(6, k).to(dtype)
+    wkv, wgate, g = torch.randn(d, k), torch.randn(d, k), torch.rand(d) + 0.5
+    state = torch.randn(2, ring, 2 * d)
+    # one sequence in slot 0, chunk at positions 3..8: token 0 reads ring position 2 (row 2),
+    # and position 6 (token 3) is written to that same row
+    pos = torch.arange(3, 9)
+    member_rows = torch.stack([torch.where(pos - 1 < 3, (pos - 1) % ring, 2 * ring + pos - 1 - 3),
+                               2 * ring + pos - 3], dim=1).flatten()
+    state_rows = torch.where(pos >= 9 - ring, pos % ring, -1)
+    assert member_rows[0] == 2 and state_rows[3] == 2
+    want_state = state.clone()
+    want, rows = ops.fused_ratio2_compressor(x, wkv, wgate, want_state, member_rows, g, 1e-6, dtype)
+    ops.state_write(want_state, state_rows, rows)
+    got_state = state.clone()
+    got = ops.fused_ratio2_compressor_update(x, wkv, wgate, got_state, member_rows, state_rows, g, 1e-6, dtype)
+    assert torch.equal(got, want) and torch.equal(got_state, want_state)
+    assert not torch.equal(got_state, state)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -298,3 +298,16 @@ def test_decode_width_buckets_same_tokens_fewer_blocks(tiny_model):
     assert [o.token_ids for o in eng.generate(prompts, params)] == want
     assert {key[2] for key in compiled._decode} == set(widths)
     assert len(compiled.traced) <= 3        # prefill (+ its dynamic recompile) and one decode trace
+
+
+def test_compiled_decode_with_eager_prefill(tiny_model, reference_greedy):
+    """compile(compile_prefill=False): prefill and mixed steps run the eager model, decode steps
+    the compiled bucket graph; the greedy tokens are the plain model loop's, and the only trace
+    is the decode graph's (a compiled prefill would add one or two)."""
+    compiled = v41graph.compile(tiny_model, backend="cpu", batch_sizes=(2, 4), share_decode_graph="all",
+                                compile_prefill=False)
+    eng = _engine(compiled)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference_greedy
+    assert _all_free(eng)
+    assert len(compiled.traced) == 1 and compiled._decode

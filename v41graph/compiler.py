@@ -2,7 +2,7 @@
 
     compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
                                 batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
-                                inductor_segments=False)
+                                inductor_segments=False, compile_prefill=True)
     logits = compiled(input_ids, positions, caches, metadata)     # same call as the model
 
     torch.compile(model, backend="v41graph")                      # also registered
@@ -92,6 +92,7 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
         if timings is not None:
             timings["passes_s"] = timings.get("passes_s", 0.0) + t1 - t0
             timings["lower_s"] = timings.get("lower_s", 0.0) + time.perf_counter() - t1
+            timings["graph_ready_at"] = time.perf_counter()   # splits a first step (see warm-up)
         if graph is None:
             return make_boxed_func(gm.forward)
         traced.append(graph)
@@ -129,7 +130,7 @@ class CompiledModel:
 
     def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
                  batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
-                 inductor_segments=False):
+                 inductor_segments=False, compile_prefill=True):
         self.model = model.eval().requires_grad_(False)
         if share_decode_graph not in (True, False, "all"):
             raise ValueError(f"share_decode_graph must be True, False or \"all\", got {share_decode_graph!r}")
@@ -146,8 +147,10 @@ class CompiledModel:
         dump_dir = dump_dir or os.environ.get("V41GRAPH_DUMP") or None
         self.traced: list[TracedGraph] = []     # every graph compiled so far (set_passes)
         # Where compile time goes (seconds, summed over graphs and buckets): our passes, the
-        # lowering, each bucket's first warm-up step (Dynamo + AOT tracing, passes, Triton JIT
-        # of kernels seen for the first time) and its capture (second warm-up + graph capture).
+        # lowering, each bucket's first warm-up step, split into tracing (Dynamo + AOT + passes +
+        # lowering, until the graph is ready: "trace_s") and its first run (Triton JIT of kernels
+        # seen for the first time, cuBLAS setup: "first_run_s"), and its capture (second warm-up
+        # + graph capture).
         self.timings: dict[str, float] = {}
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
@@ -170,7 +173,12 @@ class CompiledModel:
         # Dynamo specializes size-1 dimensions, so bucket 1 gets its own static graph (_fn).
         self._shared_decode_fn = torch.compile(self.model, backend=self.backend, fullgraph=True,
                                                dynamic=None)
-        self._prefill_fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=None)
+        # Everything that is not a decode step (prefill chunks, mixed steps, verify steps) runs
+        # this graph, or the eager model with compile_prefill=False: a serving engine whose
+        # step shapes vary widely then pays one trace (the decode graph) instead of two or three.
+        self.compile_prefill = bool(compile_prefill)
+        self._prefill_fn = (torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=None)
+                            if self.compile_prefill else self.model)
         self._decode: dict[tuple, DecodeGraph] = {}
         # Captured buckets share one memory pool (they never run at the same time); it lives
         # as long as this object, so a later model never captures into a released pool.
@@ -230,7 +238,7 @@ class CompiledModel:
             if decoder_replay is not None:   # data-dependent shapes: runs eagerly
                 return self.model(input_ids, positions, caches, metadata, all_logits, decoder_replay,
                                   **extra)
-            if return_streams:
+            if return_streams and self.compile_prefill:
                 _mark_batch_dims_dynamic(input_ids, positions, metadata)
             return self._prefill_fn(input_ids, positions, caches, metadata, all_logits, **extra)
 
@@ -377,8 +385,14 @@ class DecodeGraph:
                 t0 = time.perf_counter()
                 self._step()
                 torch.cuda.synchronize()
-                key = "first_step_s" if i == 0 else "capture_s"
-                timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+                t1 = time.perf_counter()
+                if i == 1:
+                    timings["capture_s"] = timings.get("capture_s", 0.0) + t1 - t0
+                    continue
+                ready = timings.pop("graph_ready_at", None)     # set if this step traced a graph
+                traced = ready - t0 if ready is not None and ready > t0 else 0.0
+                timings["trace_s"] = timings.get("trace_s", 0.0) + traced
+                timings["first_run_s"] = timings.get("first_run_s", 0.0) + t1 - t0 - traced
         torch.cuda.current_stream().wait_stream(s)
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
@@ -394,7 +408,7 @@ class DecodeGraph:
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
             batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = True,
-            inductor_segments: bool = False) -> CompiledModel:
+            inductor_segments: bool = False, compile_prefill: bool = True) -> CompiledModel:
     """Compile a V41Model with the v41graph backend. See the module docstring.
     capture=False runs the same decode buckets (padding, persistent buffers, graphs) without
     CUDA-graph capture: for debugging a capture, everything else stays the same.
@@ -402,10 +416,13 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     "all" lets bucket 1 share the graph too (an unbacked batch size: 4 buckets = 1 trace; on the
     H200 4 buckets compiled and captured in 80.6 s, docs/BENCHMARKS.md).
     inductor_segments=True compiles the final graph's stream-free stretches with Inductor
-    (passes/inductor_segments.py); stream ops and cache writes stay with our executor."""
+    (passes/inductor_segments.py); stream ops and cache writes stay with our executor.
+    compile_prefill=False runs every step that is not a plain decode step (prefill, mixed and
+    verify steps) on the eager model; decode steps still run the compiled, captured buckets."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
                          batch_sizes=batch_sizes, dump_dir=dump_dir,
-                         share_decode_graph=share_decode_graph, inductor_segments=inductor_segments)
+                         share_decode_graph=share_decode_graph, inductor_segments=inductor_segments,
+                         compile_prefill=compile_prefill)
 
 
 __all__ = ["compile", "CompiledModel", "copy_graph_module", "make_backend"]
