@@ -35,15 +35,16 @@ def _greedy(session, prompt, steps):
     return out
 
 
-def test_capture_replay_matches_eager_and_never_recompiles(model):
-    compiled = v41graph.compile(model, backend="cuda", batch_sizes=(1, 2, 4))
+def _check_captured_against_eager(model, compiled, steps: int) -> None:
+    """Prefill + `steps` captured greedy decode steps of `compiled` vs eager, the caches re-synced
+    before every step (see ATOL); no recompile after the first decode step."""
     prompt = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(1))
     eager = Session(model, 3, 160, block_size=16)
     comp = Session(compiled, 3, 160, block_size=16)
     a, b = eager.prefill(prompt), comp.prefill(prompt)
     assert torch.allclose(a, b, atol=ATOL, rtol=0)
     graphs_after_first = None
-    for step in range(100):                    # replay with new tokens every step
+    for step in range(steps):                  # replay with new tokens every step
         for e, c in zip(eager.caches.tensors(), comp.caches.tensors()):
             e.copy_(c)                         # same state in, see ATOL above
         nxt = a.argmax(-1, keepdim=True)
@@ -53,6 +54,22 @@ def test_capture_replay_matches_eager_and_never_recompiles(model):
             graphs_after_first = compiled.pass_manager.graph_index
             assert compiled._decode[(4, id(comp.caches), comp.max_blocks)].cuda_graph is not None   # 3 seqs -> bucket 4
     assert compiled.pass_manager.graph_index == graphs_after_first   # no recompiles
+
+
+def test_capture_replay_matches_eager_and_never_recompiles(model):
+    _check_captured_against_eager(model, v41graph.compile(model, backend="cuda", batch_sizes=(1, 2, 4)), 100)
+
+
+def test_inductor_segments_captured_decode_matches_eager(model):
+    """compile(inductor_segments=True): the stream-free segments run Inductor's kernels inside
+    the captured decode graph, and each step still computes what eager computes (same ATOL;
+    Inductor fuses, so not bit-identical). At least half the segments must really be compiled."""
+    compiled = v41graph.compile(model, backend="cuda", batch_sizes=(4,), inductor_segments=True)
+    _check_captured_against_eager(model, compiled, 20)
+    reports = [g.current.meta["inductor_segments"] for g in compiled.traced]
+    assert len(reports) >= 2                                  # prefill and decode graphs
+    for r in reports:
+        assert r["compiled"] >= r["split"] / 2 > 0, r
 
 
 def test_side_stream_kernels_overlap_main_stream(model):
