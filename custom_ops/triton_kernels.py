@@ -28,11 +28,6 @@ tests/test_kernels_cuda.py:
                       RMSNorm and (fused_ratio2_compressor_update) the state-ring write, one
                       program per token.
 
-Compile time: the token / row count of a launch (the decode bucket's batch) is marked
-`do_not_specialize` wherever it is only a bound or a mask, so one compiled variant serves every
-bucket (Triton would otherwise compile separately for a count of 1, a multiple of 16 and the
-rest: up to three JIT compiles per kernel in the first decode step). Widths stay specialized.
-
 Portability (triton-ascend): the E2M1 encode/decode are integer/bit arithmetic only; the FP8
 conversions use tl.float8e4nv and the wkv kernel uses atomics + cache modifiers, which are the
 CUDA-specific parts. The rest (RMSNorm, RoPE, ratio-2, Sinkhorn, FP4 writes, Engram gather,
@@ -105,7 +100,7 @@ def _e2m1_decode(c):
 
 
 # =============================================================================== fused_wkv_rmsnorm
-@triton.jit(do_not_specialize=["M", "n_parts"])
+@triton.jit
 def _wkv_rmsnorm_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, acc_ptr, cnt_ptr,
                         M, K, N, eps, tiles_per_split, n_parts,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NP2: tl.constexpr,
@@ -166,7 +161,7 @@ def _wkv_rmsnorm_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, acc_ptr, cnt_ptr,
             tl.atomic_xchg(cnt_ptr + pid_m, 0)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _rmsnorm_rows_kernel(y_ptr, nw_ptr, out_ptr, M, N, eps, BR: tl.constexpr, NP2: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, NP2)
@@ -247,7 +242,7 @@ def rope(x: torch.Tensor, rotation: torch.Tensor, inverse: bool) -> torch.Tensor
 
 
 # =============================================================================== ratio-2 compressor
-@triton.jit(do_not_specialize=["N", "N_K"])
+@triton.jit
 def _ratio2_pool_kernel(kv_ptr, sc_ptr, state_ptr, member_ptr, srow_ptr, nw_ptr, out_ptr,
                         N, N_K, RING_ROWS, eps, D: tl.constexpr, RING: tl.constexpr, BD: tl.constexpr,
                         WRITE: tl.constexpr):
@@ -432,7 +427,7 @@ def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Ten
 
 
 # =============================================================================== cache writes
-@triton.jit(do_not_specialize=["N"])
+@triton.jit
 def _fp8_ue8m0_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
                             D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
                             BR: tl.constexpr):
@@ -456,7 +451,7 @@ def _fp8_ue8m0_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
     tl.store(scale_ptr + slot[:, None] * NB + b[None, :], sb, mask=valid[:, None])
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit
 def _fp4_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
                       D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, HALF: tl.constexpr,
                       E4M3_SCALE: tl.constexpr, BR: tl.constexpr):
@@ -949,7 +944,7 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
 
 
 # =============================================================================== Engram gather
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit
 def _engram_gather_kernel(table_ptr, scale_ptr, ids_ptr, out_ptr, n_rows,
                           DH: tl.constexpr, NB: tl.constexpr, BR: tl.constexpr,
                           OUT_DTYPE: tl.constexpr):
@@ -1000,7 +995,7 @@ def engram_gather(table, scale, row_ids, out_dtype, *, rows_per_program: int = 4
 
 
 # =============================================================================== mHC Sinkhorn
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit
 def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, iters,
                          eps, HC: tl.constexpr, BR: tl.constexpr):
     """BR tokens per program; each token's (2+HC)*HC mixes -> pre, post and the HC x HC comb
@@ -1056,7 +1051,7 @@ def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_pe
 
 
 # =============================================================================== fake quantization
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit
 def _fake_quant_kernel(x_ptr, out_ptr, n_rows, D: tl.constexpr, BLOCK: tl.constexpr,
                        NB: tl.constexpr, FP4: tl.constexpr, BR: tl.constexpr,
                        OUT_DTYPE: tl.constexpr):

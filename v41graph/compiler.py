@@ -92,7 +92,7 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
         if timings is not None:
             timings["passes_s"] = timings.get("passes_s", 0.0) + t1 - t0
             timings["lower_s"] = timings.get("lower_s", 0.0) + time.perf_counter() - t1
-            timings["graph_ready_at"] = time.perf_counter()   # splits a first step (see warm-up)
+            timings["_graph_ready_at"] = time.perf_counter()   # splits a first step (see warm-up)
         if graph is None:
             return make_boxed_func(gm.forward)
         traced.append(graph)
@@ -150,7 +150,7 @@ class CompiledModel:
         # lowering, each bucket's first warm-up step, split into tracing (Dynamo + AOT + passes +
         # lowering, until the graph is ready: "trace_s") and its first run (Triton JIT of kernels
         # seen for the first time, cuBLAS setup: "first_run_s"), and its capture (second warm-up
-        # + graph capture).
+        # + graph capture). Keys ending in "_s" are durations.
         self.timings: dict[str, float] = {}
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
@@ -389,7 +389,7 @@ class DecodeGraph:
                 if i == 1:
                     timings["capture_s"] = timings.get("capture_s", 0.0) + t1 - t0
                     continue
-                ready = timings.pop("graph_ready_at", None)     # set if this step traced a graph
+                ready = timings.pop("_graph_ready_at", None)    # set if this step traced a graph
                 traced = ready - t0 if ready is not None and ready > t0 else 0.0
                 timings["trace_s"] = timings.get("trace_s", 0.0) + traced
                 timings["first_run_s"] = timings.get("first_run_s", 0.0) + t1 - t0 - traced
