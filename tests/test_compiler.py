@@ -831,3 +831,19 @@ def test_fused_ratio2_compressor_reference_equals_model_code(dtype):
     for _ in range(4):
         logits = s.decode(logits.argmax(-1, keepdim=True))
     assert len(checked) == 2 * 5
+
+
+def test_timings_say_where_compile_time_went(tiny):
+    """CompiledModel.timings after warming up two buckets that share one trace: the first bucket
+    traced (trace_s > 0, our passes part of it), the second did not trace again (trace_s
+    unchanged, first_run_s grew by its own step only)."""
+    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(2, 4), share_decode_graph="all")
+    s = Session(compiled, 4, 64, block_size=16)
+    compiled._graph_for(2, s.caches, s.max_blocks, prepare=True)
+    first = dict(compiled.timings)
+    assert set(first) == {"passes_s", "lower_s", "trace_s", "first_run_s"}
+    assert 0 < first["passes_s"] < first["trace_s"] and first["first_run_s"] > 0
+    compiled._graph_for(4, s.caches, s.max_blocks, prepare=True)
+    second = compiled.timings
+    assert second["trace_s"] == first["trace_s"] and second["passes_s"] == first["passes_s"]
+    assert second["first_run_s"] > first["first_run_s"]

@@ -360,9 +360,24 @@ class DecodeGraph:
             self._capture()
         else:
             saved = [t.clone() for t in self.caches.tensors()]
-            self._step()
+            self._first_step()
             for t, old in zip(self.caches.tensors(), saved):
                 t.copy_(old)
+
+    def _first_step(self) -> None:
+        """One step, its time added to the compiled model's timings: the tracing part (if this
+        step traced a graph: until the backend handed it over) as "trace_s", the rest (the first
+        run: Triton JIT, library setup) as "first_run_s"."""
+        timings = self.compiled.timings
+        t0 = time.perf_counter()
+        self._step()
+        if self.compiled.platform == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        ready = timings.pop("_graph_ready_at", None)
+        traced = ready - t0 if ready is not None and ready > t0 else 0.0
+        timings["trace_s"] = timings.get("trace_s", 0.0) + traced
+        timings["first_run_s"] = timings.get("first_run_s", 0.0) + t1 - t0 - traced
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         self._load(input_ids, positions, meta)
@@ -381,20 +396,11 @@ class DecodeGraph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for i in range(2):
-                t0 = time.perf_counter()
-                self._step()
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                if i == 1:
-                    timings["capture_s"] = timings.get("capture_s", 0.0) + t1 - t0
-                    continue
-                ready = timings.pop("_graph_ready_at", None)    # set if this step traced a graph
-                traced = ready - t0 if ready is not None and ready > t0 else 0.0
-                timings["trace_s"] = timings.get("trace_s", 0.0) + traced
-                timings["first_run_s"] = timings.get("first_run_s", 0.0) + t1 - t0 - traced
+            self._first_step()
+            t0 = time.perf_counter()
+            self._step()                     # the second warm-up counts as capture
+            torch.cuda.synchronize()
         torch.cuda.current_stream().wait_stream(s)
-        t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         if self.compiled.graph_pool is None:   # one pool for all buckets of this model
             self.compiled.graph_pool = torch.cuda.graph_pool_handle()
