@@ -420,7 +420,8 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     CUDA-graph capture: for debugging a capture, everything else stays the same.
     share_decode_graph=False traces every decode bucket on its own (static shapes throughout);
     "all" lets bucket 1 share the graph too (an unbacked batch size: 4 buckets = 1 trace; on the
-    H200 4 buckets compiled and captured in 80.6 s, docs/BENCHMARKS.md).
+    H200 4 buckets compiled and captured in 81-93 s cold, 54.6 s with a kept Triton cache,
+    docs/BENCHMARKS.md).
     inductor_segments=True compiles the final graph's stream-free stretches with Inductor
     (passes/inductor_segments.py); stream ops and cache writes stay with our executor.
     compile_prefill=False runs every step that is not a plain decode step (prefill, mixed and
