@@ -287,7 +287,10 @@ def fused_ratio2_compressor_update(x: torch.Tensor, wkv: torch.Tensor, wgate: to
     """fused_ratio2_compressor with the state-ring write folded in (passes/fuse_ratio2_state_write.py):
     reads the ring's old rows, then writes this call's rows to `state_rows` (-1 skipped).
     Returns the latent [N, D]. On CUDA one Triton kernel does the pooling, the RMSNorm and
-    the ring write (after the projection GEMMs)."""
+    the ring write (after the projection GEMMs). That kernel relies on the layout the model
+    gives it (attention.Compressor): two members per token, only the first of which may be a
+    ring row; each sequence (slot) at most once per call; a sequence's tokens contiguous with
+    consecutive positions; distinct valid state_rows. The reference accepts any rows."""
     return ref.ratio2_compressor_update(x, wkv, wgate, state, member_rows, state_rows, norm_weight,
                                         eps, out_dtype)
 

@@ -326,8 +326,9 @@ def ratio2_supported(x, wkv, wgate, state, member_rows, norm_weight, out_dtype) 
 
 def ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype,
                       state_rows=None):
-    """reference.ratio2_compressor (state_rows None: returns (latent, kv, score)) or, with
-    state_rows, reference.ratio2_compressor_update (the ring written by the same kernel).
+    """(latent, kv, score): reference.ratio2_compressor's latent and its rows' two halves, or,
+    with state_rows, also the ring write of reference.ratio2_compressor_update, done by the same
+    kernel (under the layout contract in ops.fused_ratio2_compressor_update).
     The projection pair runs as the reference runs it (two fp32 F.linear, so the rows are
     bit-identical); pooling, cast, RMSNorm and the ring write are one kernel."""
     xf = x.float()
@@ -338,10 +339,11 @@ def ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_d
     if n:
         write = state_rows is not None
         members = member_rows.contiguous()
+        srows = state_rows.contiguous() if write else members   # not read without WRITE
         _ratio2_pool_kernel[(n,)](
-            kv, sc, state, members, state_rows.contiguous() if write else members, norm_weight, out,
-            n, n // state.shape[1] + 1, state.shape[0] * state.shape[1], float(eps), D=d, RING=state.shape[1],
-            BD=max(16, triton.next_power_of_2(d)), WRITE=write, num_warps=4)
+            kv, sc, state, members, srows, norm_weight, out,
+            N=n, N_K=n // state.shape[1] + 1, RING_ROWS=state.shape[0] * state.shape[1], eps=float(eps),
+            D=d, RING=state.shape[1], BD=max(16, triton.next_power_of_2(d)), WRITE=write, num_warps=4)
     return out, kv, sc
 
 

@@ -834,16 +834,31 @@ def test_fused_ratio2_compressor_reference_equals_model_code(dtype):
 
 
 def test_timings_say_where_compile_time_went(tiny):
-    """CompiledModel.timings after warming up two buckets that share one trace: the first bucket
-    traced (trace_s > 0, our passes part of it), the second did not trace again (trace_s
-    unchanged, first_run_s grew by its own step only)."""
-    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(2, 4), share_decode_graph="all")
-    s = Session(compiled, 4, 64, block_size=16)
+    """CompiledModel.timings over buckets that share one trace: the first bucket traced
+    (trace_s > 0, our passes part of it), a second prepared bucket did not trace again (trace_s
+    unchanged, first_run_s grew by its own step), and a bucket first used by a plain decode step
+    (after a prefill) is timed too and does not trace again either. (That last part also
+    checks that warm-up traces under no_grad: a trace made with grad mode on fails Dynamo's
+    grad-mode guard at every later step, which then traces the model again.)"""
+    compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(2, 4, 8), share_decode_graph="all")
+    s = Session(compiled, 8, 64, block_size=16)
     compiled._graph_for(2, s.caches, s.max_blocks, prepare=True)
     first = dict(compiled.timings)
     assert set(first) == {"passes_s", "lower_s", "trace_s", "first_run_s"}
     assert 0 < first["passes_s"] < first["trace_s"] and first["first_run_s"] > 0
     compiled._graph_for(4, s.caches, s.max_blocks, prepare=True)
-    second = compiled.timings
+    second = dict(compiled.timings)
     assert second["trace_s"] == first["trace_s"] and second["passes_s"] == first["passes_s"]
     assert second["first_run_s"] > first["first_run_s"]
+    graphs = len(compiled.traced)
+    logits = s.prefill(torch.randint(0, 256, (5, 6), generator=torch.Generator().manual_seed(2)))
+    after_prefill = dict(compiled.timings)
+    # a prefill graph, if one was traced, counts in passes_s but not in the decode times
+    assert (after_prefill["passes_s"] > second["passes_s"]) == (len(compiled.traced) > graphs)
+    assert after_prefill["first_run_s"] == second["first_run_s"]
+    graphs = len(compiled.traced)
+    s.decode(logits.argmax(-1, keepdim=True))                         # 5 sequences: bucket 8
+    third = compiled.timings
+    assert len(compiled.traced) == graphs and (8, id(s.caches), s.max_blocks) in compiled._decode
+    assert set(third) == set(first) and third["trace_s"] == first["trace_s"]
+    assert third["first_run_s"] > after_prefill["first_run_s"]

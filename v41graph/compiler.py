@@ -69,12 +69,13 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None,
-                 lower=None, timings=None):
+                 lower=None, timings=None, on_ready=None):
     """A torch.compile backend running our pass manager; returns (backend, pass_manager).
     `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes).
     `lower(gm)`, if given, is the platform lowering run on each final graph after the passes
     (Inductor segments, passes/inductor_segments.py). `timings`, a dict, accumulates the
-    seconds spent in our passes ("passes_s") and in the lowering ("lower_s")."""
+    seconds spent in our passes ("passes_s") and in the lowering ("lower_s"); `on_ready()` is
+    called when a graph is ready to run."""
     from functorch.compile import make_boxed_func
 
     manager = PassManager(passes, disable, dump_dir)
@@ -92,7 +93,8 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
         if timings is not None:
             timings["passes_s"] = timings.get("passes_s", 0.0) + t1 - t0
             timings["lower_s"] = timings.get("lower_s", 0.0) + time.perf_counter() - t1
-            timings["_graph_ready_at"] = time.perf_counter()   # splits a first step (see warm-up)
+        if on_ready is not None:
+            on_ready()
         if graph is None:
             return make_boxed_func(gm.forward)
         traced.append(graph)
@@ -146,15 +148,18 @@ class CompiledModel:
         pack_moe_experts_(self.model)
         dump_dir = dump_dir or os.environ.get("V41GRAPH_DUMP") or None
         self.traced: list[TracedGraph] = []     # every graph compiled so far (set_passes)
-        # Where compile time goes (seconds, summed over graphs and buckets): our passes, the
-        # lowering, each bucket's first warm-up step, split into tracing (Dynamo + AOT + passes +
-        # lowering, until the graph is ready: "trace_s") and its first run (Triton JIT of kernels
-        # seen for the first time, cuBLAS setup: "first_run_s"), and its capture (second warm-up
-        # + graph capture). Keys ending in "_s" are durations.
+        # Where compile time goes, in seconds: our passes ("passes_s") and the lowering
+        # ("lower_s") of every graph (prefill too); for the decode buckets, each bucket's first
+        # step split into tracing (Dynamo + AOT + passes + lowering, until the graph is ready:
+        # "trace_s"; zero for a bucket that reuses a shared trace) and its first run (Triton JIT
+        # of kernels seen for the first time, library setup: "first_run_s"), and on CUDA its
+        # capture (second warm-up + graph capture: "capture_s").
         self.timings: dict[str, float] = {}
+        self._graph_ready_at = 0.0       # when the backend last handed a graph over
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
-                                                       timings=self.timings)
+                                                       timings=self.timings,
+                                                       on_ready=self._note_graph_ready)
         self.capture = capture
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
@@ -187,6 +192,9 @@ class CompiledModel:
     @property
     def config(self):
         return self.model.config
+
+    def _note_graph_ready(self) -> None:
+        self._graph_ready_at = time.perf_counter()
 
     def _lower(self, gm) -> None:
         """Platform lowering of a final graph (after the passes): Inductor segments if asked for."""
@@ -328,6 +336,7 @@ class DecodeGraph:
         # cpu: the plain graph; npu: torchair captures itself; capture=False: the same bucketed
         # graph and buffers without a CUDA graph (so capture on/off changes nothing else)
         self.captures = compiled.platform == "cuda" and compiled.capture
+        self.stepped = False      # whether the first (timed) step has run
         self.cuda_graph = None
         self.output = None
         self._static = None    # (static_key, n) of the seq_slot / block_table rows loaded
@@ -352,7 +361,11 @@ class DecodeGraph:
 
     def _step(self):
         fn = self.compiled._shared_decode_fn if self.shared else self.compiled._fn
-        return fn(self.input_ids, self.positions, self.caches, self.meta)
+        # no_grad here too, not only in CompiledModel.__call__: warm-up (warmup(), prepare())
+        # calls this directly, and a graph traced with grad mode on fails Dynamo's grad-mode
+        # guard at every later no_grad step, which then traces the model again.
+        with torch.no_grad():
+            return fn(self.input_ids, self.positions, self.caches, self.meta)
 
     def prepare(self) -> None:
         """Compile this bucket (all-padding inputs) and, on CUDA, capture it."""
@@ -364,25 +377,26 @@ class DecodeGraph:
             for t, old in zip(self.caches.tensors(), saved):
                 t.copy_(old)
 
-    def _first_step(self) -> None:
-        """One step, its time added to the compiled model's timings: the tracing part (if this
-        step traced a graph: until the backend handed it over) as "trace_s", the rest (the first
-        run: Triton JIT, library setup) as "first_run_s"."""
-        timings = self.compiled.timings
+    def _first_step(self):
+        """The bucket's first step, its time added to the compiled model's timings: the tracing
+        part (if this step traced a graph: until the backend handed it over) as "trace_s", the
+        rest (the first run: Triton JIT, library setup) as "first_run_s"."""
+        compiled, timings = self.compiled, self.compiled.timings
         t0 = time.perf_counter()
-        self._step()
-        if self.compiled.platform == "cuda":
+        out = self._step()
+        if compiled.platform == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        ready = timings.pop("_graph_ready_at", None)
-        traced = ready - t0 if ready is not None and ready > t0 else 0.0
+        traced = compiled._graph_ready_at - t0 if compiled._graph_ready_at > t0 else 0.0
         timings["trace_s"] = timings.get("trace_s", 0.0) + traced
         timings["first_run_s"] = timings.get("first_run_s", 0.0) + t1 - t0 - traced
+        self.stepped = True
+        return out
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         self._load(input_ids, positions, meta)
         if not self.captures:
-            return self._step()
+            return self._step() if self.stepped else self._first_step()
         if self.cuda_graph is None:
             self._capture()
         self.cuda_graph.replay()
