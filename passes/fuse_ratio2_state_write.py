@@ -19,8 +19,9 @@ outputs. It runs after defunctionalize because before it the write is functional
 (`auto_functionalized_v2`), and a mutating op cannot replace it there.
 
 Refuses: rows with another user, a write into another tensor, a user of the latent placed
-before the write, and any other node touching the state between the read and the write (its
-value there would change).
+before the write, and any other node touching the state (or a view of it) between the read
+and the write: a write there would change what the moved read sees. (A plain read there would
+be harmless; refusing it keeps the rule simple, and the model has none.)
 """
 from __future__ import annotations
 
@@ -84,6 +85,18 @@ class FuseRatio2StateWrite(GraphPass):
         if any(order[u] < order[write] for u in latent.users):
             return None
         lo, hi = order[fused], order[write]
-        if any(lo < order[u] < hi for u in state.users):   # another reader / writer in between
+        if any(lo < order[u] < hi for a in _aliases(state) for u in a.users):
             return None
         return latent, rows, write, call["rows"]
+
+
+def _aliases(node: fx.Node) -> list:
+    """node and every view of it (transitively): what shares its memory."""
+    found, todo = [node], [node]
+    while todo:
+        for u in todo.pop().users:
+            if u.op == "call_function" and getattr(u.target, "is_view", False) and u.args and u.args[0] in found \
+                    and u not in found:
+                found.append(u)
+                todo.append(u)
+    return found

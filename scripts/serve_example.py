@@ -43,7 +43,7 @@ def main():
     ap.add_argument("--compile", action="store_true", help="run through v41graph.compile (slow warm-up)")
     ap.add_argument("--eager-prefill", action="store_true",
                     help="with --compile: prefill / mixed steps run the eager model (one trace, "
-                         "the decode graph, instead of three)")
+                         "the decode graph, instead of two or three)")
     ap.add_argument("--warmup-requests", type=int, default=32,
                     help="with --compile: requests served before the timed run (compiles, captures)")
     ap.add_argument("--spec", type=int, default=0, help="DSpark drafts per step (0 = off)")
@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--rebuild-metadata", action="store_true",
                     help="rebuild decode metadata every step (no persistent DecodeBatch)")
     args = ap.parse_args()
+    if args.eager_prefill and not args.compile:
+        ap.error("--eager-prefill only applies with --compile")
     torch.set_num_threads(args.threads)
     if args.config == "tiny":
         cfg = v41graph.V41Config.tiny()

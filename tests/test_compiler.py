@@ -767,31 +767,6 @@ def test_p1_ratio2_compressor_fusion_and_near_miss(extra_user, peek_state, dynam
     assert _count(g, ops.state_write.default) == 1 - folded
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ratio2_update_reference_reads_before_writing(dtype):
-    """fused_ratio2_compressor_update's reference == the read op followed by the ring write,
-    also when the call's own rows overwrite a ring row it reads (a chunk as long as the ring)."""
-    torch.manual_seed(1)
-    ring, d, k = 4, 8, 24
-    x = torch.randn(6, k).to(dtype)
-    wkv, wgate, g = torch.randn(d, k), torch.randn(d, k), torch.rand(d) + 0.5
-    state = torch.randn(2, ring, 2 * d)
-    # one sequence in slot 0, chunk at positions 3..8: token 0 reads ring position 2 (row 2),
-    # and position 6 (token 3) is written to that same row
-    pos = torch.arange(3, 9)
-    member_rows = torch.stack([torch.where(pos - 1 < 3, (pos - 1) % ring, 2 * ring + pos - 1 - 3),
-                               2 * ring + pos - 3], dim=1).flatten()
-    state_rows = torch.where(pos >= 9 - ring, pos % ring, -1)
-    assert member_rows[0] == 2 and state_rows[3] == 2
-    want_state = state.clone()
-    want, rows = ops.fused_ratio2_compressor(x, wkv, wgate, want_state, member_rows, g, 1e-6, dtype)
-    ops.state_write(want_state, state_rows, rows)
-    got_state = state.clone()
-    got = ops.fused_ratio2_compressor_update(x, wkv, wgate, got_state, member_rows, state_rows, g, 1e-6, dtype)
-    assert torch.equal(got, want) and torch.equal(got_state, want_state)
-    assert not torch.equal(got_state, state)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_ratio2_compressor_reference_equals_model_code(dtype):
     """The op's reference (what every backend falls back to) is bit-identical to the model's

@@ -85,6 +85,56 @@ def test_layout_has_the_collisions_it_claims():
         assert collides == (name in ("ring_long", "long_mixed", "two_long")), name
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_update_op_and_layout_match_the_model(dtype):
+    """At every ratio-2 compressor call of a tiny model over a 5-token prefill, chunks of 40 and 33
+    tokens (longer than the 32-row ring, starting after position 0: a token of each overwrites
+    the ring row its chunk's first token reads) and 3 decode steps: ratio2_layout (this file's reading of MODEL.md) gives the member rows the
+    model uses, and fused_ratio2_compressor_update with ratio2_layout's rows, run on a copy of
+    the ring, gives the model's latent and leaves the ring as the model's Compressor.forward
+    leaves it, bit for bit."""
+    import v41graph
+    from v41graph.attention import COMPRESSOR_RING, Compressor
+    from v41graph.model import V41Model, init_random_
+    from v41graph.session import Session
+    model = init_random_(V41Model(v41graph.V41Config.tiny(torch_dtype=dtype)), seed=3).eval()
+    model.requires_grad_(False)
+    checked, collisions = [], []
+
+    def pre(mod, args):
+        x, ctx, lid = args
+        meta, state = ctx.meta, ctx.caches.compressor_state[lid]
+        lens = (meta.query_start[1:] - meta.query_start[:-1]).tolist()
+        chunks = list(zip(meta.seq_slot.tolist(), meta.chunk_start.tolist(), lens))
+        members, writes = ratio2_layout(chunks, state.shape[0], COMPRESSOR_RING)
+        member_pos = ctx.positions.unsqueeze(-1) - torch.arange(1, -1, -1)
+        assert torch.equal(members, ctx.fresh_or_ring_rows(member_pos.clamp_min(0), COMPRESSOR_RING).flatten())
+        ring_reads = set(members[members < state.shape[0] * COMPRESSOR_RING].tolist())
+        collisions.append(bool(ring_reads & set(writes[writes >= 0].tolist())))
+        mod._copy = state.clone()
+        mod._latent = ops.fused_ratio2_compressor_update(x, mod.wkv.weight, mod.wgate.weight, mod._copy,
+                                                         members, writes, mod.norm.weight, mod.norm.eps, x.dtype)
+
+    def post(mod, args, out):
+        x, ctx, lid = args
+        assert torch.equal(mod._latent, out[0])
+        assert torch.equal(mod._copy, ctx.caches.compressor_state[lid])
+        checked.append(mod)
+
+    mods = [m for m in model.modules() if isinstance(m, Compressor) and m.ratio == 2]
+    for m in mods:
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(post)
+    g = torch.Generator().manual_seed(1)
+    s = Session(model, 2, 64, block_size=16)
+    s.prefill(torch.randint(0, 256, (2, 5), generator=g))
+    logits = s.extend([0, 1], [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 33)])
+    for _ in range(3):
+        logits = s.decode(logits.argmax(-1, keepdim=True))
+    assert len(mods) == 2 and len(checked) == 2 * 5
+    assert collisions == [False] * 2 + [True] * 2 + [False] * 6      # the long chunks only
+
+
 _INTERPRETER_SCRIPT = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
@@ -166,9 +216,10 @@ def test_ratio2_update_kernel_matches_reference(layout, dtype):
         got = ops.fused_ratio2_compressor_update(x, wkv, wgate, got_state, members, writes, g, 1e-6, dtype)
         assert rel_err(got, want) < tol, (rep, rel_err(got, want))
         assert torch.equal(got_state, want_state), rep
-    # the kernel path ran (not the reference fallback) and the read-only op agrees with it
-    assert tk.ratio2_supported(x, wkv, wgate, state, members, g, dtype)
+    # the kernel path ran, not the reference fallback
+    from v41graph.custom_ops.cuda_impls import triton_kernels
+    assert triton_kernels() is tk and tk.ratio2_supported(x, wkv, wgate, state, members, g, dtype)
+    # the read-only op (the same kernel without the write) against the reference's read
     lat, rows = ops.fused_ratio2_compressor(x, wkv, wgate, state, members, g, 1e-6, dtype)
-    assert torch.equal(lat, got)
-    assert torch.equal(rows, torch.cat([torch.nn.functional.linear(x.float(), wkv),
-                                        torch.nn.functional.linear(x.float(), wgate)], -1))
+    want_lat, want_rows = ref.ratio2_compressor(x, wkv, wgate, state, members, g, 1e-6, dtype)
+    assert rel_err(lat, want_lat) < tol and torch.equal(rows, want_rows)
