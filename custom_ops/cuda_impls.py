@@ -43,34 +43,25 @@ def triton_kernels():
     return _TK or None
 
 
-_wkv_rmsnorm_ref = ref.wkv_rmsnorm                      # fallbacks that never re-dispatch
-_sparse_attention_ref = ref.sparse_attention_over_caches
-_mhc_sinkhorn_ref = ref.mhc_sinkhorn
-
-
 # ----------------------------------------------------------------------------- registrations
-@torch.library.register_kernel(f"{_NS}::fused_wkv_rmsnorm", "cuda")
-def _fused_wkv_rmsnorm_cuda(x, wkv, norm_weight, eps):
-    tk = triton_kernels()
-    if tk is not None and tk.wkv_supported(x, wkv, norm_weight):
-        return tk.fused_wkv_rmsnorm(x, wkv, norm_weight, eps)
-    return _wkv_rmsnorm_ref(x, wkv, norm_weight, eps)
+def _register_triton_first(op: str, checked: int, fallback) -> None:
+    """CUDA impl of `op`: the Triton wrapper of the same name in triton_kernels when Triton is
+    usable and `<op>_supported(*args[:checked])` accepts the inputs, else `fallback(*args)`, the
+    pure-torch reference on the GPU (a plain function: it never dispatches back here)."""
+    def impl(*args):
+        tk = triton_kernels()
+        if tk is not None and getattr(tk, f"{op}_supported")(*args[:checked]):
+            return getattr(tk, op)(*args)
+        return fallback(*args)
+    torch.library.register_kernel(f"{_NS}::{op}", "cuda", impl)
 
 
-@torch.library.register_kernel(f"{_NS}::rope", "cuda")
-def _rope_cuda(x, rotation, inverse):
-    tk = triton_kernels()
-    if tk is not None and tk.rope_supported(x, rotation):
-        return tk.rope(x, rotation, inverse)
-    return ref.apply_rope(x, rotation, inverse).contiguous()
-
-
-@torch.library.register_kernel(f"{_NS}::rms_norm", "cuda")
-def _rms_norm_cuda(x, weight, eps):
-    tk = triton_kernels()
-    if tk is not None and tk.rms_norm_supported(x, weight):
-        return tk.rms_norm(x, weight, eps)
-    return ref.rms_norm(x, weight, eps).contiguous()
+_register_triton_first("fused_wkv_rmsnorm", 3, ref.wkv_rmsnorm)
+_register_triton_first("rope", 2, lambda x, rotation, inverse: ref.apply_rope(x, rotation, inverse).contiguous())
+_register_triton_first("rms_norm", 2, lambda x, weight, eps: ref.rms_norm(x, weight, eps).contiguous())
+_register_triton_first("sparse_attention", 9, ref.sparse_attention_over_caches)   # all but the scale
+_register_triton_first("mhc_sinkhorn", 4, ref.mhc_sinkhorn)
+_register_triton_first("fake_quant", 3, fake_quant_reference)
 
 
 def _register_cache_write(op: str, block: int) -> None:
@@ -88,17 +79,6 @@ def _register_cache_write(op: str, block: int) -> None:
 _register_cache_write("window_kv_write", 32)    # FP8 + UE8M0 per 32
 _register_cache_write("global_kv_write", 16)    # FP4 + E4M3 per 16
 _register_cache_write("index_k_write", 32)      # FP4 + UE8M0 per 32
-
-
-@torch.library.register_kernel(f"{_NS}::sparse_attention", "cuda")
-def _sparse_attention_cuda(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
-                           global_scale, global_rows, sink, softmax_scale):
-    args = (q, window_kv, window_scale, fresh_kv, window_rows, global_cache, global_scale,
-            global_rows, sink)
-    tk = triton_kernels()
-    if tk is not None and tk.sparse_attention_supported(*args):
-        return tk.sparse_attention(*args, softmax_scale)
-    return _sparse_attention_ref(*args, softmax_scale)
 
 
 @torch.library.register_kernel(f"{_NS}::fused_ratio2_compressor", "cuda")
@@ -131,22 +111,6 @@ def _engram_gather_cuda(table, scale, row_ids, out_dtype):
         return ref.engram_gather(table, scale, row_ids.to(table.device), out_dtype).to(
             row_ids.device, non_blocking=True)
     return ref.engram_gather(table, scale, row_ids, out_dtype)
-
-
-@torch.library.register_kernel(f"{_NS}::mhc_sinkhorn", "cuda")
-def _mhc_sinkhorn_cuda(mixes, scale, base, hc, iters, eps):
-    tk = triton_kernels()
-    if tk is not None and tk.mhc_sinkhorn_supported(mixes, scale, base, hc):
-        return tk.mhc_sinkhorn(mixes, scale, base, hc, iters, eps)
-    return _mhc_sinkhorn_ref(mixes, scale, base, hc, iters, eps)
-
-
-@torch.library.register_kernel(f"{_NS}::fake_quant", "cuda")
-def _fake_quant_cuda(x, fmt, block):
-    tk = triton_kernels()
-    if tk is not None and tk.fake_quant_supported(x, fmt, block):
-        return tk.fake_quant(x, fmt, block)
-    return fake_quant_reference(x, fmt, block)
 
 
 def _indexer_scores(q, weights, key_cache, key_scale, rows, visible):

@@ -208,6 +208,9 @@ def ratio2_compressor_update(x, wkv, wgate, state, member_rows, state_rows, norm
     """The `fused_ratio2_compressor_update` op: ratio2_compressor, then the state-ring write
     the model does after it (rows to state_rows, -1 skipped). Reads the ring before writing it,
     as Compressor.forward does. Returns the latent [N, D]."""
+    if tuple(state_rows.shape) != (x.shape[0],):
+        raise ValueError(f"state_rows must hold one ring row (or -1) per token: shape "
+                         f"{tuple(state_rows.shape)}, expected ({x.shape[0]},)")
     latent, rows = ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype)
     masked_row_write(state, state_rows, rows)
     return latent

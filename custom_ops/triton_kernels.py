@@ -364,7 +364,7 @@ def _wkv_state(device: torch.device):
     return st
 
 
-def wkv_supported(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+def fused_wkv_rmsnorm_supported(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor) -> bool:
     return (x.is_cuda and wkv.is_cuda and norm_weight.is_cuda and x.dtype == wkv.dtype
             and x.dtype in _FLOAT_DTYPES and wkv.dim() == 2 and x.shape[-1] == wkv.shape[1]
             and wkv.shape[0] <= 1024 and norm_weight.numel() == wkv.shape[0] and x.numel() > 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import operator
 
 import torch
 import torch.fx as fx
@@ -85,3 +86,15 @@ def written_args(node: fx.Node) -> list:
         value = node.kwargs.get(arg.name, node.args[pos] if pos < len(node.args) else None)
         out += [v for v in (value if isinstance(value, (tuple, list)) else [value]) if isinstance(v, fx.Node)]
     return out
+
+
+def returns_alias(node: fx.Node) -> bool:
+    """The node's value may share memory with one of its inputs: a view by its op's schema
+    (`view(Tensor(a) self) -> Tensor(a)`), `_unsafe_view` (a view without the annotation), a
+    getitem of such a tuple."""
+    if node.op != "call_function":
+        return False
+    if node.target in (operator.getitem, torch.ops.aten._unsafe_view.default):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)

@@ -30,7 +30,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .base import GraphPass, is_call
+from .base import GraphPass, is_call, returns_alias
 
 ops = torch.ops.v41graph
 READ = ops.fused_ratio2_compressor.default
@@ -92,11 +92,7 @@ class FuseRatio2StateWrite(GraphPass):
 
 def _aliases(node: fx.Node) -> list:
     """node and every view of it (transitively): what shares its memory."""
-    found, todo = [node], [node]
-    while todo:
-        for u in todo.pop().users:
-            if u.op == "call_function" and getattr(u.target, "is_view", False) and u.args and u.args[0] in found \
-                    and u not in found:
-                found.append(u)
-                todo.append(u)
+    found = [node]
+    for n in found:                       # grows while it is walked
+        found += [u for u in n.users if returns_alias(u) and u not in found]
     return found

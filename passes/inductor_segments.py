@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 
 from v41graph.custom_ops.streams import STREAM_OPS
-from .base import MAIN_STREAM, STREAM_KEY, writes_memory, written_args
+from .base import MAIN_STREAM, STREAM_KEY, returns_alias, writes_memory, written_args
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +88,6 @@ class Segment:
 # ---------------------------------------------------------------------------- partitioning
 def _tensors(val) -> list:
     return list(val) if isinstance(val, (tuple, list)) else [val]
-
-
-def returns_alias(node: fx.Node) -> bool:
-    """The node's value may share memory with one of its inputs: a view by its op's schema
-    (`view(Tensor(a) self) -> Tensor(a)`), `_unsafe_view` (a view without the annotation), a
-    getitem of such a tuple."""
-    if node.op != "call_function":
-        return False
-    if node.target in (operator.getitem, torch.ops.aten._unsafe_view.default):
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def written_aliases(gm: fx.GraphModule) -> set:

@@ -306,9 +306,9 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
         breakdown = {k: round(v, 2) for k, v in runner.timings.items() if k.endswith("_s")}
         what = "passes + capture (trace reused)" if trace_reused else "compile + capture"
         log(f"{variant}: {what} of {len(batches)} buckets {warm_s:.1f} s; breakdown {breakdown}")
-        segments = inductor_segment_totals(runner)
-        if segments:
-            log(f"{variant}: Inductor segments {segments}")
+    segments = inductor_segment_totals(runner)
+    if segments:
+        log(f"{variant}: Inductor segments {segments}")
     for batch in batches:
         first = True
         for context in contexts:
@@ -337,7 +337,7 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
                          "floor_fraction": fb / bw * 1e3 / med,
                          "peak_mem_gb": (torch.cuda.max_memory_allocated() / 1e9
                                          if device == "cuda" else None),
-                         "inductor_segments": inductor_segment_totals(runner),
+                         "inductor_segments": segments,
                          "profile": profile})
             log(f"{variant} B={batch} ctx={context}: {med:.3f} ms (compile {compile_s:.1f} s)")
     del caches

@@ -220,7 +220,7 @@ def bench_writes(tk, bw, quick):
 # =============================================================================== sparse attention
 def bench_attention(tk, bw, quick):
     from v41graph import custom_ops  # noqa: F401
-    from v41graph.custom_ops import codecs, cuda_impls
+    from v41graph.custom_ops import codecs
     from v41graph.custom_ops import reference as ref
     h, d, w, kg = 64, 512, 128, 512
     scale = d ** -0.5
@@ -269,9 +269,9 @@ def bench_attention(tk, bw, quick):
         nb_fp4, nb_bf16 = ntok * per_tok_fp4, ntok * per_tok_bf16
         t_ref = None
         if not prefill:
-            base = cuda_impls._sparse_attention_ref(q, ring, ring_sc, fresh, wrows, gc, gs, grows,
+            base = ref.sparse_attention_over_caches(q, ring, ring_sc, fresh, wrows, gc, gs, grows,
                                                     sink, scale)
-            t_ref = tbench(lambda: cuda_impls._sparse_attention_ref(q, ring, ring_sc, fresh, wrows,
+            t_ref = tbench(lambda: ref.sparse_attention_over_caches(q, ring, ring_sc, fresh, wrows,
                                                                     gc, gs, grows, sink, scale),
                            rep=20)
             row("sparse_attention", shape, "torch composite (gather+dequant+ref), eager", t_ref, nb_fp4, bw=bw)

@@ -135,6 +135,12 @@ def test_update_op_and_layout_match_the_model(dtype):
     assert collisions == [False] * 2 + [True] * 2 + [False] * 6      # the long chunks only
 
 
+def test_update_op_rejects_state_rows_of_the_wrong_length():
+    x, wkv, wgate, state, members, writes, g = ratio2_inputs(LAYOUTS["decode"], 4, 8, 16, 24, torch.float32, 0)
+    with pytest.raises(ValueError, match=r"state_rows must hold one ring row .* expected \(4,\)"):
+        ops.fused_ratio2_compressor_update(x, wkv, wgate, state, members, writes[:3], g, 1e-6, torch.float32)
+
+
 _INTERPRETER_SCRIPT = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"

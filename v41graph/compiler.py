@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from collections import defaultdict
 import sys
 import time
 import torch
@@ -69,13 +70,13 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None,
-                 lower=None, timings=None, on_ready=None):
+                 lower=None, on_compiled=None):
     """A torch.compile backend running our pass manager; returns (backend, pass_manager).
     `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes).
     `lower(gm)`, if given, is the platform lowering run on each final graph after the passes
-    (Inductor segments, passes/inductor_segments.py). `timings`, a dict, accumulates the
-    seconds spent in our passes ("passes_s") and in the lowering ("lower_s"); `on_ready()` is
-    called when a graph is ready to run."""
+    (Inductor segments, passes/inductor_segments.py). `on_compiled(passes_s, lower_s)`, if
+    given, is called when a graph is ready to run, with the seconds our passes and the lowering
+    took on it."""
     from functorch.compile import make_boxed_func
 
     manager = PassManager(passes, disable, dump_dir)
@@ -90,11 +91,8 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
         t1 = time.perf_counter()
         if lower is not None:
             lower(gm)
-        if timings is not None:
-            timings["passes_s"] = timings.get("passes_s", 0.0) + t1 - t0
-            timings["lower_s"] = timings.get("lower_s", 0.0) + time.perf_counter() - t1
-        if on_ready is not None:
-            on_ready()
+        if on_compiled is not None:
+            on_compiled(t1 - t0, time.perf_counter() - t1)
         if graph is None:
             return make_boxed_func(gm.forward)
         traced.append(graph)
@@ -154,12 +152,11 @@ class CompiledModel:
         # "trace_s"; zero for a bucket that reuses a shared trace) and its first run (Triton JIT
         # of kernels seen for the first time, library setup: "first_run_s"), and on CUDA its
         # capture (second warm-up + graph capture: "capture_s").
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = defaultdict(float)
         self._graph_ready_at = 0.0       # when the backend last handed a graph over
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
-                                                       timings=self.timings,
-                                                       on_ready=self._note_graph_ready)
+                                                       on_compiled=self._graph_compiled)
         self.capture = capture
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
@@ -193,7 +190,9 @@ class CompiledModel:
     def config(self):
         return self.model.config
 
-    def _note_graph_ready(self) -> None:
+    def _graph_compiled(self, passes_s: float, lower_s: float) -> None:
+        self.timings["passes_s"] += passes_s
+        self.timings["lower_s"] += lower_s
         self._graph_ready_at = time.perf_counter()
 
     def _lower(self, gm) -> None:
@@ -388,8 +387,8 @@ class DecodeGraph:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         traced = compiled._graph_ready_at - t0 if compiled._graph_ready_at > t0 else 0.0
-        timings["trace_s"] = timings.get("trace_s", 0.0) + traced
-        timings["first_run_s"] = timings.get("first_run_s", 0.0) + t1 - t0 - traced
+        timings["trace_s"] += traced
+        timings["first_run_s"] += t1 - t0 - traced
         self.stepped = True
         return out
 
@@ -423,7 +422,7 @@ class DecodeGraph:
         for t, old in zip(self.caches.tensors(), saved):   # capture must not advance state
             t.copy_(old)
         self.cuda_graph = graph
-        timings["capture_s"] = timings.get("capture_s", 0.0) + time.perf_counter() - t0
+        timings["capture_s"] += time.perf_counter() - t0
 
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,

@@ -52,8 +52,9 @@ last `sliding_window` prompt tokens, exactly what DSpark's window rings hold.
 Not done yet: batched drafting (drafts are one head call per request), a compiled or captured
 draft head (the DSpark head runs eagerly), CUDA-graph capture of verify steps (they run the
 compiled graph uncaptured; tested on CPU only, not yet on a GPU), compiled steps with a
-decoder-replay prefill chunk (eager, see above), shared draft/target top-k buffers, persistent
-verify metadata (the verify chunks' lengths change every step; their metadata is rebuilt).
+decoder-replay prefill chunk (eager, see above), persistent verify metadata (the verify chunks'
+lengths change every step; their metadata is rebuilt). Shared draft/target top-k buffers (the
+seed's P5) do not apply: the draft's attention is window-only (dspark.py).
 """
 from __future__ import annotations
 
