@@ -384,12 +384,16 @@ def mhc_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h
     """mHC coefficients from the predictor's mixes (MODEL.md §3), fp32:
     mixes [..., (2+hc)*hc] -> pre [..., hc], post [..., hc], comb [..., hc, hc].
       pre  = sigmoid(m[:hc]*s0 + b) + eps;  post = 2*sigmoid(m[hc:2hc]*s1 + b)
-      comb = Sinkhorn(softmax_rows(m[2hc:]*s2 + b) + eps): a column normalisation, then
+      comb = Sinkhorn(softmax_rows(m[2hc:]*s2 + b) + eps), the softmax as exp(x - max) / sum:
+             a column normalisation, then
              iters-1 rounds of (row, column) normalisation, each sum + eps in the divisor."""
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    comb = comb.softmax(-1) + eps
+    # The row softmax spelled as DeepSeek's reference computes it: torch.softmax differs from
+    # exp(x - max) / sum in the last bits of many entries, which flips bf16 values downstream.
+    comb = (comb - comb.amax(-1, keepdim=True)).exp()
+    comb = comb / comb.sum(-1, keepdim=True) + eps
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)

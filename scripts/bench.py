@@ -42,6 +42,7 @@ import torch
 
 import v41graph
 from v41graph.cache import ModelCaches, build_metadata, positions_of
+from v41graph.compiler import raise_dynamo_recompile_limit
 from v41graph.layer_plan import build_layer_plan
 from v41graph.layers import default_dtype
 from v41graph.model import V41Model, init_random_weights_
@@ -195,7 +196,7 @@ def time_calls(fn, steps: int, device: str) -> list[float]:
 
 # Every variant compiles the same V41Model.forward (Inductor and reduce-overhead too): more than
 # Dynamo's default per-code-object limit of 8 in one process (v41graph.compile raises it too).
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+raise_dynamo_recompile_limit(64)
 _PASS_ABLATIONS: dict = {}   # the one CompiledModel that v41graph and its -noP* variants share
 
 

@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 import v41graph
 from v41graph.model import V41Model
 
@@ -17,15 +19,26 @@ def _load(name):
     return mod
 
 
-def test_bench_smoke_run_and_plot(tmp_path):
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory):
+    """One eager tiny run of scripts/bench.py (decode at batch 1 and 2, one prefill)."""
+    out = tmp_path_factory.mktemp("bench")
     bench = _load("bench")
     assert bench.main(["--config", "tiny", "--device", "cpu", "--batches", "1,2", "--contexts", "40",
                        "--prefill", "16", "--variants", "eager", "--steps", "1", "--warmup", "1",
-                       "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+                       "--out", str(out)]) == 0
+    return out / "bench.json"
+
+
+def test_bench_smoke_run(bench_json):
+    rows = json.loads(bench_json.read_text())["rows"]
     assert [(r["kind"], r["batch"]) for r in rows] == [("decode", 1), ("decode", 2), ("prefill", 1)]
     assert all(r["step_ms"] > 0 for r in rows)
-    assert _load("plot_bench").main([str(tmp_path / "bench.json"), str(tmp_path / "p.png")]) == 0
+
+
+def test_plot_bench_draws_the_run(bench_json, tmp_path):
+    pytest.importorskip("matplotlib", reason="scripts/plot_bench.py needs matplotlib (the [viz] extra)")
+    assert _load("plot_bench").main([str(bench_json), str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 

@@ -4,17 +4,24 @@ The checkpoint goes through our official-name loader into V41Model in reference 
 (bf16 activations, FP8 activation QDQ per 32, blockwise fp32 GEMM partials, FP4 QDQ points,
 P cast to bf16 before P.V, top-k ties to the lower index).
 
+Every test here runs under MKL_CBWR=COMPATIBLE with 2 torch threads (tests/conftest.py), the
+setting the vectors were made with: oneMKL's CPU-specific fp32 kernels would otherwise move last
+bits, which the FP8/FP4 quantization points amplify to ~0.3 on a logit.
+
 What is reached (and asserted):
   prefill  logits bit-exact; every sparse-attention index list and every MoE routing decision
-           identical; every per-layer capture bit-exact or off by at most one bf16 ulp in at
-           most a handful of elements.
+           identical; every per-layer capture (block output, pre-mix coefficients, final norm)
+           bit-exact.
   decode   layers 0-1 bit-exact at every step and the argmax token identical at every step.
-           First difference: the top-k of the ratio-2 Full layers' indexer (layers 2 and 4) at
-           even positions, i.e. while a ratio-2 group is incomplete; at odd positions it matches.
-           With the reference's top-k for those two layers substituted, every layer's output and
-           the logits of all 6 decode steps are bit-exact (test below), so the gap is confined
-           to that one selection. Our own decode agrees with our own prefill of the same tokens.
-           The strict xfail keeps the difference visible until it is found.
+           The one difference is the indexer selection of the ratio-2 Full layers (2 and 4) at
+           even positions, where the newest ratio-2 group is still incomplete. There the
+           reference's Indexer publishes no key cache (`shared_attn.index_k` is set only when a
+           compressed latent exists), so its layer scores against the key cache another layer
+           published last (the ratio-1 source's, from the previous step), sliced with its own
+           ratio. v41graph scores each layer against its own index source, which is the intended
+           behaviour, and keeps it. With the reference's selection substituted for those two
+           layers, every layer's output, every index list and the logits of all 6 decode steps
+           are bit-exact (test below). The strict xfail keeps the difference visible.
 """
 from __future__ import annotations
 
@@ -23,8 +30,9 @@ import pytest
 import torch
 
 from golden_path import GOLDEN_DIR as GOLDEN
-pytestmark = pytest.mark.skipif(not (GOLDEN / "model.safetensors").is_file(),
-                                reason=f"golden vectors not found at {GOLDEN}")
+pytestmark = [pytest.mark.skipif(not (GOLDEN / "model.safetensors").is_file(),
+                                 reason=f"golden vectors not found at {GOLDEN}"),
+              pytest.mark.usefixtures("reference_threads")]
 N_LAYERS, WINDOW, PROMPT = 10, 32, 40
 
 
@@ -59,11 +67,6 @@ def reference_index_list(debug: dict, layer: int, decode: bool) -> torch.Tensor:
     return torch.cat([win, comp], -1)
 
 
-def ulp_bf16(x: torch.Tensor) -> torch.Tensor:
-    e = torch.floor(torch.log2(x.float().abs().clamp_min(2.0 ** -126)))
-    return torch.ldexp(torch.ones_like(e), (e - 7).int())
-
-
 def test_engram_token_map_from_tokenizer_matches(golden):
     io, model, *_ = golden
     assert torch.equal(model.engram_token_map, io["engram_token_map"])
@@ -84,19 +87,14 @@ def test_prefill_index_lists_and_routing_identical(golden):
         assert torch.equal(dbg[f"moe_gate_indices.layer{i}"].sort(-1).values, gate.sort(-1).values), f"layer {i}"
 
 
-def test_prefill_layer_captures_within_one_ulp(golden):
+def test_prefill_layer_captures_bit_exact(golden):
     io, _, _, dbg, _ = golden
-    exact = 0
     for i in range(N_LAYERS):
         ref = io[f"debug.block_out.prefill.layer{i}"][0]
         ours = dbg[f"block_out.layer{i}"].view(ref.shape)
-        diff = (ours.float() - ref.float()).abs()
-        assert bool((diff <= ulp_bf16(ref)).all()), f"layer {i}: max diff {diff.max()}"
-        assert int((diff > 0).sum()) <= 4, f"layer {i}: {(diff > 0).sum()} elements differ"
-        exact += torch.equal(ours, ref)
-        assert torch.allclose(dbg[f"block_pre_mix.layer{i}"].view(-1, 4),
-                              io[f"debug.block_pre_mix.prefill.layer{i}"].view(-1, 4), rtol=0, atol=1e-5)
-    assert exact >= 4
+        assert torch.equal(ours, ref), f"layer {i}: {int((ours != ref).sum())} elements differ"
+        assert torch.equal(dbg[f"block_pre_mix.layer{i}"].view(-1, 4),
+                           io[f"debug.block_pre_mix.prefill.layer{i}"].view(-1, 4)), f"layer {i}"
     assert torch.equal(dbg["final_norm"], io["debug.final_norm.prefill"][0, -1:])
 
 
@@ -137,8 +135,9 @@ def test_decode_bit_exact_given_reference_ratio2_selection():
             assert torch.equal(reference_index_list(model.debug, i, decode=True), ref_idx), f"step {s} layer {i}"
 
 
-@pytest.mark.xfail(strict=True, reason="decode: the ratio-2 indexer top-k (layers 2, 4) differs from the "
-                   "reference at even positions (incomplete group); everything else is bit-exact")
+@pytest.mark.xfail(strict=True, reason="decode: at even positions (incomplete ratio-2 group) the reference's "
+                   "ratio-2 Full layers (2, 4) score against the key cache another layer published last; "
+                   "ours score their own index source (intended). Everything else is bit-exact")
 def test_decode_index_lists_identical(golden):
     io, _, _, _, steps = golden
     for s, (_, dbg) in enumerate(steps):

@@ -20,6 +20,7 @@ write nothing any real sequence reads.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 from collections import defaultdict
 import sys
@@ -29,6 +30,8 @@ from torch._dynamo.backends.common import aot_autograd
 
 from v41graph.passes.pass_manager import PassManager
 from .cache import AttentionMetadata, ModelCaches
+
+_log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "cuda", "npu", "cpu")
 
@@ -125,6 +128,30 @@ def _resolve_platform(backend: str, device: torch.device) -> str:
     return backend
 
 
+
+# The key's name across torch versions: `recompile_limit` since 2.6, `cache_size_limit` before
+# (kept as its alias). Read through getattr: a config key can also be hidden at run time (torch's
+# config module hides a key that was `del`-ed, which is what pytest >= 9's monkeypatch.undo does
+# to a key it did not find in the module's __dict__).
+_RECOMPILE_LIMIT_KEYS = ("recompile_limit", "cache_size_limit")
+
+
+def raise_dynamo_recompile_limit(at_least: int) -> None:
+    """Dynamo keeps at most `recompile_limit` (default 8) compiled entries per code object;
+    compiling V41Model a second time in one process (ablations, tests) then fails hard under
+    fullgraph=True. Raise the limit to `at_least` (never lower it); if this torch has neither
+    key, say so once in the log and go on (only repeated compiles in one process are affected)."""
+    config = torch._dynamo.config
+    for key in _RECOMPILE_LIMIT_KEYS:
+        try:   # a hidden key reads as missing but can be set (which shows it again)
+            setattr(config, key, max(getattr(config, key, at_least), at_least))
+            return
+        except AttributeError:   # not a key of this torch
+            continue
+    _log.warning("torch._dynamo.config has none of %s: the per-code recompile limit stays as it is",
+                 ", ".join(_RECOMPILE_LIMIT_KEYS))
+
+
 class CompiledModel:
     """The compiled model: same call signature as V41Model.forward."""
 
@@ -161,11 +188,9 @@ class CompiledModel:
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be positive, got {batch_sizes}")
-        # Dynamo keeps at most `recompile_limit` (default 8) compiled entries per code object,
-        # and every CompiledModel adds 3-5 for V41Model.forward (prefill, its dynamic recompile,
-        # bucket 1, the shared decode graph). Compiling a model a second time in one process
-        # (ablations, tests) then fails hard under fullgraph=True; raise the limit instead.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # Every CompiledModel adds 3-5 Dynamo entries for V41Model.forward (prefill, its dynamic
+        # recompile, bucket 1, the shared decode graph); see raise_dynamo_recompile_limit.
+        raise_dynamo_recompile_limit(64)
         # Decode buckets are compiled per static shape; prefill lets Dynamo mark the token
         # count dynamic after the first recompile.
         self._fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=False)
