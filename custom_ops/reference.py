@@ -379,6 +379,16 @@ def engram_gather(table: torch.Tensor, scale: torch.Tensor, row_ids: torch.Tenso
 
 
 # ----------------------------------------------------------------------------- mHC
+def _sum_in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x.sum(dim, keepdim=True) added left to right. torch's CPU kernel adds these short rows
+    (hc = 4) in this order too (so DeepSeek's golden vectors are unchanged); spelled out, the
+    order is part of the specification and the GPU kernel reproduces it bit for bit."""
+    total = x.select(dim, 0)
+    for i in range(1, x.shape[dim]):
+        total = total + x.select(dim, i)
+    return total.unsqueeze(dim)
+
+
 def mhc_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
                  iters: int, eps: float):
     """mHC coefficients from the predictor's mixes (MODEL.md §3), fp32:
@@ -393,9 +403,9 @@ def mhc_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h
     # The row softmax spelled as DeepSeek's reference computes it: torch.softmax differs from
     # exp(x - max) / sum in the last bits of many entries, which flips bf16 values downstream.
     comb = (comb - comb.amax(-1, keepdim=True)).exp()
-    comb = comb / comb.sum(-1, keepdim=True) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    comb = comb / _sum_in_order(comb, -1) + eps
+    comb = comb / (_sum_in_order(comb, -2) + eps)
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        comb = comb / (_sum_in_order(comb, -1) + eps)
+        comb = comb / (_sum_in_order(comb, -2) + eps)
     return pre, post, comb
