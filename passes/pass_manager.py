@@ -6,7 +6,7 @@ Fusions run before the stream passes so that no fusion can straddle a stream bou
 stream check runs last and rejects a graph with unjoined side work.
 
 Every pass can be switched off by name (except the stream check, which only validates). With a
-dump directory (`v41graph.inspect.load_dump` reads it back), each compiled graph gets a folder:
+dump directory (`v41graph.tools.graph_dump.load_dump` reads it back), each compiled graph gets a folder:
 
     manifest.json                  format version, pass list, uuid, the graph folders written
     graph<i>/NN_<pass>.before.txt  readable graph before / after the pass: one line per node with

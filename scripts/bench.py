@@ -41,11 +41,12 @@ from pathlib import Path
 import torch
 
 import v41graph
-from v41graph.cache import ModelCaches, build_metadata, positions_of
-from v41graph.compiler import raise_dynamo_recompile_limit
-from v41graph.layer_plan import build_layer_plan
-from v41graph.layers import default_dtype
-from v41graph.model import V41Model, init_random_weights_
+from v41graph.model.kv_cache import ModelCaches
+from v41graph.model.metadata import build_metadata, positions_of
+from v41graph.compiler.backend import raise_dynamo_recompile_limit
+from v41graph.model.layer_plan import build_layer_plan
+from v41graph.model.layers import default_dtype
+from v41graph.model.model import V41Model, init_random_weights_
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
             "v41graph-noP6", "v41graph-noRMS", "v41graph-inductor", "v41graph-bf16cache",

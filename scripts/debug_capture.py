@@ -3,8 +3,8 @@ decode step of the tiny model, tracing every stream op with the stream it ran on
 import torch
 import v41graph
 from v41graph.custom_ops import streams as S
-from v41graph.model import V41Model, init_random_
-from v41graph.session import Session
+from v41graph.model.model import V41Model, init_random_
+from v41graph.runtime.session import Session
 
 ops = torch.ops.v41graph
 log = []

@@ -23,9 +23,9 @@ import time
 import torch
 
 import v41graph
-from v41graph.engine import Engine
-from v41graph.model import V41Model, init_random_
-from v41graph.sampling import SamplingParams
+from v41graph.runtime.engine import Engine
+from v41graph.model.model import V41Model, init_random_
+from v41graph.runtime.sampling import SamplingParams
 
 
 def pct(xs, q):
@@ -71,8 +71,8 @@ def main():
                               compile_prefill=not args.eager_prefill) if args.compile else model
     spec_kw = {}
     if args.spec:
-        from v41graph.dspark import DSparkHead
-        from v41graph.speculative import SpecConfig, init_random_dspark_
+        from v41graph.model.dspark import DSparkHead
+        from v41graph.runtime.speculative import SpecConfig, init_random_dspark_
         spec_kw = dict(speculative=SpecConfig(num_draft=args.spec, schedule=args.schedule),
                        draft_head=init_random_dspark_(DSparkHead(cfg), seed=1).eval().to(
                            model.embed.weight.device, model.embed.weight.dtype))

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import v41graph  # noqa: E402
-from v41graph.model import V41Model, init_random_  # noqa: E402
+from v41graph.model.model import V41Model, init_random_  # noqa: E402
 
 # The thread count the golden vectors were made with (shared/golden README).
 REFERENCE_THREADS = 2

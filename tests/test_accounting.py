@@ -9,11 +9,8 @@ from fractions import Fraction
 import pytest
 import sympy as sp
 
-from v41graph.accounting import (Accounting, accounting, activated_params,
-                                 activated_params_formula, checkpoint_shapes, format_accounting,
-                                 global_kv_bytes_formula, kv_ratio_symbol,
-                                 window_kv_bytes_formula)
-from v41graph.config import V41Config
+from v41graph.weights.accounting import (Accounting, accounting, activated_params, activated_params_formula, checkpoint_shapes, format_accounting, global_kv_bytes_formula, kv_ratio_symbol, window_kv_bytes_formula)
+from v41graph.model.config import V41Config
 
 from golden_path import GOLDEN_DIR as GOLDEN
 

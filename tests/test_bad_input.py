@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import v41graph
-from v41graph.cache import CacheCapacityError, build_metadata
-from v41graph.model import V41Model
-from v41graph.session import Session
+from v41graph.runtime.batch import CacheCapacityError
+from v41graph.model.metadata import build_metadata
+from v41graph.model.model import V41Model
+from v41graph.runtime.session import Session
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

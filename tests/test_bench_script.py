@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import v41graph
-from v41graph.model import V41Model
+from v41graph.model.model import V41Model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import v41graph
-from v41graph.cache import ModelCaches, build_metadata, positions_of
-from v41graph.model import V41Model, init_random_
+from v41graph.model.kv_cache import ModelCaches
+from v41graph.model.metadata import build_metadata, positions_of
+from v41graph.model.model import V41Model, init_random_
 
 ops = torch.ops.v41graph
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import v41graph
-from v41graph.model import V41Model, init_random_
-from v41graph.session import Session
+from v41graph.model.model import V41Model, init_random_
+from v41graph.runtime.session import Session
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import v41graph
-from v41graph.compiler import DECOMPOSITIONS, copy_graph_module
-from v41graph.layers import RMSNorm
-from v41graph.model import V41Model, init_random_
+from v41graph.compiler.backend import DECOMPOSITIONS, copy_graph_module
+from v41graph.model.layers import RMSNorm
+from v41graph.model.model import V41Model, init_random_
 from v41graph.passes.base import STREAM_KEY, module_path
 from v41graph.passes.pass_manager import PassManager, resolve_passes
-from v41graph.session import Session
+from v41graph.runtime.session import Session
 
 ops = torch.ops.v41graph
 ALL = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize",
@@ -198,7 +198,7 @@ def test_inductor_segments_compile_each_distinct_segment_once(tiny, traced, monk
     once and hands the same compiled callable to its repeats. Inductor replaced by a stub that
     runs the FIRST segment of each key, so reuse across layers must still give the unsplit
     graph's logits bit for bit (prefill + 3 decode steps)."""
-    import v41graph.passes.inductor_segments as seg_mod
+    import v41graph.compiler.inductor_segments as seg_mod
 
     compiled_subs = []
 
@@ -394,7 +394,7 @@ def test_inductor_segment_partition_of_the_tiny_graph(tiny, traced):
     prefill + 3 decode steps."""
     import functools
     from v41graph.custom_ops.streams import STREAM_OPS
-    from v41graph.passes.inductor_segments import MIN_COMPUTE_NODES, find_segments, lower_inductor_segments
+    from v41graph.compiler.inductor_segments import (MIN_COMPUTE_NODES, find_segments, lower_inductor_segments)
 
     def written_args(n):   # by name or by position, as the graph passes them
         schema = getattr(n.target, "_schema", None)
@@ -617,8 +617,9 @@ def test_captured_decode_hands_out_copies(tiny, monkeypatch):
     """A replay overwrites a captured graph's output buffer, so a captured decode step must
     return a copy (what an eager call gives): a caller's step-t logits must survive step t+1.
     Simulated on CPU: DecodeGraph.run returns one persistent buffer and claims a CUDA graph."""
-    from v41graph.cache import ModelCaches, build_metadata
-    from v41graph.compiler import DecodeGraph
+    from v41graph.model.kv_cache import ModelCaches
+    from v41graph.model.metadata import build_metadata
+    from v41graph.compiler.compiled_model import DecodeGraph
     buffer = torch.zeros(4, tiny.config.vocab_size)
 
     def fake_run(self, input_ids, positions, meta):
@@ -653,7 +654,7 @@ def test_compile_raises_dynamo_recompile_limit(tiny):
 def test_recompile_limit_raised_even_when_the_key_is_hidden():
     """A key hidden by a `del` (what monkeypatch.undo does) reads as missing; compiling must still
     raise the limit instead of failing with AttributeError (the fresh-clone failure of 33 tests)."""
-    from v41graph.compiler import raise_dynamo_recompile_limit
+    from v41graph.compiler.backend import raise_dynamo_recompile_limit
     config = torch._dynamo.config
     before = config.recompile_limit
     try:
@@ -671,8 +672,8 @@ def test_share_decode_graph_switch(tiny):
     """Buckets >= 2 mark their persistent buffers' batch dimension dynamic (one shared trace);
     bucket 1 and share_decode_graph=False keep fully static buffers; "all" marks every bucket,
     bucket 1 included, with an unbacked size."""
-    from v41graph.cache import ModelCaches
-    from v41graph.compiler import DecodeGraph
+    from v41graph.model.kv_cache import ModelCaches
+    from v41graph.compiler.compiled_model import DecodeGraph
     caches = ModelCaches.allocate(tiny.config, 5, 8, 16)
     for share, bucket, want in ((True, 4, True), (True, 1, False), (False, 4, False), ("all", 1, True)):
         compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(1, 4), share_decode_graph=share)
@@ -726,7 +727,7 @@ class _Ratio2(torch.nn.Module):
 
     def __init__(self, extra_user: bool, peek_state: bool = False):
         super().__init__()
-        from v41graph.layers import Linear, RMSNorm
+        from v41graph.model.layers import Linear, RMSNorm
         self.extra_user, self.peek_state = extra_user, peek_state
         self.wkv = Linear(24, 8, dtype=torch.float32)
         self.wgate = Linear(24, 8, dtype=torch.float32)
@@ -793,7 +794,7 @@ def test_fused_ratio2_compressor_reference_equals_model_code(dtype):
     """The op's reference (what every backend falls back to) is bit-identical to the model's
     Compressor.forward: latent and the rows it writes to the state ring, at every call of
     every ratio-2 compressor over a prefill and 4 decode steps; the op leaves the state alone."""
-    from v41graph.attention import COMPRESSOR_RING, Compressor
+    from v41graph.model.attention import COMPRESSOR_RING, Compressor
     cfg = v41graph.V41Config.tiny(torch_dtype=dtype)
     model = init_random_(V41Model(cfg), seed=3).eval().requires_grad_(False)
     checked = []

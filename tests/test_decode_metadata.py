@@ -18,10 +18,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import v41graph
-from v41graph.cache import DecodeBatch, build_metadata, concat_metadata, positions_of
-from v41graph.compiler import DecodeGraph
-from v41graph.engine import Engine
-from v41graph.sampling import SamplingParams
+from v41graph.runtime.batch import DecodeBatch
+from v41graph.model.metadata import build_metadata, concat_metadata, positions_of
+from v41graph.compiler.compiled_model import DecodeGraph
+from v41graph.runtime.engine import Engine
+from v41graph.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -266,7 +267,7 @@ def test_cuda_steady_state_step_never_syncs(compiled):
     """Steady-state decode steps under torch.cuda.set_sync_debug_mode("error"): with a captured
     decode graph the whole model call (metadata, ids upload, graph replay, advance); with the
     eager model the metadata, the ids upload and the advance."""
-    from v41graph.model import V41Model, init_random_
+    from v41graph.model.model import V41Model, init_random_
     model = init_random_(V41Model(v41graph.V41Config.tiny()), seed=4).cuda().eval().requires_grad_(False)
     runner = v41graph.compile(model, backend="cuda", batch_sizes=(1, 2, 4)) if compiled else model
     eng = _engine(runner)

@@ -1,4 +1,4 @@
-"""Serving engine (v41graph.engine) and sampling (v41graph.sampling) on tiny() (fp32, dense, CPU).
+"""Serving engine (v41graph.runtime.engine) and sampling (v41graph.runtime.sampling) on tiny() (fp32, dense, CPU).
 
 Greedy token equality between schedules (engine vs Session loop, batched vs alone, chunked vs
 whole prefill) relies on the schedules' logits agreeing to ~1e-5 (see test_model_consistency.py
@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import v41graph
-from v41graph.cache import CacheCapacityError
-from v41graph.engine import Engine, RequestError
-from v41graph.sampling import (SamplingParams, probs_from_logits, sample, verify_greedy,
-                               verify_rejection)
+from v41graph.runtime.batch import CacheCapacityError
+from v41graph.runtime.engine import Engine, RequestError
+from v41graph.runtime.sampling import (SamplingParams, probs_from_logits, sample, verify_greedy, verify_rejection)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -10,19 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from v41graph.engram_hash import (
-    build_compressed_token_map,
-    engram_hash_ids,
-    engram_hash_params,
-    engram_multipliers,
-    engram_offsets,
-    engram_prefill_history,
-    engram_primes,
-    engram_roll_history,
-    engram_table_rows,
-    is_prime,
-    normalize_token_text,
-)
+from v41graph.model.engram_hash import (build_compressed_token_map, engram_hash_ids, engram_hash_params, engram_multipliers, engram_offsets, engram_prefill_history, engram_primes, engram_roll_history, engram_table_rows, is_prime, normalize_token_text)
 
 from golden_path import GOLDEN_DIR
 

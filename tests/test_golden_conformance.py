@@ -39,8 +39,8 @@ N_LAYERS, WINDOW, PROMPT = 10, 32, 40
 @pytest.fixture(scope="module")
 def golden():
     from safetensors.torch import load_file
-    from v41graph.loader import from_pretrained
-    from v41graph.session import Session
+    from v41graph.weights.loader import from_pretrained
+    from v41graph.runtime.session import Session
     io = load_file(str(GOLDEN / "io.safetensors"))
     model = from_pretrained(GOLDEN, numerics="reference")
     session = Session(model, max_batch_size=1, max_seq_len=64, block_size=64)
@@ -112,8 +112,8 @@ def test_decode_argmax_and_first_layers_identical(golden):
 def test_decode_bit_exact_given_reference_ratio2_selection():
     """Everything but the ratio-2 indexer selection at even decode positions is bit-exact."""
     from safetensors.torch import load_file
-    from v41graph.loader import from_pretrained
-    from v41graph.session import Session
+    from v41graph.weights.loader import from_pretrained
+    from v41graph.runtime.session import Session
     io = load_file(str(GOLDEN / "io.safetensors"))
     model = from_pretrained(GOLDEN, numerics="reference")
     session = Session(model, max_batch_size=1, max_seq_len=64, block_size=64)

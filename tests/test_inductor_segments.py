@@ -12,10 +12,10 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import v41graph  # noqa: F401  (registers torch.ops.v41graph)
-from v41graph.compiler import DECOMPOSITIONS
+from v41graph.compiler.backend import DECOMPOSITIONS
 from v41graph.custom_ops.streams import STREAM_OPS
 from v41graph.passes.base import STREAM_KEY
-from v41graph.passes.inductor_segments import InductorSegment, lower_inductor_segments
+from v41graph.compiler.inductor_segments import InductorSegment, lower_inductor_segments
 from v41graph.passes.pass_manager import PassManager
 from v41graph.passes.side_stream import exclusive_ancestors, move_to_side_stream
 from v41graph.passes.stream_check import StreamCheck

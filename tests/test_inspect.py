@@ -19,9 +19,9 @@ import torch
 import torch.fx as fx
 
 import v41graph
-from v41graph import cli
-from v41graph.compiler import copy_graph_module
-from v41graph.inspect import DumpError, MissingDependency, draw_timeline, load_dump, to_dot
+from v41graph.tools import cli
+from v41graph.compiler.backend import copy_graph_module
+from v41graph.tools.graph_dump import DumpError, MissingDependency, draw_timeline, load_dump, to_dot
 from v41graph.passes.pass_manager import ARTIFACT, PASS_CLASSES, PassManager, resolve_passes
 
 
@@ -277,12 +277,12 @@ def test_svg_needs_pydot(dump, tmp_path):
         import pydot  # noqa: F401
     except ImportError:
         with pytest.raises(MissingDependency, match="pydot"):
-            from v41graph.inspect import write_svg
+            from v41graph.tools.graph_dump import write_svg
             write_svg(dump, tmp_path / "g.svg", graph=1, layer=0)
         return
     if shutil.which("dot") is None:
         pytest.skip("Graphviz dot not installed")
-    from v41graph.inspect import write_svg
+    from v41graph.tools.graph_dump import write_svg
     assert Path(write_svg(dump, tmp_path / "g.svg", graph=1, layer=0)).read_text().lstrip().startswith("<")
 
 
@@ -314,9 +314,9 @@ def test_cli_help_explains_every_option(capsys):
 
 
 def test_console_script_runs_inspect(dumps):
-    """The `v41graph` console script (or `python -m v41graph.cli` where it is not installed)."""
+    """The `v41graph` console script (or `python -m v41graph.tools.cli` where it is not installed)."""
     script = shutil.which("v41graph")
-    cmd = [script] if script else [sys.executable, "-m", "v41graph.cli"]
+    cmd = [script] if script else [sys.executable, "-m", "v41graph.tools.cli"]
     r = subprocess.run(cmd + ["inspect", str(dumps[0]), "--graph", "1", "--fused"],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from v41graph.config import V41Config
-from v41graph.layer_plan import build_layer_plan
+from v41graph.model.config import V41Config
+from v41graph.model.layer_plan import build_layer_plan
 
 FULL = {2, 8, 14, 20}
 REINDEX = {24, 28, 32, 36}

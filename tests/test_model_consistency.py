@@ -21,8 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from v41graph.cache import ModelCaches, build_metadata, positions_of
-from v41graph.session import Session
+from v41graph.model.kv_cache import ModelCaches
+from v41graph.model.metadata import build_metadata, positions_of
+from v41graph.runtime.session import Session
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

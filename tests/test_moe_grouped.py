@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import v41graph
-from v41graph.compiler import make_backend
-from v41graph.layers import default_dtype
-from v41graph.model import V41Model, init_random_, init_random_weights_
-from v41graph.moe import MoE, grouped_mm_emulated, pack_moe_experts_, set_moe_impl
-from v41graph.session import Session
+from v41graph.compiler.backend import make_backend
+from v41graph.model.layers import default_dtype
+from v41graph.model.model import V41Model, init_random_, init_random_weights_
+from v41graph.model.moe import MoE, grouped_mm_emulated, pack_moe_experts_, set_moe_impl
+from v41graph.runtime.session import Session
 
 ATOL = 1e-5
 

@@ -20,7 +20,7 @@ import torch
 
 import naive
 from v41graph.custom_ops import reference as ref
-from v41graph.session import Session
+from v41graph.runtime.session import Session
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -279,7 +279,7 @@ def _index_keys(step, src, blocks, ratio, count):
 
 def _indexer_query(model, lid, x, pos):
     """The layer's indexer query (library pieces: Linear, RoPE, FP4 fake quant) and weights."""
-    from v41graph.layers import rope_rotation
+    from v41graph.model.layers import rope_rotation
     attn = model.layers[lid].attn
     with torch.no_grad():
         qr = attn.q_norm(attn.wq_a(x))

@@ -94,9 +94,9 @@ def test_update_op_and_layout_match_the_model(dtype):
     the ring, gives the model's latent and leaves the ring as the model's Compressor.forward
     leaves it, bit for bit."""
     import v41graph
-    from v41graph.attention import COMPRESSOR_RING, Compressor
-    from v41graph.model import V41Model, init_random_
-    from v41graph.session import Session
+    from v41graph.model.attention import COMPRESSOR_RING, Compressor
+    from v41graph.model.model import V41Model, init_random_
+    from v41graph.runtime.session import Session
     model = init_random_(V41Model(v41graph.V41Config.tiny(torch_dtype=dtype)), seed=3).eval()
     model.requires_grad_(False)
     checked, collisions = [], []

@@ -31,11 +31,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from v41graph.attention import Attention, StepContext
-from v41graph.cache import ModelCaches, build_metadata, positions_of
+from v41graph.model.attention import Attention
+from v41graph.model.metadata import StepContext
+from v41graph.model.kv_cache import ModelCaches
+from v41graph.model.metadata import build_metadata, positions_of
 from v41graph.custom_ops import codecs
 from v41graph.custom_ops import reference as ref
-from v41graph.layer_plan import build_layer_plan
+from v41graph.model.layer_plan import build_layer_plan
 
 ops = torch.ops.v41graph
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import v41graph
-from v41graph.engine import Engine
-from v41graph.sampling import SamplingParams
-from v41graph.dspark import DSparkHead
-from v41graph.speculative import SpecConfig, init_random_dspark_
+from v41graph.runtime.engine import Engine
+from v41graph.runtime.sampling import SamplingParams
+from v41graph.model.dspark import DSparkHead
+from v41graph.runtime.speculative import SpecConfig, init_random_dspark_
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

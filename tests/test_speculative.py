@@ -1,4 +1,4 @@
-"""DSpark speculative decoding in the engine (v41graph.speculative) on tiny() (fp32, dense, CPU).
+"""DSpark speculative decoding in the engine (v41graph.runtime.speculative) on tiny() (fp32, dense, CPU).
 
 Greedy equality with the plain engine relies on the verify chunks' logits agreeing with the
 one-token decodes' to ~1e-5 (see test_engine.py / test_model_consistency.py); the prompts
@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import v41graph
-from v41graph.cache import build_metadata, positions_of
-from v41graph.compiler import TracedGraph
-from v41graph.dspark import DSparkHead
-from v41graph.engine import Engine
-from v41graph.sampling import SamplingParams
-from v41graph.speculative import SpecConfig, init_random_dspark_
+from v41graph.model.metadata import build_metadata, positions_of
+from v41graph.compiler.backend import TracedGraph
+from v41graph.model.dspark import DSparkHead
+from v41graph.runtime.engine import Engine
+from v41graph.runtime.sampling import SamplingParams
+from v41graph.runtime.speculative import SpecConfig, init_random_dspark_
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

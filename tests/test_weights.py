@@ -20,12 +20,9 @@ import torch
 
 from golden_path import GOLDEN_DIR
 from v41graph import Session, V41Config, V41Model, init_random_
-from v41graph.checkpoint import (INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError,
-                                 CheckpointWriter, SafetensorsFile)
-from v41graph.layers import Linear
-from v41graph.loader import (ShardSpec, from_pretrained, load_official_state_dict,
-                             load_sharded_state_dict, merge_shards, official_tensor_specs,
-                             place_model, save_pretrained, write_random_checkpoint, _load_tensors)
+from v41graph.weights.checkpoint import (INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, CheckpointWriter, SafetensorsFile)
+from v41graph.model.layers import Linear
+from v41graph.weights.loader import (ShardSpec, from_pretrained, load_official_state_dict, load_sharded_state_dict, merge_shards, official_tensor_specs, place_model, save_pretrained, write_random_checkpoint, _load_tensors)
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_GOLDEN = (GOLDEN_DIR / "model.safetensors").is_file()
@@ -173,7 +170,7 @@ def test_golden_round_trip_byte_identical_and_same_logits(tmp_path):
 @needs_golden
 def test_legacy_in_memory_state_dict_path_still_works():
     from safetensors.torch import load_file
-    from v41graph.loader import _build_empty_model
+    from v41graph.weights.loader import _build_empty_model
     config = V41Config.from_json(GOLDEN_DIR)
     model = _build_empty_model(config)
     skipped = load_official_state_dict(model, load_file(str(GOLDEN_DIR / "model.safetensors")))
@@ -529,7 +526,7 @@ def test_make_random_checkpoint_script(tmp_path, capsys):
 # ----------------------------------------------------------------------------- peak memory
 _MEASURE = textwrap.dedent("""
     import json, sys, torch
-    from v41graph.loader import from_pretrained, save_pretrained
+    from v41graph.weights.loader import from_pretrained, save_pretrained
 
     def status():
         out = {}

@@ -46,14 +46,12 @@ from torch.overrides import TorchFunctionMode
 from v41graph.custom_ops import codecs
 
 from .accounting import checkpoint_shapes
-from .checkpoint import (DEFAULT_MAX_SHARD_BYTES, ST_DTYPES, TORCH_TO_ST, Checkpoint,
-                         CheckpointError, CheckpointWriter, Progress, logical_shape_of,
-                         physical_shape, progress_default, torch_dtype_of)
-from .config import V41Config
-from .engram_hash import build_compressed_token_map
-from .layer_plan import build_layer_plan
-from .layers import default_dtype
-from .model import V41Model
+from .checkpoint import (DEFAULT_MAX_SHARD_BYTES, ST_DTYPES, TORCH_TO_ST, Checkpoint, CheckpointError, CheckpointWriter, Progress, logical_shape_of, physical_shape, progress_default, torch_dtype_of)
+from v41graph.model.config import V41Config
+from v41graph.model.engram_hash import build_compressed_token_map
+from v41graph.model.layer_plan import build_layer_plan
+from v41graph.model.layers import default_dtype
+from v41graph.model.model import V41Model
 
 __all__ = ["CheckpointError", "ShardSpec", "TensorSpec", "official_to_module_name",
            "module_to_official_name", "official_tensor_specs", "validate_checkpoint",
@@ -794,7 +792,7 @@ def _random_official(spec: TensorSpec, specs, g: torch.Generator) -> torch.Tenso
 def _unit_groups(module: nn.Module, path: str):
     """(path, submodule) pieces of a layer small enough to initialise one at a time: every
     child, with MoE and ModuleLists (the experts) split into their children."""
-    from .moe import MoE
+    from v41graph.model.moe import MoE
     for name, child in module.named_children():
         sub = f"{path}.{name}"
         if isinstance(child, (nn.ModuleList, MoE)):
@@ -817,9 +815,9 @@ def write_random_checkpoint(config: V41Config, out: str | Path, seed: int = 0, *
     the same rules. Peak memory is about one attention module or chunk_bytes, whatever the
     config. Deterministic in `seed`; not the values of init_random_(V41Model(config), seed)
     (each piece has its own generator)."""
-    from .engram import Engram
-    from .layers import RMSNorm
-    from .model import Block, init_random_
+    from v41graph.model.engram import Engram
+    from v41graph.model.layers import RMSNorm
+    from v41graph.model.model import Block, init_random_
 
     out = Path(out)
     specs = official_tensor_specs(config, include_mtp)

@@ -60,8 +60,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .cache import (BlockAllocator, CacheCapacityError, DecodeBatch, ModelCaches, build_metadata,
-                    concat_metadata, positions_of)
+from .batch import BlockAllocator, CacheCapacityError, DecodeBatch
+from v41graph.model.kv_cache import ModelCaches
+from v41graph.model.metadata import build_metadata, concat_metadata, positions_of
 from .sampling import SamplingParams, sample_batch
 
 
@@ -130,7 +131,7 @@ class Engine:
         """model: a V41Model or a v41graph.compile()d CompiledModel (same call signature).
 
         speculative=SpecConfig(num_draft=k) with draft_head=DSparkHead: lossless DSpark
-        speculative decoding (v41graph.speculative); its verify steps run `model` as given
+        speculative decoding (v41graph.runtime.speculative); its verify steps run `model` as given
         (a compiled model's graph, uncaptured; the draft head runs eagerly).
         prefill_mode: "auto" (decoder bounded replay for prompts longer than the window),
         "full" or "replay" (see the module docstring). persistent_metadata=False: rebuild the

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, StepContext
-from .cache import AttentionMetadata, ModelCaches, replay_metadata
+from .attention import Attention
+from .metadata import StepContext
+from .metadata import AttentionMetadata, replay_metadata
+from .kv_cache import ModelCaches
 from .config import V41Config
 from .engram import Engram
 from .engram_hash import engram_hash_params

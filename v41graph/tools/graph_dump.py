@@ -1,6 +1,6 @@
 """Read a v41graph dump directory back and ask it questions (reads files only; runs no model).
 
-    from v41graph.inspect import load_dump
+    from .graph_dump import load_dump
     d = load_dump("dump/")                  # written by v41graph.compile(model, dump_dir="dump/")
     d.graphs                                # [0, 1]: prefill and decode graph
     d.passes(graph=1)                       # one record per pass (matched_count, node counts...)

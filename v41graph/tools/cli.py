@@ -4,7 +4,7 @@
     v41graph inspect DIR [--graph N] [--summary] [--pass NAME] [--diff A B] [--stage S]
                          [--streams] [--fused] [--timeline OUT.png [--layer N]] [--dot OUT.dot] [--svg OUT.svg]
 
-Also runs as `python -m v41graph.cli ...`. Run `v41graph <command> --help` for every option.
+Also runs as `python -m v41graph.tools.cli ...`. Run `v41graph <command> --help` for every option.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ def run_dump(out, config: str = "tiny", disable=(), seed: int = 0, prompt_len: i
     0) and one decode step (graph 1) so both graphs are dumped. Returns the compiled model."""
     import torch
 
-    from .compiler import compile as v41compile
-    from .config import V41Config
-    from .model import V41Model, init_random_
-    from .session import Session
+    from v41graph.compiler.compiled_model import compile as v41compile
+    from v41graph.model.config import V41Config
+    from v41graph.model.model import V41Model, init_random_
+    from v41graph.runtime.session import Session
 
     if config not in CONFIGS:
         raise ValueError(f"unknown config {config!r}; choices: {', '.join(CONFIGS)}")
@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _inspect(args) -> int:
-    from .inspect import load_dump, to_dot, write_svg
+    from .graph_dump import load_dump, to_dot, write_svg
 
     dump = load_dump(args.dir)
     g = args.graph
@@ -151,7 +151,7 @@ def _inspect(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from .inspect import DumpError, MissingDependency
+    from .graph_dump import DumpError, MissingDependency
 
     try:
         if args.command == "dump":

@@ -24,9 +24,10 @@ from typing import Sequence
 
 import torch
 
-from .cache import (BlockAllocator, CacheCapacityError, DecodeBatch, ModelCaches, build_metadata,
-                    positions_of)
-from .model import V41Model
+from .batch import BlockAllocator, CacheCapacityError, DecodeBatch
+from v41graph.model.kv_cache import ModelCaches
+from v41graph.model.metadata import build_metadata, positions_of
+from v41graph.model.model import V41Model
 
 PREFILL_MODES = ("auto", "full", "replay")
 

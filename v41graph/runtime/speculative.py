@@ -63,7 +63,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import COMPRESSOR_RING, build_metadata, positions_of
+from v41graph.model.kv_cache import COMPRESSOR_RING
+from v41graph.model.metadata import build_metadata, positions_of
 from .sampling import _draw, probs_from_logits, verify_greedy, verify_rejection
 
 
@@ -311,7 +312,7 @@ class SpeculativeDecoder:
 
 def init_random_dspark_(head, seed: int = 0):
     """Deterministic random weights for a DSparkHead (tests, demo), like model.init_random_."""
-    from .model import init_random_weights_
+    from v41graph.model.model import init_random_weights_
     return init_random_weights_(head, torch.Generator().manual_seed(seed))
 
 

@@ -1,7 +1,7 @@
 """Demo: build the tiny model with random weights, compile it with every pass, prefill a
 prompt and decode 16 tokens greedily.
 
-    python -m v41graph.demo [--prompt-len 40] [--steps 16] [--seed 0] [--no-compile] [--dump-dir DIR]
+    python -m v41graph.tools.demo [--prompt-len 40] [--steps 16] [--seed 0] [--no-compile] [--dump-dir DIR]
 
 Prints the layer plan, the accounting (parameters, KV bytes per token) of the tiny and the
 released configs, what each compiler pass did, the generated tokens, and checks the compiled
@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from .accounting import accounting, format_accounting
-from .config import V41Config
-from .layer_plan import build_layer_plan, format_layer_plan
-from .model import V41Model, init_random_
-from .session import Session
+from v41graph.weights.accounting import accounting, format_accounting
+from v41graph.model.config import V41Config
+from v41graph.model.layer_plan import build_layer_plan, format_layer_plan
+from v41graph.model.model import V41Model, init_random_
+from v41graph.runtime.session import Session
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt_len))
     runner = model
     if not args.no_compile:
-        from .compiler import compile as v41compile
+        from v41graph.compiler.compiled_model import compile as v41compile
         print("\n== compile (v41graph backend, all passes) ==")
         t0 = time.perf_counter()
         runner = v41compile(model, backend="auto", batch_sizes=(1,), dump_dir=args.dump_dir)

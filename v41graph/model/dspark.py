@@ -40,7 +40,7 @@ import v41graph.custom_ops  # noqa: F401  (registers torch.ops.v41graph.*)
 from .attention import Attention
 from .config import V41Config
 from .layer_plan import LayerRole
-from .layers import Linear, RMSNorm, apply_rope, rope_rotation, weight_fmt, default_dtype
+from .layers import (Linear, RMSNorm, apply_rope, rope_rotation, weight_fmt, default_dtype)
 from .mhc import HyperConnection, collapse, expand
 from .moe import MoE
 

@@ -87,8 +87,8 @@ from typing import Iterator, Optional
 
 import sympy as sp
 
-from .config import V41Config
-from .layer_plan import LayerRole, build_layer_plan
+from v41graph.model.config import V41Config
+from v41graph.model.layer_plan import LayerRole, build_layer_plan
 
 # --------------------------------------------------------------------------- symbols
 # Named after the config fields they stand for.

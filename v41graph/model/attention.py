@@ -14,77 +14,17 @@ the equivalent token-by-token decode see the same numbers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 import v41graph.custom_ops  # noqa: F401  (registers torch.ops.v41graph.*)
-from .cache import COMPRESSOR_RING, AttentionMetadata, ModelCaches
+from .kv_cache import COMPRESSOR_RING
+from .metadata import StepContext
 from .config import V41Config
 from .layer_plan import LayerRole
-from .layers import Linear, RMSNorm, weight_fmt, apply_rope, rope_inv_freqs, rope_rotation
+from .layers import (Linear, RMSNorm, weight_fmt, apply_rope, rope_inv_freqs, rope_rotation)
 
 ops = torch.ops.v41graph
-
-
-@dataclass
-class StepContext:
-    """Per-forward tensors derived once from the metadata and shared by all layers."""
-    meta: AttentionMetadata
-    caches: ModelCaches
-    positions: torch.Tensor      # [N]
-    tok_seq: torch.Tensor        # [N] batch index
-    tok_slot: torch.Tensor       # [N] cache slot
-    tok_chunk_start: torch.Tensor
-    tok_seq_len: torch.Tensor
-    tok_qstart: torch.Tensor     # [N] first token of this token's sequence in the batch
-    topk: dict = field(default_factory=dict)        # index source layer -> [N, K] positions
-    # candidate source -> [N, P] int64 compressed positions (ascending, -1 padded at the end),
-    # P = min(candidate_topk_blocks * candidate_block_size, C): see ops.indexer_topk
-    candidates: dict = field(default_factory=dict)
-    precompressed: set = field(default_factory=set)  # full layers whose KV this step already wrote
-    debug: dict | None = None
-    # Index tensors and RoPE rotations that many layers would build identically (window rows,
-    # ring rows, rotations per RoPE kind, compressed rows per ratio): built once per step by the
-    # first layer that needs them. In the graph that is one node shared by all those layers
-    # instead of ~20 small kernels repeated in each of 40 layers.
-    _shared: dict = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, meta: AttentionMetadata, caches: ModelCaches, positions: torch.Tensor,
-              debug: dict | None = None) -> "StepContext":
-        s = meta.token_seq
-        return cls(meta, caches, positions, s, meta.seq_slot[s], meta.chunk_start[s],
-                   meta.seq_len[s], meta.query_start[s], debug=debug)
-
-    def shared(self, key, build):
-        """`build()` the first time `key` is asked for in this step, the same tensor after."""
-        if key not in self._shared:
-            self._shared[key] = build()
-        return self._shared[key]
-
-    def fresh_or_ring_rows(self, pos: torch.Tensor, ring: int) -> torch.Tensor:
-        """Rows of a (ring state ++ this call's tokens) pool for positions `pos` [N, M] of each
-        token's own sequence: this call's tokens after the slot*ring ring rows."""
-        n_ring_rows = self.caches.num_slots * ring
-        in_chunk = pos >= self.tok_chunk_start.unsqueeze(-1)
-        fresh = n_ring_rows + self.tok_qstart.unsqueeze(-1) + (pos - self.tok_chunk_start.unsqueeze(-1))
-        ring_row = self.tok_slot.unsqueeze(-1) * ring + pos.remainder(ring)
-        return torch.where(in_chunk, fresh, ring_row)
-
-    def compressed_rows(self, ratio: int, capacity: int) -> torch.Tensor:
-        """Paged cache rows [N, capacity] of compressed positions 0..capacity-1 (-1 = no block)."""
-        j = torch.arange(capacity, device=self.positions.device)
-        return self.compressed_rows_at(ratio, j.expand(self.tok_seq.shape[0], capacity))
-
-    def compressed_rows_at(self, ratio: int, pos: torch.Tensor) -> torch.Tensor:
-        """Paged cache rows of the compressed positions `pos` [N, M] (0 <= pos < capacity) of
-        each token's own sequence (-1 = no block): `compressed_rows(...)` gathered at `pos`,
-        computed in O(M) instead of O(capacity)."""
-        rows_per_block = self.caches.block_size // ratio
-        block = self.meta.block_table[self.tok_seq.unsqueeze(-1), pos // rows_per_block]
-        return torch.where(block >= 0, block * rows_per_block + pos.remainder(rows_per_block), -1)
 
 
 def _left_align(rows: torch.Tensor) -> torch.Tensor:

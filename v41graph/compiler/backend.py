@@ -1,0 +1,153 @@
+"""The v41graph torch.compile backend and the compile-and-run API.
+
+    compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
+                                batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
+                                inductor_segments=False, compile_prefill=True)
+    logits = compiled(input_ids, positions, caches, metadata)     # same call as the model
+
+    torch.compile(model, backend="v41graph")                      # also registered
+
+Flow (DESIGN.md): Dynamo graph -> aot_autograd(DECOMPOSITIONS,
+keep_inference_input_mutations=True) -> our pass manager (cleanup, P1, defunctionalize, P4,
+P6, stream check) -> platform lowering (opt-in: Inductor segments) -> our executor (the FX
+graph's own forward; stream ops are real on CUDA, no-ops on CPU) -> static capture of decode
+steps per batch bucket (CUDA graphs on NVIDIA; ACL graphs through torchair on Ascend).
+
+Decode batches are padded up to the nearest bucket: padding tokens belong to a scratch cache
+slot (the caches' last slot, which Session keeps free) and have no cache blocks, so they
+write nothing any real sequence reads.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+from v41graph.passes.pass_manager import PassManager
+
+_log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "cuda", "npu", "cpu")
+
+# No decomposition table (DESIGN.md suggested Inductor's select_decomp_table). That table splits
+# ops such as silu, softplus, clamp and dtype casts into several primitives so that Inductor can
+# fuse them; our executor runs the graph op by op, so for us it meant more kernels per step
+# and results a last bit away from eager, which the model's fake quantization can turn into a
+# different FP4/FP8 code (seen on CPU: a 0.25 logit difference on one of ten prompts). Without
+# it the CPU graph is bit-identical to eager on those prompts and ~7 % smaller. Ops that
+# are CompositeImplicit (linear, rms_norm, ...) are still decomposed while tracing.
+DECOMPOSITIONS: dict = {}
+
+
+class TracedGraph:
+    """One graph as AOT autograd handed it over (before our passes), and the passed copy that
+    runs. Keeping the untouched graph lets the pass list change without tracing again:
+    tracing (Dynamo + AOT) is ~90 % of compile time, our passes a few seconds."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.untouched = copy_graph_module(gm)
+        self.current = gm
+
+    def __call__(self, *args):
+        return self.current.forward(*args)
+
+    def repass(self, manager: PassManager, lower=None) -> None:
+        gm = copy_graph_module(self.untouched)
+        manager(gm)
+        if lower is not None:
+            lower(gm)
+        self.current = gm
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy with its own nodes (node.meta copied shallowly, so fake values are shared)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None,
+                 lower=None, on_compiled=None):
+    """A torch.compile backend running our pass manager; returns (backend, pass_manager).
+    `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes).
+    `lower(gm)`, if given, is the platform lowering run on each final graph after the passes
+    (Inductor segments, passes/inductor_segments.py). `on_compiled(passes_s, lower_s)`, if
+    given, is called when a graph is ready to run, with the seconds our passes and the lowering
+    took on it."""
+    from functorch.compile import make_boxed_func
+
+    manager = PassManager(passes, disable, dump_dir)
+    if platform == "npu":   # torchair compiles and captures; our passes run as its post-grad pass
+        from .npu import torchair_backend
+        return torchair_backend(manager), manager
+
+    def fw_compiler(gm, example_inputs):
+        graph = TracedGraph(gm) if traced is not None else None
+        t0 = time.perf_counter()
+        manager(gm)
+        t1 = time.perf_counter()
+        if lower is not None:
+            lower(gm)
+        if on_compiled is not None:
+            on_compiled(t1 - t0, time.perf_counter() - t1)
+        if graph is None:
+            return make_boxed_func(gm.forward)
+        traced.append(graph)
+        return make_boxed_func(graph)
+
+    backend = aot_autograd(fw_compiler=fw_compiler, decompositions=DECOMPOSITIONS,
+                           keep_inference_input_mutations=True)
+    return backend, manager
+
+
+def _registered_backend(gm, example_inputs, **kwargs):
+    kwargs.setdefault("dump_dir", os.environ.get("V41GRAPH_DUMP") or None)
+    backend, _ = make_backend(**kwargs)
+    return backend(gm, example_inputs)
+
+
+torch._dynamo.register_backend(name="v41graph")(_registered_backend)
+
+
+def resolve_platform(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return {"cuda": "cuda", "npu": "npu"}.get(device.type, "cpu")
+    if backend == "npu":
+        from .npu import require_torch_npu
+        require_torch_npu()
+    if backend != "cpu" and device.type != backend:
+        raise ValueError(f"backend {backend!r} but the model's weights are on {device}")
+    return backend
+
+
+
+# The key's name across torch versions: `recompile_limit` since 2.6, `cache_size_limit` before
+# (kept as its alias). Read through getattr: a config key can also be hidden at run time (torch's
+# config module hides a key that was `del`-ed, which is what pytest >= 9's monkeypatch.undo does
+# to a key it did not find in the module's __dict__).
+_RECOMPILE_LIMIT_KEYS = ("recompile_limit", "cache_size_limit")
+
+
+def raise_dynamo_recompile_limit(at_least: int) -> None:
+    """Dynamo keeps at most `recompile_limit` (default 8) compiled entries per code object;
+    compiling V41Model a second time in one process (ablations, tests) then fails hard under
+    fullgraph=True. Raise the limit to `at_least` (never lower it); if this torch has neither
+    key, say so once in the log and go on (only repeated compiles in one process are affected)."""
+    config = torch._dynamo.config
+    for key in _RECOMPILE_LIMIT_KEYS:
+        try:   # a hidden key reads as missing but can be set (which shows it again)
+            setattr(config, key, max(getattr(config, key, at_least), at_least))
+            return
+        except AttributeError:   # not a key of this torch
+            continue
+    _log.warning("torch._dynamo.config has none of %s: the per-code recompile limit stays as it is",
+                 ", ".join(_RECOMPILE_LIMIT_KEYS))
+
+
+__all__ = ["make_backend", "copy_graph_module", "TracedGraph", "DECOMPOSITIONS", "resolve_platform",
+           "raise_dynamo_recompile_limit"]

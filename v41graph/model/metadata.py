@@ -1,0 +1,168 @@
+"""Attention metadata: what a step's flat batch of tokens is, in tensors only (so a captured
+graph replays with new contents), its builders, and the per-step context the layers share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+
+from .kv_cache import ModelCaches
+
+
+@dataclass
+class AttentionMetadata:
+    """A flat batch: N tokens from B sequences, sequence b owning tokens
+    query_start[b]:query_start[b+1] at positions chunk_start[b]..seq_len[b]-1."""
+    token_seq: torch.Tensor     # [N] batch index of each token
+    seq_slot: torch.Tensor      # [B] cache slot (window ring / state row) of each sequence
+    chunk_start: torch.Tensor   # [B] position of the first new token
+    seq_len: torch.Tensor       # [B] context length after this call
+    query_start: torch.Tensor   # [B+1] offsets into the token batch
+    block_table: torch.Tensor   # [B, max_blocks] cache block ids, -1 = none
+    logits_index: torch.Tensor  # [B] token whose logits are returned (the last of each seq)
+    window_floor: torch.Tensor | None = None  # [B] first position the window may see (replay)
+    # Names the contents of seq_slot and block_table: two metadata with the same non-None key
+    # hold equal seq_slot / block_table (a DecodeBatch hands out a fresh key whenever either
+    # changes), so a decode graph that already holds them can skip reloading them.
+    static_key: int | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_slot.shape[0]
+
+
+def build_metadata(seq_slots: Sequence[int], chunk_starts: Sequence[int], query_lens: Sequence[int],
+                   block_tables: Sequence[Sequence[int]], max_blocks: int,
+                   device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Metadata for a batch (host-side lists -> device tensors, built once per step)."""
+    b = len(seq_slots)
+    if not (len(chunk_starts) == len(query_lens) == len(block_tables) == b):
+        raise ValueError(f"metadata lengths differ: {b} slots, {len(chunk_starts)} chunk starts, "
+                         f"{len(query_lens)} query lengths, {len(block_tables)} block tables")
+    for i, n in enumerate(query_lens):
+        if n <= 0:
+            raise ValueError(f"sequence {i}: query length {n} must be >= 1")
+    table = torch.full((b, max_blocks), -1, dtype=torch.int64)
+    for i, blocks in enumerate(block_tables):
+        if len(blocks) > max_blocks:
+            raise ValueError(f"sequence {i}: {len(blocks)} blocks > max_blocks {max_blocks}")
+        table[i, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int64)
+    qlens = torch.tensor(list(query_lens), dtype=torch.int64)
+    qstart = torch.zeros(b + 1, dtype=torch.int64)
+    qstart[1:] = qlens.cumsum(0)
+    starts = torch.tensor(list(chunk_starts), dtype=torch.int64)
+    to = dict(device=device)
+    return AttentionMetadata(
+        token_seq=torch.repeat_interleave(torch.arange(b), qlens).to(**to),
+        seq_slot=torch.tensor(list(seq_slots), dtype=torch.int64, **to),
+        chunk_start=starts.to(**to), seq_len=(starts + qlens).to(**to),
+        query_start=qstart.to(**to), block_table=table.to(**to),
+        logits_index=(qstart[1:] - 1).to(**to),
+    )
+
+
+def positions_of(meta: AttentionMetadata) -> torch.Tensor:
+    """Token positions implied by the metadata (chunk_start + offset within the chunk)."""
+    tok = torch.arange(meta.token_seq.shape[0], device=meta.token_seq.device)
+    return meta.chunk_start[meta.token_seq] + tok - meta.query_start[meta.token_seq]
+
+
+def replay_metadata(meta: AttentionMetadata, replay):
+    """Metadata for decoder bounded replay (MODEL.md §9): the decoder layers see only the tokens
+    at or after each sequence's replay floor, with their window truncated at that floor.
+
+    replay: an int R (the last R tokens of each sequence's context: floor = seq_len - R, the
+    one-call prefill of Session) or a [B] tensor of per-sequence floor positions (0 = nothing
+    dropped and the window untruncated, e.g. decode rows; a floor at or past seq_len drops the
+    whole chunk, e.g. an early chunk of a chunked prefill). Returns (metadata, token indices of
+    the kept tokens in the full batch). A sequence that keeps no token gets an empty query
+    range (its logits row is meaningless). Used for prefill only (data-dependent shapes)."""
+    if isinstance(replay, torch.Tensor):
+        floor = replay.to(device=meta.seq_len.device, dtype=meta.seq_len.dtype)
+    else:
+        floor = (meta.seq_len - int(replay)).clamp_min(0)
+    start = torch.minimum(torch.maximum(meta.chunk_start, floor), meta.seq_len)
+    pos = positions_of(meta)
+    keep = torch.nonzero(pos >= floor[meta.token_seq]).flatten()
+    qlens = meta.seq_len - start
+    qstart = torch.zeros_like(meta.query_start)
+    qstart[1:] = qlens.cumsum(0)
+    sub = replace(meta, token_seq=meta.token_seq[keep], chunk_start=start, query_start=qstart,
+                  logits_index=qstart[1:] - 1, window_floor=floor)
+    return sub, keep
+
+
+def concat_metadata(a: AttentionMetadata, b: AttentionMetadata) -> AttentionMetadata:
+    """One flat batch of a's sequences followed by b's (same block-table width and device):
+    a step's persistent decode rows (DecodeBatch) + its freshly built prefill chunks."""
+    if a.block_table.shape[1] != b.block_table.shape[1]:
+        raise ValueError(f"block table widths differ: {a.block_table.shape[1]} vs {b.block_table.shape[1]}")
+    na, ta = a.num_seqs, a.token_seq.shape[0]
+    cat = torch.cat
+    return AttentionMetadata(
+        token_seq=cat([a.token_seq, b.token_seq + na]), seq_slot=cat([a.seq_slot, b.seq_slot]),
+        chunk_start=cat([a.chunk_start, b.chunk_start]), seq_len=cat([a.seq_len, b.seq_len]),
+        query_start=cat([a.query_start[:-1], b.query_start + ta]),
+        block_table=cat([a.block_table, b.block_table]),
+        logits_index=cat([a.logits_index, b.logits_index + ta]))
+
+
+@dataclass
+class StepContext:
+    """Per-forward tensors derived once from the metadata and shared by all layers."""
+    meta: AttentionMetadata
+    caches: ModelCaches
+    positions: torch.Tensor      # [N]
+    tok_seq: torch.Tensor        # [N] batch index
+    tok_slot: torch.Tensor       # [N] cache slot
+    tok_chunk_start: torch.Tensor
+    tok_seq_len: torch.Tensor
+    tok_qstart: torch.Tensor     # [N] first token of this token's sequence in the batch
+    topk: dict = field(default_factory=dict)        # index source layer -> [N, K] positions
+    # candidate source -> [N, P] int64 compressed positions (ascending, -1 padded at the end),
+    # P = min(candidate_topk_blocks * candidate_block_size, C): see ops.indexer_topk
+    candidates: dict = field(default_factory=dict)
+    precompressed: set = field(default_factory=set)  # full layers whose KV this step already wrote
+    debug: dict | None = None
+    # Index tensors and RoPE rotations that many layers would build identically (window rows,
+    # ring rows, rotations per RoPE kind, compressed rows per ratio): built once per step by the
+    # first layer that needs them. In the graph that is one node shared by all those layers
+    # instead of ~20 small kernels repeated in each of 40 layers.
+    _shared: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, caches: ModelCaches, positions: torch.Tensor,
+              debug: dict | None = None) -> "StepContext":
+        s = meta.token_seq
+        return cls(meta, caches, positions, s, meta.seq_slot[s], meta.chunk_start[s],
+                   meta.seq_len[s], meta.query_start[s], debug=debug)
+
+    def shared(self, key, build):
+        """`build()` the first time `key` is asked for in this step, the same tensor after."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
+
+    def fresh_or_ring_rows(self, pos: torch.Tensor, ring: int) -> torch.Tensor:
+        """Rows of a (ring state ++ this call's tokens) pool for positions `pos` [N, M] of each
+        token's own sequence: this call's tokens after the slot*ring ring rows."""
+        n_ring_rows = self.caches.num_slots * ring
+        in_chunk = pos >= self.tok_chunk_start.unsqueeze(-1)
+        fresh = n_ring_rows + self.tok_qstart.unsqueeze(-1) + (pos - self.tok_chunk_start.unsqueeze(-1))
+        ring_row = self.tok_slot.unsqueeze(-1) * ring + pos.remainder(ring)
+        return torch.where(in_chunk, fresh, ring_row)
+
+    def compressed_rows(self, ratio: int, capacity: int) -> torch.Tensor:
+        """Paged cache rows [N, capacity] of compressed positions 0..capacity-1 (-1 = no block)."""
+        j = torch.arange(capacity, device=self.positions.device)
+        return self.compressed_rows_at(ratio, j.expand(self.tok_seq.shape[0], capacity))
+
+    def compressed_rows_at(self, ratio: int, pos: torch.Tensor) -> torch.Tensor:
+        """Paged cache rows of the compressed positions `pos` [N, M] (0 <= pos < capacity) of
+        each token's own sequence (-1 = no block): `compressed_rows(...)` gathered at `pos`,
+        computed in O(M) instead of O(capacity)."""
+        rows_per_block = self.caches.block_size // ratio
+        block = self.meta.block_table[self.tok_seq.unsqueeze(-1), pos // rows_per_block]
+        return torch.where(block >= 0, block * rows_per_block + pos.remainder(rows_per_block), -1)

@@ -1,0 +1,217 @@
+"""What the runtime keeps between steps: the block allocator and the persistent decode rows."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+
+from v41graph.model.metadata import AttentionMetadata
+
+
+class CacheCapacityError(RuntimeError):
+    """Raised when a request needs more cache blocks or slots than are free."""
+
+
+class BlockAllocator:
+    """A free list of cache block ids shared by all kv sources."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise CacheCapacityError(f"need {n} cache blocks but only {len(self._free)} of "
+                                     f"{self.num_blocks} are free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if not 0 <= b < self.num_blocks or b in self._free:
+                raise ValueError(f"block {b} is not an allocated block id")
+            self._free.append(b)
+
+
+_STATIC_KEYS = itertools.count(1)
+
+
+class DecodeBatch:
+    """Persistent device metadata of decode rows (one new token per sequence), kept across
+    steps (the seed's P5: metadata cached instead of rebuilt every step).
+
+    Rows 0..n-1 are sequences in the caller's order; `keys[i]` names row i's owner (a request
+    or sequence id). What does not change between decode steps -- slot ids and block tables --
+    is written only when a row is inserted or removed or a sequence gets a new block
+    (`insert`, `remove`, `set_block`, `sync`). What does -- positions, chunk starts, sequence
+    lengths -- lives in one [3, capacity] counter tensor that `advance()` moves on by one token
+    with a single in-place add on the device. A steady-state step therefore reads nothing from
+    the device and builds no tensor from host data: `metadata()` returns cached views, the
+    scheduler counts lengths in Python ints itself, and the only host-to-device transfer is the
+    new tokens (`load_ids`: a non-blocking copy from a pinned staging buffer on CUDA).
+
+    Row order is kept stable (inserts and removes shift the rows behind them on the device), so
+    a batch lists its sequences in the same order a freshly built one would.
+    """
+
+    def __init__(self, capacity: int, max_blocks: int, device: torch.device | str = "cpu"):
+        self.capacity, self.max_blocks = capacity, max_blocks
+        self.device = torch.device(device)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.keys: list = []
+        self.slot = torch.zeros(capacity, **i64)
+        self.block_table = torch.full((capacity, max_blocks), -1, **i64)
+        # counters[0] = chunk_start (tokens already cached), [1] = seq_len, [2] = positions
+        self.counters = torch.zeros(3, capacity, **i64)
+        self.ids = torch.zeros(capacity, **i64)
+        self._token_seq = torch.arange(capacity, **i64)
+        self._query_start = torch.arange(capacity + 1, **i64)
+        self._logits_index = torch.arange(capacity, **i64)
+        # New tokens come from the host sampler: stage them in pinned memory and copy without a
+        # sync (on CPU the staging buffer is the ids buffer itself).
+        self._ids_host = self._ids_copied = None
+        if self.device.type == "cuda":
+            self._ids_host = torch.zeros(capacity, dtype=torch.int64).pin_memory()
+            self._ids_copied = torch.cuda.Event()
+        self.static_key = next(_STATIC_KEYS)
+        self._views = None
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def n(self) -> int:
+        return len(self.keys)
+
+    def _live(self):
+        """(positions, metadata, live counters [3, n]): views of the persistent buffers, made
+        once per change of the rows."""
+        if self._views is None:
+            n = self.n
+            live = self.counters[:, :n]
+            meta = AttentionMetadata(
+                token_seq=self._token_seq[:n], seq_slot=self.slot[:n],
+                chunk_start=live[0], seq_len=live[1],
+                query_start=self._query_start[:n + 1], block_table=self.block_table[:n],
+                logits_index=self._logits_index[:n], static_key=self.static_key)
+            self._views = (live[2], meta, live)
+        return self._views
+
+    def metadata(self):
+        """(positions [n], AttentionMetadata of the n rows): cached views, nothing built."""
+        return self._live()[:2]
+
+    def load_ids(self, tokens) -> torch.Tensor:
+        """This step's input ids (one host int per row) -> the persistent ids view [n]."""
+        n = len(tokens)
+        if n != self.n:
+            raise ValueError(f"{n} tokens for {self.n} decode rows")
+        if self._ids_host is None:
+            self.ids.numpy()[:n] = tokens
+        else:
+            # The previous step's copy out of the staging buffer has long finished when a
+            # caller read that step's logits; wait for it only if it has not (query: no sync).
+            if not self._ids_copied.query():
+                self._ids_copied.synchronize()
+            self._ids_host.numpy()[:n] = tokens
+            self.ids[:n].copy_(self._ids_host[:n], non_blocking=True)
+            self._ids_copied.record()
+        return self.ids[:n]
+
+    # ------------------------------------------------------------------ per step
+    def advance(self) -> None:
+        """Every row's sequence took one token: chunk_start, seq_len and positions += 1 (one
+        in-place add on the device, no host involvement)."""
+        if self.keys:
+            self._live()[2].add_(1)
+
+    # ------------------------------------------------------------------ row changes
+    def _changed(self) -> None:
+        self.static_key = next(_STATIC_KEYS)
+        self._views = None
+
+    def insert(self, row: int, key, slot: int, length: int, blocks) -> None:
+        """A new row at `row` (the rows behind it move back by one): sequence in cache slot
+        `slot` with `length` tokens already cached and these blocks."""
+        n = self.n
+        if n >= self.capacity:
+            raise ValueError(f"decode batch full ({self.capacity} rows)")
+        if not 0 <= row <= n:
+            raise ValueError(f"row {row} outside 0..{n}")
+        if len(blocks) > self.max_blocks:
+            raise ValueError(f"{len(blocks)} blocks > max_blocks {self.max_blocks}")
+        if row < n:
+            for t in (self.slot, self.block_table):
+                t[row + 1:n + 1] = t[row:n].clone()
+            self.counters[:, row + 1:n + 1] = self.counters[:, row:n].clone()
+        self.slot[row] = slot
+        self.block_table[row] = -1
+        if blocks:
+            self.block_table[row, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.int64)
+        self.counters[0, row] = length
+        self.counters[1, row] = length + 1
+        self.counters[2, row] = length
+        self.keys.insert(row, key)
+        self._changed()
+
+    def remove(self, row: int) -> None:
+        """Drop a row (the rows behind it move up by one)."""
+        n = self.n
+        if not 0 <= row < n:
+            raise ValueError(f"row {row} outside 0..{n - 1}")
+        if row < n - 1:
+            for t in (self.slot, self.block_table):
+                t[row:n - 1] = t[row + 1:n].clone()
+            self.counters[:, row:n - 1] = self.counters[:, row + 1:n].clone()
+        self.block_table[n - 1] = -1
+        del self.keys[row]
+        self._changed()
+
+    def discard(self, keys) -> None:
+        """Remove the rows of these keys, if present."""
+        for k in keys:
+            if k in self.keys:
+                self.remove(self.keys.index(k))
+
+    def clear(self) -> None:
+        if self.keys:
+            self.block_table[:self.n] = -1
+            self.keys = []
+            self._changed()
+
+    def set_block(self, row: int, index: int, block: int) -> None:
+        """Row `row`'s sequence got block `block` as its `index`-th block."""
+        self.block_table[row, index] = block
+        self._changed()
+
+    def sync(self, keys, describe) -> list:
+        """Make the rows exactly `keys`, in this order. describe(key) -> (slot, cached length,
+        blocks) for a key that needs a new row. Rows kept keep their device state. Returns the
+        keys that got a new row (none in a steady state: one list comparison, nothing else)."""
+        keys = list(keys)
+        if keys == self.keys:
+            return []
+        want = set(keys)
+        for i in range(self.n - 1, -1, -1):
+            if self.keys[i] not in want:
+                self.remove(i)
+        have = set(self.keys)
+        if [k for k in keys if k in have] != self.keys:     # reordered: rebuild
+            self.clear()
+            have = set()
+        inserted = []
+        for i, k in enumerate(keys):
+            if k not in have:
+                self.insert(i, k, *describe(k))
+                inserted.append(k)
+        return inserted
+
+    def host_view(self) -> dict:
+        """The rows' state read back to the host (tests and debugging only: syncs)."""
+        n = self.n
+        return dict(keys=list(self.keys), slot=self.slot[:n].tolist(),
+                    block_table=self.block_table[:n].tolist(),
+                    chunk_start=self.counters[0, :n].tolist(), seq_len=self.counters[1, :n].tolist(),
+                    positions=self.counters[2, :n].tolist())
