@@ -1,4 +1,4 @@
-"""CUDA implementations of v41graph's custom ops (Triton kernels in triton_kernels.py).
+"""CUDA implementations of v41graph's custom ops (Triton kernels in the triton/ package).
 
 Importing this module only registers Python functions for the CUDA dispatch key; it imports
 neither triton nor CUDA, so it is safe on CPU-only machines. Triton is imported at the first
@@ -15,6 +15,7 @@ the reference on CUDA.)
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 
@@ -24,51 +25,54 @@ from . import reference as ref
 from .ops import fake_quant_reference
 
 _NS = "v41graph"
-_TK = None
+_TK: dict = {}          # kernel family ("norms", "attention", ...) -> its module in triton/
+_TK_FAILED = False      # Triton could not be imported: every CUDA op runs the reference
 
 
-def triton_kernels():
-    """The triton_kernels module, or None when Triton is unavailable or disabled."""
-    global _TK
-    if os.environ.get("V41GRAPH_DISABLE_TRITON", "0") not in ("", "0"):
+def triton_module(family: str):
+    """The kernel module triton/<family>.py, imported at the first call, or None when Triton is
+    unavailable or disabled."""
+    global _TK_FAILED
+    if _TK_FAILED or os.environ.get("V41GRAPH_DISABLE_TRITON", "0") not in ("", "0"):
         return None
-    if _TK is None:
+    tk = _TK.get(family)
+    if tk is None:
         try:
-            from . import triton_kernels as tk
-            _TK = tk
+            tk = _TK[family] = importlib.import_module(f".triton.{family}", __package__)
         except ImportError as e:   # no triton on this CUDA machine: reference fallback
             warnings.warn(f"v41graph: Triton kernels unavailable ({e}); CUDA ops run the "
                           "pure-torch reference", RuntimeWarning, stacklevel=3)
-            _TK = False
-    return _TK or None
+            _TK_FAILED = True
+    return tk
 
 
 # ----------------------------------------------------------------------------- registrations
-def _register_triton_first(op: str, checked: int, fallback) -> None:
-    """CUDA impl of `op`: the Triton wrapper of the same name in triton_kernels when Triton is
-    usable and `<op>_supported(*args[:checked])` accepts the inputs, else `fallback(*args)`, the
-    pure-torch reference on the GPU (a plain function: it never dispatches back here)."""
+def _register_triton_first(op: str, family: str, checked: int, fallback) -> None:
+    """CUDA impl of `op`: the Triton wrapper of the same name in triton/<family>.py when Triton
+    is usable and `<op>_supported(*args[:checked])` accepts the inputs, else `fallback(*args)`,
+    the pure-torch reference on the GPU (a plain function: it never dispatches back here)."""
     def impl(*args):
-        tk = triton_kernels()
+        tk = triton_module(family)
         if tk is not None and getattr(tk, f"{op}_supported")(*args[:checked]):
             return getattr(tk, op)(*args)
         return fallback(*args)
     torch.library.register_kernel(f"{_NS}::{op}", "cuda", impl)
 
 
-_register_triton_first("fused_wkv_rmsnorm", 3, ref.wkv_rmsnorm)
-_register_triton_first("rope", 2, lambda x, rotation, inverse: ref.apply_rope(x, rotation, inverse).contiguous())
-_register_triton_first("rms_norm", 2, lambda x, weight, eps: ref.rms_norm(x, weight, eps).contiguous())
-_register_triton_first("sparse_attention", 9, ref.sparse_attention_over_caches)   # all but the scale
-_register_triton_first("mhc_sinkhorn", 4, ref.mhc_sinkhorn)
-_register_triton_first("fake_quant", 3, fake_quant_reference)
+_register_triton_first("fused_wkv_rmsnorm", "norms", 3, ref.wkv_rmsnorm)
+_register_triton_first("rope", "rope", 2,
+                       lambda x, rotation, inverse: ref.apply_rope(x, rotation, inverse).contiguous())
+_register_triton_first("rms_norm", "norms", 2, lambda x, weight, eps: ref.rms_norm(x, weight, eps).contiguous())
+_register_triton_first("sparse_attention", "attention", 9, ref.sparse_attention_over_caches)   # all but the scale
+_register_triton_first("mhc_sinkhorn", "mhc", 4, ref.mhc_sinkhorn)
+_register_triton_first("fake_quant", "cache_writes", 3, fake_quant_reference)
 
 
 def _register_cache_write(op: str, block: int) -> None:
     """CUDA impl of a cache write: the Triton kernel when it supports the inputs (scale
     block `block`), else the pure-torch reference."""
     def impl(cache, scale, values, slot_mapping):
-        tk = triton_kernels()
+        tk = triton_module("cache_writes")
         if tk is not None and tk.cache_write_supported(cache, scale, values, slot_mapping, block):
             getattr(tk, op)(cache, scale, values, slot_mapping)
         else:
@@ -83,7 +87,7 @@ _register_cache_write("index_k_write", 32)      # FP4 + UE8M0 per 32
 
 @torch.library.register_kernel(f"{_NS}::fused_ratio2_compressor", "cuda")
 def _fused_ratio2_compressor_cuda(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype):
-    tk = triton_kernels()
+    tk = triton_module("compressor")
     if tk is not None and tk.ratio2_supported(x, wkv, wgate, state, member_rows, norm_weight, out_dtype):
         latent, kv, score = tk.ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype)
         return latent, torch.cat([kv, score], dim=-1)
@@ -93,7 +97,7 @@ def _fused_ratio2_compressor_cuda(x, wkv, wgate, state, member_rows, norm_weight
 @torch.library.register_kernel(f"{_NS}::fused_ratio2_compressor_update", "cuda")
 def _fused_ratio2_compressor_update_cuda(x, wkv, wgate, state, member_rows, state_rows, norm_weight,
                                          eps, out_dtype):
-    tk = triton_kernels()
+    tk = triton_module("compressor")
     if (tk is not None and state_rows.dim() == 1 and state_rows.shape[0] == x.shape[0]
             and tk.ratio2_supported(x, wkv, wgate, state, member_rows, norm_weight, out_dtype)):
         return tk.ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype,
@@ -104,7 +108,7 @@ def _fused_ratio2_compressor_update_cuda(x, wkv, wgate, state, member_rows, stat
 
 @torch.library.register_kernel(f"{_NS}::engram_gather", "cuda")
 def _engram_gather_cuda(table, scale, row_ids, out_dtype):
-    tk = triton_kernels()
+    tk = triton_module("engram")
     if tk is not None and tk.engram_gather_supported(table, scale, row_ids, out_dtype):
         return tk.engram_gather(table, scale, row_ids, out_dtype)
     if not table.is_cuda:   # host table without a usable kernel: gather on the host, copy rows
@@ -116,7 +120,7 @@ def _engram_gather_cuda(table, scale, row_ids, out_dtype):
 def _indexer_scores(q, weights, key_cache, key_scale, rows, visible):
     """[N, C] scores: the in-place FP4 kernel where supported, else the reference (gather +
     dequantize + einsum); bit-identical either way (tests/test_kernels_cuda.py)."""
-    tk = triton_kernels()
+    tk = triton_module("indexer")
     if tk is not None and tk.indexer_scores_supported(q, weights, key_cache, key_scale, rows, visible):
         return tk.indexer_scores(q, weights, key_cache, key_scale, rows, visible)
     return ref.indexer_scores(q, weights, ref.gather_index_k(key_cache, key_scale, rows, q.dtype), visible)

@@ -14,7 +14,7 @@ Ops without one keep the pure-torch reference (it runs on NPU tensors through to
 aten kernels): the cache writes (FP8 / FP4 E2M1 with UE8M0 or E4M3 scales have no torch_npu
 quantize op with these exact formats), sparse_attention (the seed's P2: SparseFlashMla compiles
 BF16 only), indexer_topk, indexer_topk_candidates, engram_hash, engram_gather. The Triton
-kernels in triton_kernels.py are the starting point for triton-ascend versions of those.
+kernels in triton/ are the starting point for triton-ascend versions of those.
 """
 from __future__ import annotations
 

@@ -135,9 +135,9 @@ def _(q, weights, key_cache, key_scale, candidate_rows, candidate_positions, top
 @custom_op(f"{_NS}::engram_hash", mutates_args=())
 def engram_hash(compressed_ids: torch.Tensor, history: torch.Tensor, multipliers: torch.Tensor,
                 primes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Row ids [N, L, (n-1)*heads] of every Engram table for each token (see engram_hash.py)."""
-    from v41graph.model.engram_hash import engram_hash_ids
-    return engram_hash_ids(compressed_ids, history, multipliers, primes, offsets)
+    """Row ids [N, L, (n-1)*heads] of every Engram table for each token (reference.engram_hash_ids;
+    the constants come from v41graph/model/engram_hash.py)."""
+    return ref.engram_hash_ids(compressed_ids, history, multipliers, primes, offsets)
 
 
 @engram_hash.register_fake

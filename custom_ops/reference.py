@@ -367,6 +367,53 @@ def topk_over_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) 
 
 
 # ----------------------------------------------------------------------------- Engram
+def engram_hash_ids(
+    compressed_ids: torch.Tensor,
+    history: torch.Tensor,
+    multipliers: torch.Tensor,
+    primes: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Table row ids for every token and Engram layer.
+
+    compressed_ids [...]            current tokens (already through the map)
+    history        [..., N-1]       previous ids: history[..., j] is the token j+1 positions
+                                    back (the pad's id before the sequence start;
+                                    v41graph/model/engram_hash.py builds it)
+    multipliers    [L, N] or [N]    int64
+    primes         [L, N-1, H] or [N-1, H]
+    offsets        [L, (N-1)*H] or [(N-1)*H]
+    returns        [..., L, (N-1)*H] (or [..., (N-1)*H] for 1-D multipliers)
+
+    For order n: h_n = XOR_{k<n} x_{t-k} * m_k, then for each head prime p:
+    row = (h_n mod p) + offset.  Column order is order-major, head-minor.
+    Note h_n >= 0 always (ids >= 0, m > 0 and m * id < 2^63 by construction),
+    so floor-mod vs truncating mod cannot differ; torch.remainder is used to
+    match the reference's numpy ``%`` regardless.
+    """
+    single = multipliers.dim() == 1
+    if single:
+        multipliers, primes, offsets = multipliers[None], primes[None], offsets[None]
+    n_layers, n_max = multipliers.shape
+    _, n_orders, n_heads = primes.shape
+    assert n_orders == n_max - 1 and history.shape[-1] == n_max - 1
+
+    # x[..., k] = id of the token k back (k = 0 is the current token).
+    x = torch.cat([compressed_ids.unsqueeze(-1), history], dim=-1).to(torch.int64)
+    # prod[..., l, k] = x_{t-k} * m_{l,k}
+    prod = x.unsqueeze(-2) * multipliers.to(x.device)
+    # Rolling XOR: order n uses products k = 0..n-1.
+    h = prod[..., 0]
+    hashes = []
+    for k in range(1, n_max):  # static loop over orders, not over tokens
+        h = torch.bitwise_xor(h, prod[..., k])
+        hashes.append(h)
+    h = torch.stack(hashes, dim=-1)  # [..., L, N-1]
+    rows = torch.remainder(h.unsqueeze(-1), primes.to(x.device))  # [..., L, N-1, H]
+    rows = rows.flatten(-2) + offsets.to(x.device)  # [..., L, (N-1)*H]
+    return rows[..., 0, :] if single else rows
+
+
 def engram_gather(table: torch.Tensor, scale: torch.Tensor, row_ids: torch.Tensor,
                   dtype: torch.dtype) -> torch.Tensor:
     """Rows of an FP8 E4M3 table with one E8M0 scale per 32, dequantized and concatenated:

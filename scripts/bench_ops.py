@@ -454,7 +454,7 @@ def main():
         return 2
     import triton
     import v41graph.custom_ops  # noqa: F401
-    from v41graph.custom_ops import triton_kernels as tk
+    from v41graph.custom_ops.triton import attention, cache_writes, compressor, engram, indexer, norms
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     try:
@@ -469,12 +469,12 @@ def main():
     t0 = time.time()
     d2d, h2d = ceilings()
     only = set(filter(None, args.only.split(",")))
-    sections = [("wkv", lambda: bench_wkv(tk, d2d, args.quick)),
-                ("writes", lambda: bench_writes(tk, d2d, args.quick)),
-                ("attn", lambda: bench_attention(tk, d2d, args.quick)),
-                ("engram", lambda: bench_engram(tk, d2d, h2d, args.quick)),
-                ("indexer", lambda: bench_indexer(tk, d2d, args.quick)),
-                ("ratio2", lambda: bench_ratio2(tk, d2d, args.quick))]
+    sections = [("wkv", lambda: bench_wkv(norms, d2d, args.quick)),
+                ("writes", lambda: bench_writes(cache_writes, d2d, args.quick)),
+                ("attn", lambda: bench_attention(attention, d2d, args.quick)),
+                ("engram", lambda: bench_engram(engram, d2d, h2d, args.quick)),
+                ("indexer", lambda: bench_indexer(indexer, d2d, args.quick)),
+                ("ratio2", lambda: bench_ratio2(compressor, d2d, args.quick))]
     for name, fn in sections:
         if only and name not in only:
             continue

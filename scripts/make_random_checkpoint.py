@@ -10,7 +10,7 @@ norm, head, each Engram module, each layer; DSpark `mtp.*` tensors one by one wi
 rules; Engram tables in blocks of rows), each written at its final offset and freed, so peak
 memory is about one layer whatever the config. Named configs are written with
 weight_format="checkpoint" (FP8 / FP4 as released) unless --weight-format dense; a JSON config
-keeps its own weight_format. Load the result with `v41graph.weights.loader.from_pretrained(DIR)`.
+keeps its own weight_format. Load the result with `v41graph.from_pretrained(DIR)`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from v41graph.weights.checkpoint import plan_shards
 from v41graph.model.config import V41Config
-from v41graph.weights.loader import official_tensor_specs, write_random_checkpoint
+from v41graph.weights.names import official_tensor_specs
+from v41graph.weights.random_checkpoint import write_random_checkpoint
 
 
 def config_from_arg(name: str, weight_format: str | None) -> V41Config:

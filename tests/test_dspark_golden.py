@@ -30,8 +30,8 @@ PROMPT, STEPS = 40, 6
 @pytest.fixture(scope="module")
 def drafts():
     from safetensors.torch import load_file
-    from v41graph.model.dspark import load_dspark
-    from v41graph.weights.loader import from_pretrained
+    from v41graph.weights.dspark import load_dspark
+    from v41graph.weights.load import from_pretrained
     io = load_file(str(GOLDEN / "io.safetensors"))
     model = from_pretrained(GOLDEN, numerics="reference")
     head = load_dspark(GOLDEN, model.config)
@@ -59,7 +59,8 @@ def drafts():
 def test_loader_maps_every_mtp_tensor():
     from safetensors import safe_open
     from v41graph.model.config import V41Config
-    from v41graph.model.dspark import DSparkHead, dspark_module_name
+    from v41graph.model.dspark import DSparkHead
+    from v41graph.weights.dspark import dspark_module_name
     cfg = V41Config.from_json(GOLDEN / "config.json")
     with safe_open(str(GOLDEN / "model.safetensors"), "pt") as f:
         names = [n for n in f.keys() if n.startswith("mtp.")]

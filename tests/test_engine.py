@@ -279,15 +279,19 @@ def test_decode_width_buckets_same_tokens_fewer_blocks(tiny_model):
     want = [o.token_ids for o in _engine(tiny_model).generate(prompts, params)]
     widths = []
 
-    def recording(model):
-        def call(ids, positions, caches, meta, *rest, **kw):
-            if ids.shape[0] == meta.num_seqs:
-                widths.append(meta.block_table.shape[1])
-            return model(ids, positions, caches, meta, *rest, **kw)
-        return call
+    class Recording:   # the model contract: a call for any step, decode() for decode steps
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, *args, **kw):
+            return self.model(*args, **kw)
+
+        def decode(self, ids, positions, caches, meta):
+            widths.append(meta.block_table.shape[1])
+            return self.model.decode(ids, positions, caches, meta)
 
     eng = _engine(tiny_model, decode_width_buckets=True)
-    eng.model = recording(tiny_model)
+    eng.model = Recording(tiny_model)
     assert [o.token_ids for o in eng.generate(prompts, params)] == want
     full = math.ceil(MAX_SEQ / BLOCK)
     assert min(widths) == 2 and max(widths) < full and widths == sorted(widths)

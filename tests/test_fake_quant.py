@@ -52,7 +52,7 @@ def test_op_rejects_unknown_format():
 @pytest.mark.parametrize("shape", [(1, 512), (64, 512), (3, 64, 128), (0, 512)])
 def test_cuda_kernel_bit_identical(fmt, dtype, shape):
     pytest.importorskip("triton")
-    from v41graph.custom_ops import triton_kernels as tk
+    from v41graph.custom_ops.triton import cache_writes as tk
     x = _rows(max(2, shape[0] * (shape[1] if len(shape) == 3 else 1)), shape[-1], seed=7)
     x = x[: torch.Size(shape[:-1]).numel()].reshape(shape).to(dtype)
     xc = x.cuda()

@@ -39,7 +39,7 @@ N_LAYERS, WINDOW, PROMPT = 10, 32, 40
 @pytest.fixture(scope="module")
 def golden():
     from safetensors.torch import load_file
-    from v41graph.weights.loader import from_pretrained
+    from v41graph.weights.load import from_pretrained
     from v41graph.runtime.session import Session
     io = load_file(str(GOLDEN / "io.safetensors"))
     model = from_pretrained(GOLDEN, numerics="reference")
@@ -112,7 +112,7 @@ def test_decode_argmax_and_first_layers_identical(golden):
 def test_decode_bit_exact_given_reference_ratio2_selection():
     """Everything but the ratio-2 indexer selection at even decode positions is bit-exact."""
     from safetensors.torch import load_file
-    from v41graph.weights.loader import from_pretrained
+    from v41graph.weights.load import from_pretrained
     from v41graph.runtime.session import Session
     io = load_file(str(GOLDEN / "io.safetensors"))
     model = from_pretrained(GOLDEN, numerics="reference")

@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton")
 
 import v41graph.custom_ops  # noqa: E402,F401  (registers the ops and the CUDA kernels)
 from v41graph.custom_ops import codecs, reference as ref  # noqa: E402
-from v41graph.custom_ops import triton_kernels as tk  # noqa: E402
+from v41graph.custom_ops.triton import attention, cache_writes, engram, indexer, norms, rope  # noqa: E402
 
 ops = torch.ops.v41graph
 DEV = "cuda"
@@ -71,7 +71,7 @@ def test_fused_wkv_rmsnorm(m, k, n, dtype):
     variants = [(None, None), (1, 1024), (3, None), (7, 128), (1000, None)]
     for split, block_n in variants:
         out = poisoned((m, n), dtype)
-        tk.fused_wkv_rmsnorm(xd, wd, nwd, eps, split=split, block_n=block_n, out=out)
+        norms.fused_wkv_rmsnorm(xd, wd, nwd, eps, split=split, block_n=block_n, out=out)
         e = rel_err(out, truth)
         if dtype == torch.float32:
             assert e < 1e-5, (split, block_n, e)
@@ -110,8 +110,8 @@ def test_rms_norm(shape, dtype):
     xf = x.double()
     truth = w.double() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))
     xd, wd = x.to(DEV), w.to(DEV)
-    assert tk.rms_norm_supported(xd, wd)
-    out = tk.rms_norm(xd, wd, eps)
+    assert norms.rms_norm_supported(xd, wd)
+    out = norms.rms_norm(xd, wd, eps)
     assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
     if x.numel() == 0:
         return
@@ -140,8 +140,8 @@ def test_rope(shape, pairs, dtype, inverse):
     ang = torch.rand(shape[0], pairs, generator=g) * 100
     rot = torch.polar(torch.ones_like(ang), ang)
     xd, rd = x.to(DEV), rot.to(DEV)
-    assert tk.rope_supported(xd, rd)
-    out = tk.rope(xd, rd, inverse)
+    assert rope.rope_supported(xd, rd)
+    out = rope.rope(xd, rd, inverse)
     assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
     if x.numel() == 0:
         return
@@ -206,9 +206,9 @@ def _slots(n, capacity, g, frac_skip=0.3):
 
 WRITE_CASES = {
     # name: (op, kernel, block, cache last dim fn, scale last dim fn)
-    "window": (ops.window_kv_write, tk.window_kv_write, lambda d: d, lambda d: d // 32),
-    "global": (ops.global_kv_write, tk.global_kv_write, lambda d: d // 2, lambda d: d // 16),
-    "index": (ops.index_k_write, tk.index_k_write, lambda d: d // 2, lambda d: d // 32),
+    "window": (ops.window_kv_write, cache_writes.window_kv_write, lambda d: d, lambda d: d // 32),
+    "global": (ops.global_kv_write, cache_writes.global_kv_write, lambda d: d // 2, lambda d: d // 16),
+    "index": (ops.index_k_write, cache_writes.index_k_write, lambda d: d // 2, lambda d: d // 32),
 }
 
 
@@ -288,12 +288,12 @@ def test_sparse_attention(n, h, d, w, kg, slots, dtype):
         variants += [dict(block_h=16, block_s=64, n_split=1), dict(block_h=64, n_split=2)]
     for v in variants:
         out = poisoned((n, h, d), dtype)
-        tk.sparse_attention(*args, scale, out=out, **v)
+        attention.sparse_attention(*args, scale, out=out, **v)
         e = rel_err(out, want)
         assert e < tol, (v, e)
         if n > 1:   # the token with no visible rows gives exactly 0 (denominator = sink term only)
             assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
-    assert tk.sparse_attention_supported(*args)
+    assert attention.sparse_attention_supported(*args)
     got = ops.sparse_attention(*args, scale)                                     # dispatcher
     assert rel_err(got, want) < tol
 
@@ -315,8 +315,8 @@ def test_sparse_attention_window_rows_exact(dtype):
     rows = ref.gather_window_or_fresh(ring, ring_scale, fresh, only.view(n, 1))[:, 0]
     assert torch.equal(want, rows.unsqueeze(1).expand(n, h, d).to(dtype))
     out = poisoned((n, h, d), dtype)
-    tk.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows, gc, gs, grows,
-                                              sink)], d ** -0.5, n_split=1, out=out)
+    attention.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows, gc, gs,
+                                                     grows, sink)], d ** -0.5, n_split=1, out=out)
     assert torch.equal(out.cpu(), want)
 
 
@@ -330,9 +330,9 @@ def test_sparse_attention_bf16_cache_variant(n_split, prefetch):
     want = ops.sparse_attention(q, ring, ring_scale, fresh, wrows, gc, gs, grows, sink, d ** -0.5)
     dense = ref.gather_global_kv(gc, gs, torch.arange(gc.shape[0]), torch.bfloat16)
     out = poisoned((n, h, d), torch.bfloat16)
-    tk.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows)], dense.to(DEV),
-                        None, grows.to(DEV), sink.to(DEV), d ** -0.5, n_split=n_split,
-                        prefetch=prefetch, out=out)
+    attention.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows)],
+                               dense.to(DEV), None, grows.to(DEV), sink.to(DEV), d ** -0.5,
+                               n_split=n_split, prefetch=prefetch, out=out)
     assert rel_err(out, want) < 1e-2
 
 
@@ -355,7 +355,7 @@ def test_engram_gather_bit_identical(where, out_dtype, n, m, dh):
     else:
         t, s = table.pin_memory(), scale.pin_memory()
     out = poisoned((n, m * dh), out_dtype)
-    tk.engram_gather(t, s, ids.to(DEV), out_dtype, out=out)
+    engram.engram_gather(t, s, ids.to(DEV), out_dtype, out=out)
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), want)
     got = ops.engram_gather(t, s, ids.to(DEV), out_dtype)          # dispatcher
@@ -379,10 +379,10 @@ def test_indexer_scores_bit_identical(n, h, d, c, dtype):
     visible = (torch.rand(n, c, generator=g) > 0.2) & (rows >= 0)
     want = ref.indexer_scores(q, w, ref.gather_index_k(kc, ks, rows, dtype), visible)
     args = [t.to(DEV) for t in (q, w, kc, ks, rows, visible)]
-    assert tk.indexer_scores_supported(*args)
-    got = tk.indexer_scores(*args)
+    assert indexer.indexer_scores_supported(*args)
+    got = indexer.indexer_scores(*args)
     assert torch.equal(got.cpu(), want)
-    assert torch.equal(tk.indexer_scores(*args, f32_dot=True).cpu(), want)
+    assert torch.equal(indexer.indexer_scores(*args, f32_dot=True).cpu(), want)
 
 
 def test_indexer_ops_with_kernel_match_reference():
@@ -397,7 +397,7 @@ def test_indexer_ops_with_kernel_match_reference():
     rows = torch.arange(c).expand(n, c).contiguous()
     visible = torch.arange(c) < torch.randint(100, c, (n, 1), generator=g)
     want = ops.indexer_topk(q, w, kc, ks, rows, visible, 512, 8, 64)
-    assert tk.indexer_scores_supported(*[t.to(DEV) for t in (q, w, kc, ks, rows, visible)])
+    assert indexer.indexer_scores_supported(*[t.to(DEV) for t in (q, w, kc, ks, rows, visible)])
     got = ops.indexer_topk(*[t.to(DEV) for t in (q, w, kc, ks, rows, visible)], 512, 8, 64)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
     cand = want[1]

@@ -61,7 +61,7 @@ def test_comb_is_doubly_stochastic_after_sinkhorn():
 @pytest.mark.parametrize("n", [1, 33, 4096])
 def test_cuda_kernel_matches_reference(n):
     pytest.importorskip("triton")
-    from v41graph.custom_ops import triton_kernels as tk
+    from v41graph.custom_ops.triton import mhc as tk
     mixes, scale, base = _inputs(n, seed=n, device="cuda")
     assert tk.mhc_sinkhorn_supported(mixes, scale, base, HC)
     got = tk.mhc_sinkhorn(mixes, scale, base, HC, ITERS, EPS)

@@ -1,4 +1,4 @@
-"""The ratio-2 compressor kernel (custom_ops/triton_kernels.py `_ratio2_pool_kernel`): pooling,
+"""The ratio-2 compressor kernel (custom_ops/triton/compressor.py `_ratio2_pool_kernel`): pooling,
 RMSNorm and the state-ring write in one launch, vs the reference
 (reference.ratio2_compressor_update: read the ring, then write it).
 
@@ -162,7 +162,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
             lambda x, y, z: _set(ti.interpreter_builder.grid_dim[0] - 1 - x, y, z))
     sys.path.insert(0, sys.argv[2])
     from test_ratio2_kernel import LAYOUTS, ratio2_inputs, rel_err
-    from v41graph.custom_ops import reference as ref, triton_kernels as tk
+    from v41graph.custom_ops import reference as ref
+    from v41graph.custom_ops.triton import compressor as tk
     for name, chunks in LAYOUTS.items():
         for dtype in (torch.float32, torch.bfloat16):
             x, wkv, wgate, state, members, writes, g = ratio2_inputs(chunks, 4, 8, 16, 24, dtype, 0)
@@ -209,7 +210,7 @@ CUDA_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(CUDA_LAYOUTS))
 def test_ratio2_update_kernel_matches_reference(layout, dtype):
     pytest.importorskip("triton")
-    from v41graph.custom_ops import triton_kernels as tk
+    from v41graph.custom_ops.triton import compressor as tk
     chunks = CUDA_LAYOUTS[layout]
     slots = max(c[0] for c in chunks) + 2
     cpu = ratio2_inputs(chunks, slots, 32, 512, 5120, dtype, seed=len(layout))
@@ -223,8 +224,8 @@ def test_ratio2_update_kernel_matches_reference(layout, dtype):
         assert rel_err(got, want) < tol, (rep, rel_err(got, want))
         assert torch.equal(got_state, want_state), rep
     # the kernel path ran, not the reference fallback
-    from v41graph.custom_ops.cuda_impls import triton_kernels
-    assert triton_kernels() is tk and tk.ratio2_supported(x, wkv, wgate, state, members, g, dtype)
+    from v41graph.custom_ops.cuda_impls import triton_module
+    assert triton_module("compressor") is tk and tk.ratio2_supported(x, wkv, wgate, state, members, g, dtype)
     # the read-only op (the same kernel without the write) against the reference's read
     lat, rows = ops.fused_ratio2_compressor(x, wkv, wgate, state, members, g, 1e-6, dtype)
     want_lat, want_rows = ref.ratio2_compressor(x, wkv, wgate, state, members, g, 1e-6, dtype)

@@ -101,7 +101,7 @@ def test_greedy_identical_zero_head_forced_rejection(tiny_model, reference):
 
 def test_greedy_identical_partial_acceptance(tiny_model, head, reference):
     eng = _engine(tiny_model, speculative=SpecConfig(num_draft=5), draft_head=head)
-    eng.spec.draft_fn = _oracle(eng, PROMPTS, reference)
+    eng.spec._draft = _oracle(eng, PROMPTS, reference)
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
     assert [o.token_ids for o in outs] == reference
     s = eng.stats
@@ -114,8 +114,8 @@ def test_greedy_identical_partial_acceptance(tiny_model, head, reference):
 def test_rollback_is_needed(tiny_model, head, reference):
     """Sanity check of the tests above: without the rollback, outputs change."""
     eng = _engine(tiny_model, speculative=SpecConfig(num_draft=5), draft_head=head)
-    eng.spec.draft_fn = _oracle(eng, PROMPTS, reference)
-    eng.spec.rollback = False
+    eng.spec._draft = _oracle(eng, PROMPTS, reference)
+    eng.spec._roll_back_rings = eng.spec._roll_back_history = lambda *a: None   # no rollback
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
     assert [o.token_ids for o in outs] != reference
 
@@ -134,7 +134,7 @@ def test_stop_ids_with_speculation(tiny_model, head, reference):
     ref = reference[2]
     stop = ref[6]
     eng = _engine(tiny_model, speculative=SpecConfig(num_draft=5), draft_head=head)
-    eng.spec.draft_fn = _oracle(eng, PROMPTS, reference)
+    eng.spec._draft = _oracle(eng, PROMPTS, reference)
     out = eng.generate([PROMPTS[2]], SamplingParams(max_tokens=N_NEW, stop_ids=(stop,)))[0]
     assert out.token_ids == ref[: ref.index(stop) + 1] and out.finish_reason == "stop"
     assert _all_free(eng)
@@ -167,7 +167,7 @@ def test_caches_match_plain_engine_after_every_step(tiny_model, head):
             states[req.num_cached] = _slot_state(plain, req.slot)
     spec = _engine(tiny_model, max_batch_size=1, speculative=SpecConfig(num_draft=5), draft_head=head,
                    prefill_mode="full")
-    spec.spec.draft_fn = _oracle(spec, [prompt], [ref])
+    spec.spec._draft = _oracle(spec, [prompt], [ref])
     rid = spec.add_request(prompt, SamplingParams(max_tokens=N_NEW))
     compared = 0
     while spec.has_unfinished():
@@ -307,7 +307,7 @@ def test_compiled_verify_greedy_identical_with_acceptance(tiny_model, compiled, 
     stats, outs = [], []
     for model in (tiny_model, compiled):
         eng = _engine(model, speculative=SpecConfig(num_draft=5), draft_head=head)
-        eng.spec.draft_fn = _oracle(eng, PROMPTS, reference)
+        eng.spec._draft = _oracle(eng, PROMPTS, reference)
         outs.append([o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))])
         stats.append(eng.stats)
         assert _all_free(eng)
@@ -329,7 +329,7 @@ def test_compiled_verify_random_head_full_prefill(tiny_model, compiled, head, gr
         eng = _engine(model, speculative=SpecConfig(num_draft=5), draft_head=head,
                       prefill_mode="full")
         log = []
-        eng.spec.draft_fn = _recording(eng.spec._draft, log)
+        eng.spec._draft = _recording(eng.spec._draft, log)
         del graph_calls[:]
         outs.append([o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))])
         drafts.append(log)

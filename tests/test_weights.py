@@ -22,7 +22,11 @@ from golden_path import GOLDEN_DIR
 from v41graph import Session, V41Config, V41Model, init_random_
 from v41graph.weights.checkpoint import (INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, CheckpointWriter, SafetensorsFile)
 from v41graph.model.layers import Linear
-from v41graph.weights.loader import (ShardSpec, from_pretrained, load_official_state_dict, load_sharded_state_dict, merge_shards, official_tensor_specs, place_model, save_pretrained, write_random_checkpoint, _load_tensors)
+from v41graph.weights.load import from_pretrained, load_official_state_dict, place_model, _load_tensors
+from v41graph.weights.names import official_tensor_specs
+from v41graph.weights.random_checkpoint import write_random_checkpoint
+from v41graph.weights.save import save_pretrained
+from v41graph.weights.sharding import ShardSpec, load_sharded_state_dict, merge_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_GOLDEN = (GOLDEN_DIR / "model.safetensors").is_file()
@@ -170,7 +174,7 @@ def test_golden_round_trip_byte_identical_and_same_logits(tmp_path):
 @needs_golden
 def test_legacy_in_memory_state_dict_path_still_works():
     from safetensors.torch import load_file
-    from v41graph.weights.loader import _build_empty_model
+    from v41graph.weights.load import _build_empty_model
     config = V41Config.from_json(GOLDEN_DIR)
     model = _build_empty_model(config)
     skipped = load_official_state_dict(model, load_file(str(GOLDEN_DIR / "model.safetensors")))
@@ -526,7 +530,8 @@ def test_make_random_checkpoint_script(tmp_path, capsys):
 # ----------------------------------------------------------------------------- peak memory
 _MEASURE = textwrap.dedent("""
     import json, sys, torch
-    from v41graph.weights.loader import from_pretrained, save_pretrained
+    from v41graph.weights.load import from_pretrained
+    from v41graph.weights.save import save_pretrained
 
     def status():
         out = {}

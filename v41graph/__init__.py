@@ -7,7 +7,9 @@ from v41graph.runtime.batch import BlockAllocator, CacheCapacityError
 from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.model import V41Model, init_random_
 from v41graph.runtime.session import Session
-from v41graph.weights.loader import (ShardSpec, from_pretrained, load_sharded_state_dict, save_pretrained)
+from v41graph.weights.load import from_pretrained
+from v41graph.weights.save import save_pretrained
+from v41graph.weights.sharding import ShardSpec, load_sharded_state_dict
 from v41graph.weights.checkpoint import CheckpointError
 from v41graph.runtime.engine import Engine
 from v41graph.runtime.sampling import SamplingParams

@@ -106,29 +106,38 @@ class CompiledModel:
         # allocator (INTERNAL ASSERT use_count > 0, torch 2.11, seen on the H200).
         self.graph_pool = None
 
-    def __call__(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata,
-                 all_logits: bool = False, decoder_replay: int | None = None,
-                 return_streams: tuple[int, ...] = ()):
-        """One step, as V41Model.forward. A decode step (one token per sequence, last logits
-        only) runs its bucket's graph (captured on CUDA); anything else runs the compiled graph
-        without capture, like prefill. That includes speculative verify steps (a chunk of
-        anchor + drafts per request, all_logits=True, return_streams=DSpark's target layers):
-        their chunk lengths change every step, so a captured bucket would not fit them. Their
-        token and sequence counts are marked dynamic from the first verify call on, so one trace
-        (with the streams as extra outputs) serves every verify step of two or more sequences
-        instead of a static trace and recompiles as the counts change (a step of one sequence
-        gets one more trace: Dynamo specializes sizes of 1). decoder_replay (data-dependent
-        shapes) runs the eager model."""
+    def _check_device(self, input_ids, positions) -> None:
         for name, t in (("input_ids", input_ids), ("positions", positions)):
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device} but the compiled model is on {self.device}")
-        is_decode = (not all_logits and decoder_replay is None and not return_streams
-                     and input_ids.shape[0] == metadata.num_seqs)
+
+    def decode(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata):
+        """One decode step (one token per sequence, the logits of each): its bucket's graph,
+        padded to the bucket and captured on CUDA. The caller (Session, Engine) knows a step is
+        a decode step and says so by calling this; the model contract is V41Model.decode."""
+        self._check_device(input_ids, positions)
+        if input_ids.shape[0] != metadata.num_seqs:
+            raise ValueError(f"decode: {input_ids.shape[0]} tokens for {metadata.num_seqs} sequences; "
+                             f"a decode step has one token per sequence")
+        with torch.no_grad():
+            return self._decode_step(input_ids, positions, caches, metadata)
+
+    def __call__(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata,
+                 all_logits: bool = False, decoder_replay: int | None = None,
+                 return_streams: tuple[int, ...] = ()):
+        """Any step, as V41Model.forward, through the compiled graph without buckets or capture:
+        prefill chunks, mixed steps and speculative verify steps (a chunk of anchor + drafts per
+        request, all_logits=True, return_streams=DSpark's target layers). Their chunk lengths
+        change every step, so a captured bucket would not fit them. Verify steps' token and
+        sequence counts are marked dynamic from the first verify call on, so one trace (with
+        the streams as extra outputs) serves every verify step of two or more sequences instead
+        of a static trace and recompiles as the counts change (a step of one sequence gets one
+        more trace: Dynamo specializes sizes of 1). decoder_replay (data-dependent shapes) runs
+        the eager model. Decode steps go through `decode()`."""
+        self._check_device(input_ids, positions)
         # only passed when asked for, so the plain prefill call (and its trace) stays as it was
         extra = {"return_streams": tuple(return_streams)} if return_streams else {}
         with torch.no_grad():
-            if is_decode:
-                return self._decode_step(input_ids, positions, caches, metadata)
             if decoder_replay is not None:   # data-dependent shapes: runs eagerly
                 return self.model(input_ids, positions, caches, metadata, all_logits, decoder_replay,
                                   **extra)
@@ -177,17 +186,10 @@ class CompiledModel:
             self._graph_for(b, caches, max_blocks, prepare=True)
 
 
-def _batch_tensors(input_ids, positions, m: AttentionMetadata) -> tuple:
-    """A step's inputs whose dim 0 is its token or sequence count (what a symbolic-batch graph
-    marks dynamic)."""
-    return (input_ids, positions, m.token_seq, m.seq_slot, m.chunk_start, m.seq_len,
-            m.query_start, m.block_table, m.logits_index)
-
-
 def _mark_batch_dims_dynamic(input_ids, positions, metadata: AttentionMetadata) -> None:
     """Mark the token count and the sequence count of a step's inputs dynamic for Dynamo (a
     count of 1 is still specialized: `maybe_mark_dynamic` does not insist)."""
-    for t in _batch_tensors(input_ids, positions, metadata):
+    for t in (input_ids, positions, *metadata.batch_tensors()):
         torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
@@ -197,25 +199,20 @@ class DecodeGraph:
     def __init__(self, compiled: CompiledModel, bucket: int, caches: ModelCaches, max_blocks: int):
         self.compiled, self.bucket, self.caches = compiled, bucket, caches
         dev = compiled.device
-        # Padding rows write into the caches' last slot. Session and Engine allocate one slot
-        # more than their batch and never hand it out; checking it here each step would cost
-        # a host sync per decode step.
-        self.scratch_slot = caches.num_slots - 1
+        # Padding rows write into the caches' scratch slot (kv_cache.slots_with_scratch), which
+        # the runtime never hands out; checking it here each step would cost a host sync.
+        self.scratch_slot = caches.scratch_slot
         i64 = dict(dtype=torch.int64, device=dev)
         self.input_ids = torch.zeros(bucket, **i64)
         self.positions = torch.zeros(bucket, **i64)
-        self.meta = AttentionMetadata(
-            token_seq=torch.arange(bucket, **i64), seq_slot=torch.full((bucket,), self.scratch_slot, **i64),
-            chunk_start=torch.zeros(bucket, **i64), seq_len=torch.ones(bucket, **i64),
-            query_start=torch.arange(bucket + 1, **i64), block_table=torch.full((bucket, max_blocks), -1, **i64),
-            logits_index=torch.arange(bucket, **i64))
+        self.meta = AttentionMetadata.decode_buffers(bucket, max_blocks, dev, self.scratch_slot)
         share = compiled.share_decode_graph
         self.shared = share == "all" or (bucket >= 2 and bool(share))
         if self.shared:   # the shared symbolic-batch graph (see CompiledModel.__init__)
             # "all": an unbacked batch size, which Dynamo does not specialize at 1, so bucket 1
             # shares the graph too (every bucket marks it that way, so one graph serves all)
             mark = torch._dynamo.decorators.mark_unbacked if share == "all" else torch._dynamo.mark_dynamic
-            for t in _batch_tensors(self.input_ids, self.positions, self.meta):
+            for t in (self.input_ids, self.positions, *self.meta.batch_tensors()):
                 mark(t, 0)
             if max_blocks >= 2:   # the width too (Dynamo would specialize a width of 1)
                 torch._dynamo.mark_dynamic(self.meta.block_table, 1)
@@ -234,16 +231,11 @@ class DecodeGraph:
                              f"{self.meta.block_table.shape[1]}")
         self.input_ids.zero_()[:n].copy_(input_ids)
         self.positions.zero_()[:n].copy_(positions)
-        m = self.meta
         # Slots and block tables of a persistent DecodeBatch change only when its rows do
         # (meta.static_key says so): skip reloading them while they are already here.
         static = None if meta.static_key is None else (meta.static_key, n)
-        if static is None or static != self._static:
-            m.seq_slot.fill_(self.scratch_slot)[:n].copy_(meta.seq_slot)
-            m.block_table.fill_(-1)[:n].copy_(meta.block_table)
+        self.meta.load_decode_rows_(meta, self.scratch_slot, static=static is None or static != self._static)
         self._static = static
-        m.chunk_start.zero_()[:n].copy_(meta.chunk_start)
-        m.seq_len.fill_(1)[:n].copy_(meta.seq_len)
 
     def _step(self):
         fn = self.compiled._shared_decode_fn if self.shared else self.compiled._fn

@@ -1,6 +1,6 @@
 """DSpark: the 3-stage speculative draft head of DeepSeek-V4.1-Flash (MODEL.md §8).
 
-    head = load_dspark(checkpoint_dir, config)          # official `mtp.{0,1,2}.*` tensors
+    head = load_dspark(checkpoint_dir, config)          # weights/dspark.py: official `mtp.{0,1,2}.*`
     state = head.new_state(num_slots)                   # per-sequence window rings
     main_x = head.context([in_37, in_38, in_39])        # residual streams entering the targets
     head.append_context(state, slot, positions, main_x) # fill every stage's window
@@ -29,9 +29,6 @@ or candidate list that it could share with the target's verification step.
 """
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,7 +37,7 @@ import v41graph.custom_ops  # noqa: F401  (registers torch.ops.v41graph.*)
 from .attention import Attention
 from .config import V41Config
 from .layer_plan import LayerRole
-from .layers import (Linear, RMSNorm, apply_rope, rope_rotation, weight_fmt, default_dtype)
+from .layers import Linear, RMSNorm, apply_rope, rope_rotation, set_linear_numerics, weight_fmt
 from .mhc import HyperConnection, collapse, expand
 from .moe import MoE
 
@@ -136,15 +133,6 @@ class DSparkState:
     def reset(self, slot: int) -> None:
         self.length[slot] = 0
 
-    def snapshot(self, slot: int):
-        return [r[slot].clone() for r in self.kv], self.length[slot]
-
-    def restore(self, slot: int, snap) -> None:
-        rings, n = snap
-        for r, old in zip(self.kv, rings):
-            r[slot].copy_(old)
-        self.length[slot] = n
-
 
 class DSparkHead(nn.Module):
     def __init__(self, config: V41Config):
@@ -156,10 +144,8 @@ class DSparkHead(nn.Module):
         self.noise_id = config.dspark_noise_token_id
 
     def set_numerics(self, numerics: str) -> "DSparkHead":
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.numerics = numerics
-                m._dense_cache = None
+        """"reference" or "fast", as V41Model.set_numerics."""
+        set_linear_numerics(self, numerics)
         return self
 
     @property
@@ -243,67 +229,4 @@ class DSparkHead(nn.Module):
         return ids_out, torch.stack(logits), conf
 
 
-# ============================================================================ loading
-def dspark_module_name(official: str) -> str:
-    """`mtp.{i}.X` -> `stages.{i}.X` (hc_attn_fn -> hc_attn.fn, as the backbone loader does)."""
-    m = re.fullmatch(r"mtp\.(\d+)\.(.+)", official)
-    if m is None:
-        raise KeyError(f"{official}: not a DSpark (mtp.*) tensor")
-    i, rest = m.groups()
-    if rest.startswith("hc_"):
-        sub, field = rest.rsplit("_", 1)
-        rest = f"{sub}.{field}"
-    return f"stages.{i}.{rest}"
-
-
-def load_dspark_state_dict(head: DSparkHead, tensors: dict) -> None:
-    """Copy official `mtp.*` tensors into the head (FP8/FP4/E8M0 kept as bytes). Raises one
-    ValueError listing every missing / unexpected / mismatched tensor."""
-    params = dict(head.named_parameters())
-    problems, loaded = [], set()
-    for name, t in tensors.items():
-        if not name.startswith("mtp."):
-            continue
-        target = dspark_module_name(name)
-        p = params.get(target)
-        if p is None:
-            if name.endswith((".embed.weight", ".head.weight")) and "markov" not in name:
-                continue          # aliases of the shared embedding / head
-            problems.append(f"unexpected: {name}")
-            continue
-        if p.dtype == torch.uint8:
-            t = t.view(torch.uint8)
-        if tuple(t.shape) != tuple(p.shape):
-            problems.append(f"shape: {name} is {list(t.shape)}, expected {list(p.shape)}")
-            continue
-        with torch.no_grad():
-            p.copy_(t.to(p.dtype))
-        loaded.add(target)
-    problems += [f"missing: {n}" for n in sorted(set(params) - loaded)]
-    if problems:
-        raise ValueError("DSpark tensors do not match the head:\n  " + "\n  ".join(problems))
-
-
-def load_dspark(path: str | Path, config: V41Config, numerics: str = "reference") -> DSparkHead:
-    """Build the DSpark head from a checkpoint directory (or .safetensors file) holding the
-    official `mtp.*` tensors. `config` is the backbone's (e.g. `from_pretrained(...).config`)."""
-    from safetensors import safe_open
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    tensors = {}
-    for f in files:
-        with safe_open(str(f), "pt") as fh:
-            for name in fh.keys():
-                if name.startswith("mtp."):
-                    tensors[name] = fh.get_tensor(name)
-    if not tensors:
-        raise ValueError(f"{path}: no DSpark (mtp.*) tensors")
-    dtype = {"float32": torch.float32, "float16": torch.float16}.get(config.torch_dtype, torch.bfloat16)
-    with default_dtype(dtype):
-        head = DSparkHead(config)
-    load_dspark_state_dict(head, tensors)
-    return head.set_numerics(numerics).eval()
-
-
-__all__ = ["DSparkHead", "DSparkStage", "DSparkState", "load_dspark", "load_dspark_state_dict",
-           "dspark_module_name"]
+__all__ = ["DSparkHead", "DSparkStage", "DSparkState"]

@@ -13,7 +13,8 @@ start of a step.  The pieces:
 * device side, every step (plain torch int64 ops, static shapes):
     - ``engram_prefill_history`` / ``engram_roll_history``  the previous N-1
       compressed ids of each token, padded at the sequence start
-    - ``engram_hash_ids``    table row ids [..., n_layers, (N-1)*heads]
+    - ``engram_hash_ids``    table row ids [..., n_layers, (N-1)*heads]; defined in
+      custom_ops/reference.py (the engram_hash op's reference), re-exported here
 
 All conventions below were checked bit-for-bit against the golden vectors in
 shared/golden/golden_v41_tiny (see tests/test_engram_hash.py).
@@ -26,6 +27,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+from v41graph.custom_ops.reference import engram_hash_ids  # the hash itself (the op's reference)
 
 __all__ = [
     "is_prime",
@@ -292,48 +295,3 @@ def engram_roll_history(
     """History of the NEXT token, given this token's id and history:
     shift by one and put the current token in slot 0."""
     return torch.cat([compressed_ids.unsqueeze(-1), history[..., :-1]], dim=-1)
-
-
-def engram_hash_ids(
-    compressed_ids: torch.Tensor,
-    history: torch.Tensor,
-    multipliers: torch.Tensor,
-    primes: torch.Tensor,
-    offsets: torch.Tensor,
-) -> torch.Tensor:
-    """Table row ids for every token and Engram layer.
-
-    compressed_ids [...]            current tokens (already through the map)
-    history        [..., N-1]       previous ids, see the convention above
-    multipliers    [L, N] or [N]    int64
-    primes         [L, N-1, H] or [N-1, H]
-    offsets        [L, (N-1)*H] or [(N-1)*H]
-    returns        [..., L, (N-1)*H] (or [..., (N-1)*H] for 1-D multipliers)
-
-    For order n: h_n = XOR_{k<n} x_{t-k} * m_k, then for each head prime p:
-    row = (h_n mod p) + offset.  Column order is order-major, head-minor.
-    Note h_n >= 0 always (ids >= 0, m > 0 and m * id < 2^63 by construction),
-    so floor-mod vs truncating mod cannot differ; torch.remainder is used to
-    match the reference's numpy ``%`` regardless.
-    """
-    single = multipliers.dim() == 1
-    if single:
-        multipliers, primes, offsets = multipliers[None], primes[None], offsets[None]
-    n_layers, n_max = multipliers.shape
-    _, n_orders, n_heads = primes.shape
-    assert n_orders == n_max - 1 and history.shape[-1] == n_max - 1
-
-    # x[..., k] = id of the token k back (k = 0 is the current token).
-    x = torch.cat([compressed_ids.unsqueeze(-1), history], dim=-1).to(torch.int64)
-    # prod[..., l, k] = x_{t-k} * m_{l,k}
-    prod = x.unsqueeze(-2) * multipliers.to(x.device)
-    # Rolling XOR: order n uses products k = 0..n-1.
-    h = prod[..., 0]
-    hashes = []
-    for k in range(1, n_max):  # static loop over orders, not over tokens
-        h = torch.bitwise_xor(h, prod[..., k])
-        hashes.append(h)
-    h = torch.stack(hashes, dim=-1)  # [..., L, N-1]
-    rows = torch.remainder(h.unsqueeze(-1), primes.to(x.device))  # [..., L, N-1, H]
-    rows = rows.flatten(-2) + offsets.to(x.device)  # [..., L, (N-1)*H]
-    return rows[..., 0, :] if single else rows

@@ -25,6 +25,13 @@ from .layer_plan import build_layer_plan
 COMPRESSOR_RING = 32
 
 
+def slots_with_scratch(max_batch_size: int) -> int:
+    """Cache slots for a runtime of `max_batch_size` sequences: one more, the scratch slot.
+    Padding rows of a compiled model's decode buckets belong to it (and own no cache blocks),
+    so they write nothing a real sequence reads; a runtime never hands it out."""
+    return max_batch_size + 1
+
+
 @dataclass
 class ModelCaches:
     window_kv: list
@@ -74,6 +81,11 @@ class ModelCaches:
                            dtype=torch.int64, device=device)
         return cls(window_kv, window_scale, comp, gkv, gsc, ik, isc, hist,
                    block_size, num_blocks, num_slots)
+
+    @property
+    def scratch_slot(self) -> int:
+        """The slot padding rows write into (see slots_with_scratch): the last one."""
+        return self.num_slots - 1
 
     def tensors(self) -> list:
         out = list(self.window_kv) + list(self.window_scale) + [self.engram_history]

@@ -133,6 +133,17 @@ class Linear(nn.Module):
         return F.linear(x, self._dense_cache)
 
 
+def set_linear_numerics(module: nn.Module, numerics: str) -> None:
+    """Put every Linear under `module` in "reference" or "fast" numerics. Their dense-weight
+    caches are dropped: they may predate a weight (re)load, and "reference" does not use them."""
+    if numerics not in ("reference", "fast"):
+        raise ValueError(f"numerics must be 'reference' or 'fast', got {numerics!r}")
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.numerics = numerics
+            m._dense_cache = None
+
+
 # ----------------------------------------------------------------------------- RoPE
 def rope_inv_freqs(rope_dim: int, base: float, original_seq_len: int = 0, factor: float = 1.0,
                    beta_fast: float = 32, beta_slow: float = 1) -> torch.Tensor:

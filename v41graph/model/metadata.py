@@ -3,7 +3,7 @@ graph replays with new contents), its builders, and the per-step context the lay
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Sequence
 
 import torch
@@ -11,26 +11,101 @@ import torch
 from .kv_cache import ModelCaches
 
 
+def _meta_field(rows: str, decode, *, static: bool = False, offset: str | None = None,
+                optional: bool = False):
+    """One field of AttentionMetadata and how it behaves, in one place:
+      rows    its dim 0: "tokens" [N], "seqs" [B] or "seqs+1" [B+1]
+      decode  in a padded decode bucket (one token per sequence): "arange" (the same for every
+              decode step of that many rows: never copied), the value padding rows hold
+              ("scratch" = the caches' scratch slot), or None (not part of a decode step)
+      static  changes only when a persistent decode batch's rows do (see static_key)
+      offset  when two batches are concatenated, the second's values move by the first's
+              "seqs" or "tokens" count."""
+    info = dict(rows=rows, decode=decode, static=static, offset=offset)
+    return field(default=None, metadata=info) if optional else field(metadata=info)
+
+
 @dataclass
 class AttentionMetadata:
     """A flat batch: N tokens from B sequences, sequence b owning tokens
     query_start[b]:query_start[b+1] at positions chunk_start[b]..seq_len[b]-1."""
-    token_seq: torch.Tensor     # [N] batch index of each token
-    seq_slot: torch.Tensor      # [B] cache slot (window ring / state row) of each sequence
-    chunk_start: torch.Tensor   # [B] position of the first new token
-    seq_len: torch.Tensor       # [B] context length after this call
-    query_start: torch.Tensor   # [B+1] offsets into the token batch
-    block_table: torch.Tensor   # [B, max_blocks] cache block ids, -1 = none
-    logits_index: torch.Tensor  # [B] token whose logits are returned (the last of each seq)
-    window_floor: torch.Tensor | None = None  # [B] first position the window may see (replay)
-    # Names the contents of seq_slot and block_table: two metadata with the same non-None key
-    # hold equal seq_slot / block_table (a DecodeBatch hands out a fresh key whenever either
+    # [N] batch index of each token
+    token_seq: torch.Tensor = _meta_field("tokens", "arange", offset="seqs")
+    # [B] cache slot (window ring / state row) of each sequence
+    seq_slot: torch.Tensor = _meta_field("seqs", "scratch", static=True)
+    # [B] position of the first new token
+    chunk_start: torch.Tensor = _meta_field("seqs", 0)
+    # [B] context length after this call
+    seq_len: torch.Tensor = _meta_field("seqs", 1)
+    # [B+1] offsets into the token batch
+    query_start: torch.Tensor = _meta_field("seqs+1", "arange", offset="tokens")
+    # [B, max_blocks] cache block ids, -1 = none
+    block_table: torch.Tensor = _meta_field("seqs", -1, static=True)
+    # [B] token whose logits are returned (the last of each seq)
+    logits_index: torch.Tensor = _meta_field("seqs", "arange", offset="tokens")
+    # [B] first position the window may see (decoder replay only)
+    window_floor: torch.Tensor | None = _meta_field("seqs", None, optional=True)
+    # Names the contents of the static fields (seq_slot, block_table): two metadata with the
+    # same non-None key hold equal ones (a DecodeBatch hands out a fresh key whenever either
     # changes), so a decode graph that already holds them can skip reloading them.
     static_key: int | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_slot.shape[0]
+
+    @classmethod
+    def tensor_fields(cls) -> list:
+        """The dataclass fields that hold tensors, in order (static_key is not one)."""
+        return [f for f in fields(cls) if f.metadata]
+
+    def batch_tensors(self) -> tuple:
+        """Every tensor of the batch, in field order; dim 0 of each is its token or sequence
+        count (what a symbolic-batch graph marks dynamic)."""
+        return tuple(t for t in (getattr(self, f.name) for f in self.tensor_fields()) if t is not None)
+
+    @classmethod
+    def decode_buffers(cls, rows: int, max_blocks: int, device, scratch_slot: int,
+                       use: dict | None = None) -> "AttentionMetadata":
+        """Persistent metadata of `rows` decode rows, every row padding (scratch slot, no
+        blocks, one cached token). `use` maps field names to tensors to hold instead of new
+        ones (a DecodeBatch keeps its counters in one tensor so a step moves them in one add)."""
+        use = use or {}
+        i64 = dict(dtype=torch.int64, device=device)
+        made = {}
+        for f in cls.tensor_fields():
+            kind = f.metadata["decode"]
+            n = rows + 1 if f.metadata["rows"] == "seqs+1" else rows
+            shape = (n, max_blocks) if f.name == "block_table" else (n,)
+            if kind is None:
+                continue
+            if f.name in use:
+                made[f.name] = use[f.name]
+            elif kind == "arange":
+                made[f.name] = torch.arange(n, **i64)
+            else:
+                made[f.name] = torch.full(shape, scratch_slot if kind == "scratch" else kind, **i64)
+        return cls(**made)
+
+    def first_rows(self, n: int) -> "AttentionMetadata":
+        """Views of the first n rows of decode metadata (n tokens of n sequences)."""
+        out = {}
+        for f in self.tensor_fields():
+            t = getattr(self, f.name)
+            out[f.name] = None if t is None else t[:n + 1 if f.metadata["rows"] == "seqs+1" else n]
+        return AttentionMetadata(**out, static_key=self.static_key)
+
+    def load_decode_rows_(self, src: "AttentionMetadata", scratch_slot: int, static: bool = True) -> None:
+        """Copy a decode step's metadata (n <= rows sequences, one token each) into these
+        persistent buffers, padding the rows after n; the fields fixed for a decode step are
+        not copied, the static ones only if `static`."""
+        n = src.num_seqs
+        for f in self.tensor_fields():
+            kind = f.metadata["decode"]
+            if kind in (None, "arange") or (f.metadata["static"] and not static):
+                continue
+            pad = scratch_slot if kind == "scratch" else kind
+            getattr(self, f.name).fill_(pad)[:n].copy_(getattr(src, f.name))
 
 
 def build_metadata(seq_slots: Sequence[int], chunk_starts: Sequence[int], query_lens: Sequence[int],
@@ -99,14 +174,19 @@ def concat_metadata(a: AttentionMetadata, b: AttentionMetadata) -> AttentionMeta
     a step's persistent decode rows (DecodeBatch) + its freshly built prefill chunks."""
     if a.block_table.shape[1] != b.block_table.shape[1]:
         raise ValueError(f"block table widths differ: {a.block_table.shape[1]} vs {b.block_table.shape[1]}")
-    na, ta = a.num_seqs, a.token_seq.shape[0]
-    cat = torch.cat
-    return AttentionMetadata(
-        token_seq=cat([a.token_seq, b.token_seq + na]), seq_slot=cat([a.seq_slot, b.seq_slot]),
-        chunk_start=cat([a.chunk_start, b.chunk_start]), seq_len=cat([a.seq_len, b.seq_len]),
-        query_start=cat([a.query_start[:-1], b.query_start + ta]),
-        block_table=cat([a.block_table, b.block_table]),
-        logits_index=cat([a.logits_index, b.logits_index + ta]))
+    counts = {"seqs": a.num_seqs, "tokens": a.token_seq.shape[0]}
+    out = {}
+    for f in AttentionMetadata.tensor_fields():
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x is None or y is None:
+            if x is not None or y is not None:
+                raise ValueError(f"concat_metadata: {f.name} is set in only one of the two batches")
+            out[f.name] = None
+            continue
+        if f.metadata["offset"]:
+            y = y + counts[f.metadata["offset"]]
+        out[f.name] = torch.cat([x[:-1] if f.metadata["rows"] == "seqs+1" else x, y])
+    return AttentionMetadata(**out)
 
 
 @dataclass

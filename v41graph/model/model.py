@@ -20,7 +20,7 @@ from .config import V41Config
 from .engram import Engram
 from .engram_hash import engram_hash_params
 from .layer_plan import LayerRole, build_layer_plan
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, set_linear_numerics
 from .mhc import HyperConnection, collapse, expand
 from .moe import MoE
 
@@ -87,13 +87,8 @@ class V41Model(nn.Module):
     # ------------------------------------------------------------------ numerics
     def set_numerics(self, numerics: str) -> "V41Model":
         """"reference" (DeepSeek's blockwise FP8 GEMM arithmetic) or "fast"."""
-        if numerics not in ("reference", "fast"):
-            raise ValueError(f"numerics must be 'reference' or 'fast', got {numerics!r}")
+        set_linear_numerics(self, numerics)
         self.numerics = numerics
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.numerics = numerics
-                m._dense_cache = None
         return self
 
     @property
@@ -196,6 +191,13 @@ class V41Model(nn.Module):
         if wanted:
             return logits, [kept_streams[i] for i in wanted]
         return logits
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        """A decode step (one token per sequence): the same computation as forward. The
+        runtime calls this for decode steps so that a compiled model (CompiledModel.decode)
+        can run them through its captured buckets."""
+        return self(input_ids, positions, caches, metadata)
 
 
 def init_random_weights_(module: nn.Module, generator: torch.Generator) -> nn.Module:

@@ -1,12 +1,19 @@
-"""What the runtime keeps between steps: the block allocator and the persistent decode rows."""
+"""What a runtime front end (Session, Engine, speculative decoding) keeps between steps and
+how it builds a step: the caches (with their scratch slot), the block allocator, the persistent
+decode rows, the step's inputs, and the model call (decode steps through `model.decode`, every
+other step through `model(...)`)."""
 from __future__ import annotations
 
 import itertools
+import math
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 
-from v41graph.model.metadata import AttentionMetadata
+from v41graph.compiler.compiled_model import CompiledModel
+from v41graph.model.kv_cache import ModelCaches, slots_with_scratch
+from v41graph.model.metadata import AttentionMetadata, build_metadata, positions_of
 
 
 class CacheCapacityError(RuntimeError):
@@ -61,16 +68,15 @@ class DecodeBatch:
     def __init__(self, capacity: int, max_blocks: int, device: torch.device | str = "cpu"):
         self.capacity, self.max_blocks = capacity, max_blocks
         self.device = torch.device(device)
-        i64 = dict(dtype=torch.int64, device=self.device)
         self.keys: list = []
-        self.slot = torch.zeros(capacity, **i64)
-        self.block_table = torch.full((capacity, max_blocks), -1, **i64)
-        # counters[0] = chunk_start (tokens already cached), [1] = seq_len, [2] = positions
-        self.counters = torch.zeros(3, capacity, **i64)
-        self.ids = torch.zeros(capacity, **i64)
-        self._token_seq = torch.arange(capacity, **i64)
-        self._query_start = torch.arange(capacity + 1, **i64)
-        self._logits_index = torch.arange(capacity, **i64)
+        # counters[0] = chunk_start (tokens already cached), [1] = seq_len, [2] = positions:
+        # one tensor, so that advance() moves all three with one add
+        self.counters = torch.zeros(3, capacity, dtype=torch.int64, device=self.device)
+        self.buffers = AttentionMetadata.decode_buffers(
+            capacity, max_blocks, self.device, scratch_slot=0,
+            use={"chunk_start": self.counters[0], "seq_len": self.counters[1]})
+        self.slot, self.block_table = self.buffers.seq_slot, self.buffers.block_table
+        self.ids = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         # New tokens come from the host sampler: stage them in pinned memory and copy without a
         # sync (on CPU the staging buffer is the ids buffer itself).
         self._ids_host = self._ids_copied = None
@@ -90,12 +96,8 @@ class DecodeBatch:
         once per change of the rows."""
         if self._views is None:
             n = self.n
+            meta = replace(self.buffers.first_rows(n), static_key=self.static_key)
             live = self.counters[:, :n]
-            meta = AttentionMetadata(
-                token_seq=self._token_seq[:n], seq_slot=self.slot[:n],
-                chunk_start=live[0], seq_len=live[1],
-                query_start=self._query_start[:n + 1], block_table=self.block_table[:n],
-                logits_index=self._logits_index[:n], static_key=self.static_key)
             self._views = (live[2], meta, live)
         return self._views
 
@@ -215,3 +217,65 @@ class DecodeBatch:
                     block_table=self.block_table[:n].tolist(),
                     chunk_start=self.counters[0, :n].tolist(), seq_len=self.counters[1, :n].tolist(),
                     positions=self.counters[2, :n].tolist())
+
+
+def eager_model(model):
+    """The V41Model behind a model argument: the model itself, or a CompiledModel's model."""
+    return model.model if isinstance(model, CompiledModel) else model
+
+
+class StepRunner:
+    """The part every front end shares: caches for `max_batch_size` sequences plus the scratch
+    slot, the block allocator, the persistent decode rows (DecodeBatch, unless
+    persistent_metadata=False) and a step's inputs and model call. `model` is a V41Model or a
+    CompiledModel (same contract: `model(...)` for any step, `model.decode(...)` for a decode
+    step)."""
+
+    def __init__(self, model, max_batch_size: int, max_seq_len: int, block_size: int = 128,
+                 num_blocks: int | None = None, persistent_metadata: bool = True):
+        base = eager_model(model)
+        self.model, self.config = model, base.config
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_seq_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} > max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        self.max_batch_size, self.max_seq_len, self.block_size = max_batch_size, max_seq_len, block_size
+        self.max_blocks = math.ceil(max_seq_len / block_size)
+        self.num_blocks = num_blocks if num_blocks is not None else max_batch_size * self.max_blocks
+        self.device = base.embed.weight.device
+        self.caches = ModelCaches.allocate(self.config, slots_with_scratch(max_batch_size),
+                                           self.num_blocks, block_size, self.device)
+        self.allocator = BlockAllocator(self.num_blocks)
+        self.decode_batch = DecodeBatch(max_batch_size, self.max_blocks, self.device) \
+            if persistent_metadata else None
+
+    def host_inputs(self, slots: Sequence[int], starts: Sequence[int], chunks: Sequence[Sequence[int]],
+                    blocks: Sequence[Sequence[int]]):
+        """(input ids, positions, metadata) of sequences in these slots, each with `starts[i]`
+        tokens cached and chunk `chunks[i]` to run, built from host lists."""
+        meta = build_metadata(slots, starts, [len(c) for c in chunks], blocks, self.max_blocks,
+                              device=self.device)
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=self.device)
+        return ids, positions_of(meta), meta
+
+    def decode_inputs(self, tokens: Sequence[int]):
+        """(input ids, positions, metadata) of the persistent decode rows as they are now (the
+        caller made them this step's sequences with DecodeBatch.sync), one token per row."""
+        positions, meta = self.decode_metadata()
+        return self.decode_batch.load_ids(tokens), positions, meta
+
+    def decode_metadata(self):
+        """(positions, metadata) of the persistent decode rows: cached views, nothing built,
+        nothing read from the device (tests watch this call)."""
+        return self.decode_batch.metadata()
+
+    def call_model(self, ids, positions, meta, *, decode: bool, decoder_replay=None):
+        """The step's model call: a decode step through `model.decode` (a compiled model's
+        captured buckets), any other step through `model(...)`."""
+        with torch.no_grad():
+            if decode:
+                return self.model.decode(ids, positions, self.caches, meta)
+            if decoder_replay is None:
+                return self.model(ids, positions, self.caches, meta)
+            return self.model(ids, positions, self.caches, meta, decoder_replay=decoder_replay)

@@ -60,9 +60,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .batch import BlockAllocator, CacheCapacityError, DecodeBatch
-from v41graph.model.kv_cache import ModelCaches
-from v41graph.model.metadata import build_metadata, concat_metadata, positions_of
+from v41graph.model.metadata import concat_metadata
+from .batch import CacheCapacityError, StepRunner
 from .sampling import SamplingParams, sample_batch
 
 
@@ -122,7 +121,7 @@ class RequestOutput:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-class Engine:
+class Engine(StepRunner):
     def __init__(self, model, max_batch_size: int, max_seq_len: int, block_size: int = 128,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  prefill_chunk_size: int | None = None, speculative=None, draft_head=None,
@@ -143,31 +142,16 @@ class Engine:
         decode trace, not a new trace."""
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
-        self.model = model
-        base = getattr(model, "model", model)
-        self.config = base.config
-        cfg = self.config
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_seq_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_seq_len {max_seq_len} > max_position_embeddings "
-                             f"{cfg.max_position_embeddings}")
         sizes = getattr(model, "batch_sizes", None)
         if sizes and getattr(model, "capture", False) and max_batch_size > max(sizes):
             raise ValueError(f"max_batch_size {max_batch_size} > the compiled model's largest decode "
                              f"bucket {max(sizes)}; compile with larger batch_sizes")
-        self.max_batch_size, self.max_seq_len, self.block_size = max_batch_size, max_seq_len, block_size
-        self.max_blocks = math.ceil(max_seq_len / block_size)
-        self.num_blocks = num_blocks if num_blocks is not None else max_batch_size * self.max_blocks
+        super().__init__(model, max_batch_size, max_seq_len, block_size, num_blocks, persistent_metadata)
         self.max_num_batched_tokens = max_num_batched_tokens or max(256, max_batch_size)
         if self.max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} < max_batch_size "
                              f"{max_batch_size}: every running decode must fit in one step")
         self.prefill_chunk_size = prefill_chunk_size or self.max_num_batched_tokens
-        self.device = base.embed.weight.device
-        # One slot more than the batch: the scratch slot of padded (compiled) decode batches.
-        self.caches = ModelCaches.allocate(cfg, max_batch_size + 1, self.num_blocks, block_size, self.device)
-        self.allocator = BlockAllocator(self.num_blocks)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
         self.requests: dict[int, Request] = {}
         self.waiting: collections.deque[Request] = collections.deque()
@@ -175,8 +159,6 @@ class Engine:
         self._ids = itertools.count()
         self.stats = collections.Counter()
         self.prefill_mode = prefill_mode
-        self.decode_batch = DecodeBatch(max_batch_size, self.max_blocks, self.device) \
-            if persistent_metadata else None
         self.decode_width_buckets = decode_width_buckets
         self.spec = None
         if speculative is not None:
@@ -348,12 +330,9 @@ class Engine:
         nd = self._num_decodes(batch)
         ids, positions, meta = self._inputs(batch, nd)
         floors = self.replay_floors(batch, nd)
-        with torch.no_grad():
-            if floors is None:
-                logits = self.model(ids, positions, self.caches, meta)
-            else:
-                replay = torch.tensor(floors, dtype=torch.int64, device=self.device)
-                logits = self.model(ids, positions, self.caches, meta, decoder_replay=replay)
+        replay = None if floors is None else torch.tensor(floors, dtype=torch.int64, device=self.device)
+        decode = floors is None and all(len(c) == 1 for _, c in batch)
+        logits = self.call_model(ids, positions, meta, decode=decode, decoder_replay=replay)
         if self.decode_batch is not None and nd:
             self.decode_batch.advance()
         return logits
@@ -365,16 +344,15 @@ class Engine:
             return self._host_inputs(batch)
         dec.sync([r.request_id for r, _ in batch[:nd]], self._describe)
         if nd == len(batch):  # a decode step: the persistent rows as they are
-            positions, meta = self.decode_metadata()
+            ids, positions, meta = self.decode_inputs([c[0] for _, c in batch])
             if self.decode_width_buckets:
                 meta = dataclasses.replace(meta, block_table=meta.block_table[:, :self._decode_width(batch)])
-            return dec.load_ids([c[0] for _, c in batch]), positions, meta
+            return ids, positions, meta
         pids, ppos, pmeta = self._host_inputs(batch[nd:])
         if nd == 0:
             return pids, ppos, pmeta
-        dpos, dmeta = self.decode_metadata()
-        ids = torch.cat([dec.load_ids([c[0] for _, c in batch[:nd]]), pids])
-        return ids, torch.cat([dpos, ppos]), concat_metadata(dmeta, pmeta)
+        dids, dpos, dmeta = self.decode_inputs([c[0] for _, c in batch[:nd]])
+        return torch.cat([dids, pids]), torch.cat([dpos, ppos]), concat_metadata(dmeta, pmeta)
 
     def _decode_width(self, batch: list) -> int:
         """Blocks a decode step's tables need: its longest context after this token, rounded up
@@ -384,16 +362,8 @@ class Engine:
 
     def _host_inputs(self, entries: list):
         """(input ids, positions, metadata) of (request, chunk) entries built from host lists."""
-        meta = build_metadata([r.slot for r, _ in entries], [r.num_cached for r, _ in entries],
-                              [len(c) for _, c in entries], [r.blocks for r, _ in entries],
-                              self.max_blocks, device=self.device)
-        ids = torch.tensor([t for _, c in entries for t in c], dtype=torch.int64, device=self.device)
-        return ids, positions_of(meta), meta
-
-    def decode_metadata(self):
-        """(positions, metadata) of the persistent decode rows: cached views, nothing built,
-        nothing read from the device (tests watch this call)."""
-        return self.decode_batch.metadata()
+        return self.host_inputs([r.slot for r, _ in entries], [r.num_cached for r, _ in entries],
+                                [c for _, c in entries], [r.blocks for r, _ in entries])
 
     def _describe(self, request_id: int):
         req = self.requests[request_id]

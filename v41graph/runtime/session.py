@@ -24,15 +24,12 @@ from typing import Sequence
 
 import torch
 
-from .batch import BlockAllocator, CacheCapacityError, DecodeBatch
-from v41graph.model.kv_cache import ModelCaches
-from v41graph.model.metadata import build_metadata, positions_of
-from v41graph.model.model import V41Model
+from .batch import CacheCapacityError, StepRunner
 
 PREFILL_MODES = ("auto", "full", "replay")
 
 
-class Session:
+class Session(StepRunner):
     def __init__(self, model, max_batch_size: int, max_seq_len: int,
                  block_size: int = 128, num_blocks: int | None = None,
                  persistent_metadata: bool = True, prefill_mode: str = "full"):
@@ -41,25 +38,10 @@ class Session:
         prefill_mode: what prefill() does when called without mode= (see the module doc)."""
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
+        super().__init__(model, max_batch_size, max_seq_len, block_size, num_blocks, persistent_metadata)
         self.prefill_mode = prefill_mode
-        self.model = model
-        base: V41Model = getattr(model, "model", model)
-        self.config = base.config
-        if max_seq_len > self.config.max_position_embeddings:
-            raise ValueError(f"max_seq_len {max_seq_len} > max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
-        self.max_batch_size, self.max_seq_len, self.block_size = max_batch_size, max_seq_len, block_size
-        self.max_blocks = math.ceil(max_seq_len / block_size)
-        num_blocks = num_blocks if num_blocks is not None else max_batch_size * self.max_blocks
-        device = base.embed.weight.device
-        # One slot more than the batch: the last is the scratch slot that padded decode
-        # batches of a compiled model write into.
-        self.caches = ModelCaches.allocate(self.config, max_batch_size + 1, num_blocks, block_size, device)
-        self.allocator = BlockAllocator(num_blocks)
         self.seq_lens = [0] * max_batch_size
         self.blocks: list[list[int]] = [[] for _ in range(max_batch_size)]
-        self.decode_batch = DecodeBatch(max_batch_size, self.max_blocks, device) \
-            if persistent_metadata else None
         self.last_prefill_mode = None     # "full" | "replay": what the last prefill ran
 
     # ------------------------------------------------------------------ public
@@ -155,7 +137,6 @@ class Session:
             if restart:
                 self.release(s)
             self.blocks[s] += self.allocator.allocate(n)
-        dev = self.caches.engram_history.device
         dec = self.decode_batch
         one_token = not restart and replay is None and all(len(c) == 1 for c in chunks)
         if dec is not None and one_token:
@@ -165,20 +146,16 @@ class Session:
                     row, have = dec.keys.index(s), len(self.blocks[s])
                     for j in range(have - n, have):
                         dec.set_block(row, j, self.blocks[s][j])
-            positions, meta = dec.metadata()
-            ids = dec.load_ids([c[0] for c in chunks])
+            ids, positions, meta = self.decode_inputs([c[0] for c in chunks])
         else:
             if dec is not None:   # these sequences' lengths move by other than one token
                 dec.discard(seqs)
-            meta = build_metadata(seqs, [start[s] for s in seqs], [len(c) for c in chunks],
-                                  [self.blocks[s] for s in seqs], self.max_blocks, device=dev)
-            ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64, device=dev)
-            positions = positions_of(meta)
-        with torch.no_grad():
-            if replay is None:
-                logits = self.model(ids, positions, self.caches, meta)
-            else:
-                logits = self.model(ids, positions, self.caches, meta, decoder_replay=replay)
+            ids, positions, meta = self.host_inputs(seqs, [start[s] for s in seqs], chunks,
+                                                    [self.blocks[s] for s in seqs])
+        # One token per sequence is a decode step for the model (a compiled model's buckets),
+        # also when it is a fresh 1-token prompt that the persistent rows do not hold.
+        decode = replay is None and all(len(c) == 1 for c in chunks)
+        logits = self.call_model(ids, positions, meta, decode=decode, decoder_replay=replay)
         if dec is not None and one_token:
             dec.advance()
         for s, c in zip(seqs, chunks):

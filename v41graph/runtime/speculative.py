@@ -29,7 +29,7 @@ One engine step with speculation (`SpeculativeDecoder.step`), ONE target call pe
        * compressor state rings (ratio > 1 sources): same with rows pos % 32 (K <= 31);
        * Engram history: rewritten from the last n-1 committed tokens (compressed ids);
        * DSpark's own window rings: only the accepted positions' context is ever appended, so
-         they need no restore (DSparkState.snapshot/restore stays available);
+         they need no restore;
        * seq_lens / blocks: num_cached advances by m + 1 only; blocks were allocated for the
          longest context at admission, so nothing is allocated or freed here.
        * Global KV / index-key rows (paged) written for rejected positions need NO rollback:
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from v41graph.model.kv_cache import COMPRESSOR_RING
-from v41graph.model.metadata import build_metadata, positions_of
+from .batch import eager_model
 from .sampling import _draw, probs_from_logits, verify_greedy, verify_rejection
 
 
@@ -101,13 +101,11 @@ class SpeculativeDecoder:
         # (verify steps run the compiled graph, without capture), else the eager V41Model. The
         # drafts use the eager model's embedding and head (shared weights).
         self.target = engine.model
-        self.model = getattr(engine.model, "model", engine.model)      # the eager V41Model
-        self.state = head.new_state(engine.max_batch_size + 1)
+        self.model = eager_model(engine.model)
+        self.state = head.new_state(engine.caches.num_slots)   # the draft's rows per cache slot
         self.stats = engine.stats
         # streams entering each target layer t = leaving layer t - 1 (block_out.layer{t-1})
         self.targets = tuple(t - 1 for t in cfg.dspark_target_layer_ids)
-        self.draft_fn = self._draft                                       # tests may replace it
-        self.rollback = True                # False only to show the tests notice a missing rollback
 
     # ------------------------------------------------------------------ metrics
     @property
@@ -170,7 +168,7 @@ class SpeculativeDecoder:
                 km = min(self.config.num_draft, req.params.max_tokens - len(req.output) - 1)
                 kmax.append(km)
                 if km > 0:
-                    d, q, c = self.draft_fn(req, req.tokens[-1], req.num_cached)
+                    d, q, c = self._draft(req, req.tokens[-1], req.num_cached)
                 else:
                     d, q, c = [], None, None
                 drafts.append(d)
@@ -182,10 +180,7 @@ class SpeculativeDecoder:
         if not batch:
             return []
 
-        meta = build_metadata([r.slot for r, _ in batch], [r.num_cached for r, _ in batch],
-                              [len(c) for _, c in batch], [r.blocks for r, _ in batch],
-                              eng.max_blocks, device=eng.device)
-        ids = torch.tensor([t for _, c in batch for t in c], dtype=torch.int64, device=eng.device)
+        ids, positions, meta = eng._host_inputs(batch)
         # Prefill chunks of long prompts: decoder bounded replay, as in the plain engine. The
         # model then returns logits / decoder streams of the kept tokens only: row i's kept
         # tokens are the last kept[i] of its chunk (decodes, which lead the batch, keep all).
@@ -216,7 +211,6 @@ class SpeculativeDecoder:
                     [t[sl, wrows].clone() for t in c.window_scale],
                     {l: t[sl, crows].clone() for l, t in c.compressor_state.items()})
 
-        positions = positions_of(meta)
         keep = None
         if floors is not None:        # token indices (full batch) of the kept tokens
             full_start = 0
@@ -261,35 +255,16 @@ class SpeculativeDecoder:
                 eng.stats["spec_committed"] += m + 1
                 eng.stats["spec_rejections"] += int(m < k)
 
-        # ---- rollback of the rejected positions' ring rows
-        if snap is not None and self.rollback:
-            acc = torch.tensor(accepted, device=eng.device)
-            rej = torch.arange(K, device=eng.device)[None, :] >= acc[:, None]       # draft j+1 rejected
-            if bool(rej.any()):
-                b_idx, j_idx = rej.nonzero(as_tuple=True)
-                s_idx, w_idx, c_idx = slots[b_idx], wrows[b_idx, j_idx], crows[b_idx, j_idx]
-                c = eng.caches
-                for t, old in zip(c.window_kv, snap[0]):
-                    t[s_idx, w_idx] = old[b_idx, j_idx]
-                for t, old in zip(c.window_scale, snap[1]):
-                    t[s_idx, w_idx] = old[b_idx, j_idx]
-                for l, t in c.compressor_state.items():
-                    t[s_idx, c_idx] = snap[2][l][b_idx, j_idx]
+        if snap is not None:
+            self._roll_back_rings(snap, accepted, slots, wrows, crows, K)
         # Global KV / index keys of rejected positions: no rollback needed (see module doc).
 
         # ---- bookkeeping, Engram history, DSpark context, emit
-        lags = eng.caches.engram_history.shape[1]
-        tmap = model.engram_token_map
-        pad = int(tmap[cfg.engram_pad_token_id])
         for i, req in enumerate(decodes):
             m, committed = accepted[i], commits[i]
-            p0 = req.num_cached
-            req.num_cached = p0 + m + 1
-            if ks[i] > m and self.rollback:   # the chunk rolled the history past rejected tokens
-                toks = req.tokens + committed          # positions 0.. (pending = committed[-1])
-                n = req.num_cached
-                hist = [int(tmap[toks[n - 1 - j]]) if n - 1 - j >= 0 else pad for j in range(lags)]
-                eng.caches.engram_history[req.slot] = torch.tensor(hist, dtype=torch.int64)
+            req.num_cached += m + 1
+            if ks[i] > m:   # the chunk rolled the history past rejected tokens
+                self._roll_back_history(req, committed)
             r0 = qstart[i]
             head.append_context(self.state, req.slot, positions[r0: r0 + m + 1], main_x[r0: r0 + m + 1])
             events.append(eng._emit(req, committed, now))
@@ -308,6 +283,34 @@ class SpeculativeDecoder:
                     probs_from_logits(row, p.temperature, p.top_p), req.generator)
                 events.append(eng._emit(req, [tok], now))
         return events
+
+    # ------------------------------------------------------------------ rollback
+    def _roll_back_rings(self, snap, accepted: list, slots, wrows, crows, K: int) -> None:
+        """Put back the window and compressor ring rows that rejected drafts overwrote."""
+        eng = self.engine
+        acc = torch.tensor(accepted, device=eng.device)
+        rej = torch.arange(K, device=eng.device)[None, :] >= acc[:, None]       # draft j+1 rejected
+        if bool(rej.any()):
+            b_idx, j_idx = rej.nonzero(as_tuple=True)
+            s_idx, w_idx, c_idx = slots[b_idx], wrows[b_idx, j_idx], crows[b_idx, j_idx]
+            c = eng.caches
+            for t, old in zip(c.window_kv, snap[0]):
+                t[s_idx, w_idx] = old[b_idx, j_idx]
+            for t, old in zip(c.window_scale, snap[1]):
+                t[s_idx, w_idx] = old[b_idx, j_idx]
+            for l, t in c.compressor_state.items():
+                t[s_idx, c_idx] = snap[2][l][b_idx, j_idx]
+
+    def _roll_back_history(self, req, committed: list) -> None:
+        """Rewrite the request's Engram history row from its committed tokens (the verify
+        chunk rolled it past the rejected drafts)."""
+        eng, tmap = self.engine, self.model.engram_token_map
+        lags = eng.caches.engram_history.shape[1]
+        pad = int(tmap[eng.config.engram_pad_token_id])
+        toks = req.tokens + committed          # positions 0.. (pending = committed[-1])
+        n = req.num_cached
+        hist = [int(tmap[toks[n - 1 - j]]) if n - 1 - j >= 0 else pad for j in range(lags)]
+        eng.caches.engram_history[req.slot] = torch.tensor(hist, dtype=torch.int64)
 
 
 def init_random_dspark_(head, seed: int = 0):

@@ -1,6 +1,6 @@
 """Safetensors checkpoints on disk: a validating lazy reader and a streaming writer.
 
-Format level only (no model knowledge; `loader.py` maps names onto V41Model).
+Format level only (no model knowledge; names.py maps the names onto V41Model, load.py loads).
 
 Reader
   `SafetensorsFile(path)` parses and checks one file's header (JSON, dtypes, shapes, offsets

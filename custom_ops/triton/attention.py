@@ -1,0 +1,427 @@
+"""Sparse attention kernels (CUDA; imported lazily by cuda_impls.py, never at package import).
+
+  sparse_attention    decode/prefill attention over (window rows ++ FP4 global rows) with a
+                      per-head sink; window rows are read in place from the FP8 E4M3 + UE8M0
+                      ring (or from this call's fresh rows), FP8 and FP4 dequantized in
+                      registers; one program serves a tile of BH query heads, so each KV row is
+                      loaded once for all heads of the tile (BH = H: once per token). Optional
+                      split over the row list + combine. Also runs on a bf16 global cache (the
+                      comparison variant).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _FLOAT_DTYPES, _TL_DTYPE, _e2m1_decode, _num_sms, _pow2
+
+
+# =============================================================================== sparse attention
+@triton.jit
+def _load_raw(data_ptr, scale_ptr, rows, valid, D: tl.constexpr, D2: tl.constexpr,
+              NB16: tl.constexpr, FP4: tl.constexpr, IS16: tl.constexpr):
+    """Raw bytes of rows [BS] (what is carried one block ahead when prefetching).
+    FP4: (codes uint8 [BS, D/16, 8], E4M3 scale bytes [BS, D/16]); 16-bit float rows: (int32
+    words [BS, D/2], same); fp32 rows: (even [BS, D/2], odd [BS, D/2])."""
+    if FP4:
+        b = tl.arange(0, NB16)
+        j = tl.arange(0, 8)
+        byte = b[:, None] * 8 + j[None, :]
+        raw = tl.load(data_ptr + rows[:, None, None] * D2 + byte[None, :, :],
+                      mask=valid[:, None, None], other=0)
+        sc = tl.load(scale_ptr + rows[:, None] * NB16 + b[None, :], mask=valid[:, None], other=0)
+        return raw, sc
+    else:
+        i = tl.arange(0, D2)
+        if IS16:
+            w = tl.load(data_ptr + rows[:, None] * D2 + i[None, :], mask=valid[:, None], other=0)
+            return w, w
+        else:
+            p = data_ptr + rows[:, None] * D + 2 * i[None, :]
+            lo = tl.load(p, mask=valid[:, None], other=0.0)
+            hi = tl.load(p + 1, mask=valid[:, None], other=0.0)
+            return lo, hi
+
+
+@triton.jit
+def _decode_raw(ra, rb, BS: tl.constexpr, D2: tl.constexpr, DTYPE: tl.constexpr,
+                FP4: tl.constexpr, IS16: tl.constexpr):
+    """Raw rows -> (even, odd) halves [BS, D/2] in DTYPE; FP4 is dequantized here, in registers
+    (E2M1 value x E4M3 scale is exact in bf16)."""
+    if FP4:
+        c = ra.to(tl.int32)
+        s = rb.to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]
+        lo = (_e2m1_decode(c & 0xF) * s).to(DTYPE)
+        hi = (_e2m1_decode(c >> 4) * s).to(DTYPE)
+        return tl.reshape(lo, (BS, D2)), tl.reshape(hi, (BS, D2))
+    else:
+        if IS16:
+            lo = (ra & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
+            hi = (ra >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+            return lo, hi
+        else:
+            return ra.to(DTYPE), rb.to(DTYPE)
+
+
+@triton.jit
+def _load_ring_raw(ring_ptr, rsc_ptr, rows, is_ring, D2: tl.constexpr, NB32: tl.constexpr):
+    """Raw bytes of FP8 ring rows [BS] (what is carried one block ahead when prefetching): int16
+    words [BS, D/32, 16] (word i holds E4M3 elements 2i (low byte) and 2i+1 (high byte)) and the
+    UE8M0 scale bytes [BS, D/32]. Masked lanes issue no loads (their addresses need no clamp)."""
+    b = tl.arange(0, NB32)
+    j = tl.arange(0, 16)
+    word = b[:, None] * 16 + j[None, :]
+    rw = tl.load(ring_ptr + rows[:, None, None] * D2 + word[None, :, :],
+                 mask=is_ring[:, None, None], other=0)
+    rs = tl.load(rsc_ptr + rows[:, None] * NB32 + b[None, :], mask=is_ring[:, None], other=0)
+    return rw, rs
+
+
+@triton.jit
+def _decode_window(rw, rs, fa, fb, is_ring, BS: tl.constexpr, D2: tl.constexpr,
+                   DTYPE: tl.constexpr, IS16: tl.constexpr):
+    """Window raw rows -> (even, odd) halves [BS, D/2] in DTYPE: ring rows dequantized in
+    registers, E4M3 x 2^(e-127) in fp32 (exact, as codecs.dequant_fp8_ue8m0), fresh rows as is."""
+    w = rw.to(tl.int32)
+    sc = rs.to(tl.int32)
+    s = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(e-127)
+    lo = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+    hi = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+    fe, fo = _decode_raw(fa, fb, BS, D2, DTYPE, False, IS16)
+    ke = tl.where(is_ring[:, None], tl.reshape(lo.to(DTYPE), (BS, D2)), fe)
+    ko = tl.where(is_ring[:, None], tl.reshape(hi.to(DTYPE), (BS, D2)), fo)
+    return ke, ko
+
+
+@triton.jit
+def _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, IEEE: tl.constexpr):
+    if IEEE:
+        s = tl.dot(qe, tl.trans(ke), input_precision="ieee")
+        s = tl.dot(qo, tl.trans(ko), s, input_precision="ieee")
+    else:
+        s = tl.dot(qe, tl.trans(ke))
+        s = tl.dot(qo, tl.trans(ko), s)
+    s = s * sm_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    pd = p.to(ke.dtype)                       # P in q's dtype before P.V (reference)
+    if IEEE:
+        acc_e = tl.dot(pd, ke, acc_e * alpha[:, None], input_precision="ieee")
+        acc_o = tl.dot(pd, ko, acc_o * alpha[:, None], input_precision="ieee")
+    else:
+        acc_e = tl.dot(pd, ke, acc_e * alpha[:, None])
+        acc_o = tl.dot(pd, ko, acc_o * alpha[:, None])
+    return m_new, l, acc_e, acc_o
+
+
+@triton.jit
+def _attn_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_hi, data_ptr, scale_ptr,
+                  sm_scale, D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr,
+                  BS: tl.constexpr, DTYPE: tl.constexpr, FP4: tl.constexpr, IS16: tl.constexpr,
+                  IEEE: tl.constexpr, PREFETCH: tl.constexpr):
+    """Online-softmax over blocks blk_lo..blk_hi-1 of one row list (window or global)."""
+    jj = tl.arange(0, BS)
+    base = idx_ptr + n.to(tl.int64) * L
+    if PREFETCH:   # next block's indices and bytes are in flight while this block computes
+        j = blk_lo * BS + jj
+        rows = tl.load(base + j, mask=(j < L) & (blk_lo < blk_hi), other=-1)
+        valid = rows >= 0
+        ra, rb = _load_raw(data_ptr, scale_ptr, tl.where(valid, rows, 0), valid, D, D2, NB16,
+                           FP4, IS16)
+        for b in range(blk_lo, blk_hi):
+            jn = (b + 1) * BS + jj
+            rows_n = tl.load(base + jn, mask=(jn < L) & (b + 1 < blk_hi), other=-1)
+            valid_n = rows_n >= 0
+            ra_n, rb_n = _load_raw(data_ptr, scale_ptr, tl.where(valid_n, rows_n, 0), valid_n,
+                                   D, D2, NB16, FP4, IS16)
+            ke, ko = _decode_raw(ra, rb, BS, D2, DTYPE, FP4, IS16)
+            m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
+                                              sm_scale, IEEE)
+            ra = ra_n
+            rb = rb_n
+            valid = valid_n
+    else:
+        for b in range(blk_lo, blk_hi):
+            j = b * BS + jj
+            rows = tl.load(base + j, mask=j < L, other=-1)
+            valid = rows >= 0
+            ra, rb = _load_raw(data_ptr, scale_ptr, tl.where(valid, rows, 0), valid, D, D2, NB16,
+                               FP4, IS16)
+            ke, ko = _decode_raw(ra, rb, BS, D2, DTYPE, FP4, IS16)
+            m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
+                                              sm_scale, IEEE)
+    return m, l, acc_e, acc_o
+
+
+@triton.jit
+def _attn_window_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_hi, ring_ptr,
+                         rsc_ptr, fresh_ptr, n_ring, sm_scale, D: tl.constexpr, D2: tl.constexpr,
+                         NB16: tl.constexpr, NB32: tl.constexpr, BS: tl.constexpr,
+                         DTYPE: tl.constexpr, IS16: tl.constexpr, IEEE: tl.constexpr,
+                         PREFETCH: tl.constexpr):
+    """_attn_segment over the window row list: row r < n_ring is FP8 ring row r, row r >= n_ring
+    fresh row r - n_ring. Prefetching carries only the ring bytes one block ahead (at decode
+    nearly every row is a ring row); the few fresh rows are loaded in the block that uses them."""
+    jj = tl.arange(0, BS)
+    base = idx_ptr + n.to(tl.int64) * L
+    if PREFETCH:   # next block's indices and ring bytes are in flight while this block computes
+        j = blk_lo * BS + jj
+        rows = tl.load(base + j, mask=(j < L) & (blk_lo < blk_hi), other=-1)
+        valid = rows >= 0
+        is_ring = valid & (rows < n_ring)
+        rw, rs = _load_ring_raw(ring_ptr, rsc_ptr, rows, is_ring, D2, NB32)
+        for b in range(blk_lo, blk_hi):
+            jn = (b + 1) * BS + jj
+            rows_n = tl.load(base + jn, mask=(jn < L) & (b + 1 < blk_hi), other=-1)
+            valid_n = rows_n >= 0
+            is_ring_n = valid_n & (rows_n < n_ring)
+            rw_n, rs_n = _load_ring_raw(ring_ptr, rsc_ptr, rows_n, is_ring_n, D2, NB32)
+            fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D,
+                               D2, NB16, False, IS16)
+            ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, DTYPE, IS16)
+            m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
+                                              sm_scale, IEEE)
+            rw = rw_n
+            rs = rs_n
+            rows = rows_n
+            valid = valid_n
+            is_ring = is_ring_n
+    else:
+        for b in range(blk_lo, blk_hi):
+            j = b * BS + jj
+            rows = tl.load(base + j, mask=j < L, other=-1)
+            valid = rows >= 0
+            is_ring = valid & (rows < n_ring)
+            rw, rs = _load_ring_raw(ring_ptr, rsc_ptr, rows, is_ring, D2, NB32)
+            fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D,
+                               D2, NB16, False, IS16)
+            ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, DTYPE, IS16)
+            m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
+                                              sm_scale, IEEE)
+    return m, l, acc_e, acc_o
+
+
+@triton.jit
+def _store_pairs(ptr, off, mask, oe, oo, D2: tl.constexpr, DTYPE: tl.constexpr,
+                 IS16: tl.constexpr):
+    """Store (even, odd) halves [BH, D/2] interleaved into rows starting at element `off`."""
+    i = tl.arange(0, D2)
+    if IS16:
+        lo = oe.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = oo.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32)
+        tl.store(ptr + off[:, None] // 2 + i[None, :], (hi << 16) | lo, mask=mask[:, None])
+    else:
+        p = ptr + off[:, None] + 2 * i[None, :]
+        tl.store(p, oe.to(DTYPE), mask=mask[:, None])
+        tl.store(p + 1, oo.to(DTYPE), mask=mask[:, None])
+
+
+@triton.jit
+def _sparse_attn_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_ptr, gs_ptr, grows_ptr,
+                        sink_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr, H, W, KG, n_ring, sm_scale,
+                        blocks_per_split, n_split,
+                        D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr, NB32: tl.constexpr,
+                        BH: tl.constexpr, BS: tl.constexpr,
+                        DTYPE: tl.constexpr, IS16: tl.constexpr, GLOBAL_FP4: tl.constexpr,
+                        IEEE: tl.constexpr, DIRECT: tl.constexpr, PREFETCH: tl.constexpr):
+    """Program (n, head tile, split): query token n, heads hb*BH.., blocks of its row list
+    [window rows ++ global rows] in split sp. All BH heads share each loaded KV block. Window
+    rows < n_ring are FP8 ring rows (ring_ptr: int16 words, rsc_ptr: UE8M0 bytes), the others
+    rows of fresh_ptr (this call's rows, q's dtype)."""
+    n = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    heads = hb * BH + tl.arange(0, BH)
+    hmask = heads < H
+    hrow = n.to(tl.int64) * H + heads                                       # row of [N*H, D]
+    qa, qb = _load_raw(q_ptr, q_ptr, hrow, hmask, D, D2, NB16, False, IS16)
+    qe, qo = _decode_raw(qa, qb, BH, D2, DTYPE, False, IS16)
+    m = tl.full((BH,), -1e30, tl.float32)
+    l = tl.zeros((BH,), tl.float32)
+    acc_e = tl.zeros((BH, D2), tl.float32)
+    acc_o = tl.zeros((BH, D2), tl.float32)
+    nbw = tl.cdiv(W, BS)
+    nbg = tl.cdiv(KG, BS)
+    b0 = sp * blocks_per_split
+    b1 = tl.minimum(b0 + blocks_per_split, nbw + nbg)
+    m, l, acc_e, acc_o = _attn_window_segment(qe, qo, m, l, acc_e, acc_o, wrows_ptr, n, W,
+                                              b0, tl.minimum(b1, nbw), ring_ptr, rsc_ptr,
+                                              fresh_ptr, n_ring, sm_scale, D, D2, NB16, NB32, BS,
+                                              DTYPE, IS16, IEEE, PREFETCH)
+    m, l, acc_e, acc_o = _attn_segment(qe, qo, m, l, acc_e, acc_o, grows_ptr, n, KG,
+                                       tl.maximum(b0, nbw) - nbw, b1 - nbw, gc_ptr, gs_ptr,
+                                       sm_scale, D, D2, NB16, BS, DTYPE, GLOBAL_FP4, IS16, IEEE,
+                                       PREFETCH)
+    if DIRECT:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+        l = l + tl.exp(sink - m)
+        lb = tl.broadcast_to(l[:, None], [BH, D2])
+        oe = tl.math.div_rn(acc_e, lb)
+        oo = tl.math.div_rn(acc_o, lb)
+        _store_pairs(out_ptr, hrow * D, hmask, oe, oo, D2, DTYPE, IS16)
+    else:
+        # partials: acc [N, n_split, H, 2, D/2] fp32, (m, l) [N, n_split, H, 2]
+        prow = (n.to(tl.int64) * n_split + sp) * H + heads
+        i = tl.arange(0, D2)
+        pa = ws_acc_ptr + prow[:, None] * D + i[None, :]
+        tl.store(pa, acc_e, mask=hmask[:, None])
+        tl.store(pa + D2, acc_o, mask=hmask[:, None])
+        tl.store(ws_ml_ptr + prow * 2, m, mask=hmask)
+        tl.store(ws_ml_ptr + prow * 2 + 1, l, mask=hmask)
+
+
+@triton.jit
+def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_split,
+                                D: tl.constexpr, D2: tl.constexpr, BH: tl.constexpr,
+                                DTYPE: tl.constexpr, IS16: tl.constexpr):
+    n = tl.program_id(0)
+    hb = tl.program_id(1)
+    heads = hb * BH + tl.arange(0, BH)
+    hmask = heads < H
+    i = tl.arange(0, D2)
+    mx = tl.full((BH,), -1e30, tl.float32)
+    for s in range(0, n_split):
+        prow = (n.to(tl.int64) * n_split + s) * H + heads
+        mx = tl.maximum(mx, tl.load(ws_ml_ptr + prow * 2, mask=hmask, other=-1e30))
+    l = tl.zeros((BH,), tl.float32)
+    acc_e = tl.zeros((BH, D2), tl.float32)
+    acc_o = tl.zeros((BH, D2), tl.float32)
+    for s in range(0, n_split):
+        prow = (n.to(tl.int64) * n_split + s) * H + heads
+        ms = tl.load(ws_ml_ptr + prow * 2, mask=hmask, other=-1e30)
+        ls = tl.load(ws_ml_ptr + prow * 2 + 1, mask=hmask, other=0.0)
+        wgt = tl.exp(ms - mx)
+        l += ls * wgt
+        pa = ws_acc_ptr + prow[:, None] * D + i[None, :]
+        acc_e += tl.load(pa, mask=hmask[:, None], other=0.0) * wgt[:, None]
+        acc_o += tl.load(pa + D2, mask=hmask[:, None], other=0.0) * wgt[:, None]
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+    l = l + tl.exp(sink - mx)
+    lb = tl.broadcast_to(l[:, None], [BH, D2])
+    oe = tl.math.div_rn(acc_e, lb)
+    oo = tl.math.div_rn(acc_o, lb)
+    hrow = n.to(tl.int64) * H + heads
+    _store_pairs(out_ptr, hrow * D, hmask, oe, oo, D2, DTYPE, IS16)
+
+
+def sparse_attention_supported(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
+                               global_scale, global_rows, sink) -> bool:
+    if not (q.is_cuda and q.dim() == 3 and q.dtype in _FLOAT_DTYPES):
+        return False
+    d = q.shape[-1]
+    if not (_pow2(d) and d >= 32 and window_rows.dim() == 2 and global_rows.dim() == 2
+            and sink.numel() == q.shape[1]):
+        return False
+    # ring: FP8 bytes [.., D] + one UE8M0 byte per 32, contiguous (read in place)
+    if not (window_kv.element_size() == 1 and window_scale.element_size() == 1
+            and window_kv.shape[-1] == d and window_scale.shape[-1] == d // 32
+            and window_kv.numel() // d == window_scale.numel() // (d // 32)
+            and window_kv.is_contiguous() and window_scale.is_contiguous()):
+        return False
+    # fresh rows: ring values are dequantized straight to q's dtype, which equals the
+    # reference's fp32 -> fresh dtype -> q dtype when the fresh dtype holds them exactly
+    if not (fresh_kv.dim() == 2 and fresh_kv.shape[-1] == d
+            and fresh_kv.dtype in (q.dtype, torch.bfloat16, torch.float32)):
+        return False
+    if global_rows.shape[-1] > 0:
+        if global_scale is None or global_cache.is_floating_point():   # bf16 global cache variant
+            return global_cache.shape[-1] == d and global_cache.dtype in _FLOAT_DTYPES
+        return (global_cache.dtype == torch.uint8 and global_cache.shape[-1] == d // 2
+                and global_scale.shape[-1] == d // 16 and global_cache.is_contiguous()
+                and global_scale.is_contiguous())
+    return True
+
+
+def attention_config(n: int, h: int, w: int, kg: int, device, block_h=None, block_s=None,
+                     n_split=None, dtype=torch.bfloat16):
+    """(BH, BS, n_split, blocks_per_split, num_warps)."""
+    bs = int(block_s or 32)
+    # measured on the H200 (docs/BENCHMARKS.md): 16 heads per program wins at decode
+    # (B <= 64), all 64 heads per program (KV rows loaded once per token) wins at prefill
+    bh = int(block_h or (64 if h >= 64 and dtype != torch.float32 and n >= 512 else 16))
+    bh = max(16, min(bh, triton.next_power_of_2(h)))
+    total = max(1, triton.cdiv(w, bs) + triton.cdiv(kg, bs))
+    progs = n * triton.cdiv(h, bh)
+    if n_split is None:
+        target = 2 * _num_sms(device)
+        n_split = 1 if progs >= target // 2 else triton.cdiv(target, progs)
+    n_split = max(1, min(int(n_split), total))
+    per = triton.cdiv(total, n_split)
+    n_split = triton.cdiv(total, per)
+    warps = 8 if bh >= 64 else 4
+    return bh, bs, n_split, per, warps
+
+
+ATTN_PREFETCH = True    # default; the bench compares both
+
+
+def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
+                     global_scale, global_rows, sink, softmax_scale, *, block_h=None,
+                     block_s=None, n_split=None, prefetch=None, out=None):
+    """torch.ops.v41graph.sparse_attention semantics: window rows r < slots*W read the FP8 ring
+    window_kv / window_scale in place, rows r >= slots*W are fresh_kv[r - slots*W].
+    `global_scale=None` (or a float `global_cache`) with a float `global_cache` [R, D] runs the
+    same algorithm on a bf16/fp32 global cache."""
+    n, h, d = q.shape
+    dt = q.dtype
+    is16 = dt != torch.float32
+    qc = q.contiguous()
+    n_ring = window_kv.numel() // d
+    if n_ring > 0:   # E4M3 element pairs (2i, 2i+1) read as one int16 word
+        ring = window_kv.reshape(-1, d).contiguous().view(torch.uint8).view(torch.int16)
+        rsc = window_scale.reshape(-1, d // 32).contiguous().view(torch.uint8)
+    else:
+        ring, rsc = qc.view(torch.int16), qc.view(torch.uint8)    # never read
+    fresh = fresh_kv.reshape(-1, d)
+    fresh = (fresh if fresh.dtype == dt else fresh.to(dt)).contiguous()
+    if fresh.shape[0] == 0:
+        fresh = qc.view(-1, d)                          # never read
+    wrows = window_rows.contiguous()
+    grows = global_rows.contiguous()
+    w, kg = wrows.shape[1], grows.shape[1]
+    fp4 = global_scale is not None and not global_cache.is_floating_point()
+    if kg == 0:
+        gc = gs = fresh                                 # never read
+        fp4 = False
+    elif fp4:
+        gc, gs = global_cache, global_scale.view(torch.uint8)
+    else:
+        gc = global_cache.reshape(-1, d)
+        gc = (gc if gc.dtype == dt else gc.to(dt)).contiguous()
+        gs = gc
+    if out is None:
+        out = torch.empty_like(qc)
+    if n == 0:
+        return out
+    bh, bs, n_split, per, warps = attention_config(n, h, w, kg, q.device, block_h, block_s,
+                                                    n_split, dt)
+    dtl = _TL_DTYPE[dt]
+    if prefetch is None:
+        prefetch = ATTN_PREFETCH
+
+    def i32(t):   # 16-bit float tensors are read/written as int32 words
+        return t.view(torch.int32) if is16 else t
+
+    direct = n_split == 1
+    if direct:
+        ws_acc = ws_ml = out
+    else:
+        ws_acc = torch.empty((n, n_split, h, d), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((n, n_split, h, 2), dtype=torch.float32, device=q.device)
+    grid = (n, triton.cdiv(h, bh), n_split)
+    _sparse_attn_kernel[grid](
+        i32(qc), ring, rsc, i32(fresh), wrows, i32(gc) if not fp4 else gc, gs, grows, sink,
+        i32(out), ws_acc, ws_ml, h, w, kg, n_ring, float(softmax_scale), per, n_split,
+        D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, DTYPE=dtl, IS16=is16, GLOBAL_FP4=fp4,
+        IEEE=(dt == torch.float32), DIRECT=direct, PREFETCH=bool(prefetch),
+        num_warps=warps, num_stages=1)
+    if not direct:
+        cbh = 16
+        _sparse_attn_combine_kernel[(n, triton.cdiv(h, cbh))](
+            ws_acc, ws_ml, sink, i32(out), h, n_split, D=d, D2=d // 2, BH=cbh, DTYPE=dtl,
+            IS16=is16, num_warps=4)
+    return out

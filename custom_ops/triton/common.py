@@ -1,0 +1,65 @@
+"""Pieces shared by the Triton kernel modules (imported lazily, never at package import).
+
+Host side: the torch -> Triton dtype table, the float dtypes the kernels accept, `_pow2`, the
+device's SM count (grid sizing) and `_rows` (a tensor as contiguous [rows, last dim]).
+@triton.jit helpers inlined by several families: exact ceil(log2) and 2^e from the fp32 bits
+(UE8M0 scale exponents) and the FP4 E2M1 encode/decode, used by the cache writes, fake
+quantization, sparse attention and the lightning indexer.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+# =============================================================================== helpers (jit)
+@triton.jit
+def _ceil_log2(v):
+    """Exact ceil(log2(v)) of positive normal fp32 v, from the bits (codecs.ceil_log2)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _exp2i(e):
+    """2^e as fp32 for integer e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_encode(v):
+    """fp32 -> E2M1 codes (int32 0..15), round to nearest even, saturating (codecs.e2m1_encode)."""
+    a = tl.abs(v)
+    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+           + (a > 5.0).to(tl.int32))
+    neg = (v.to(tl.int32, bitcast=True) < 0) & (mag > 0)
+    return mag | (neg.to(tl.int32) << 3)
+
+
+@triton.jit
+def _e2m1_decode(c):
+    """E2M1 codes (int32 0..15) -> fp32, from the bits."""
+    m = c & 7
+    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22),
+                    tl.where(m == 1, 126 << 23, 0))
+    bits = bits | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
