@@ -2,11 +2,17 @@
 
 A pass is one class in one file. `__call__(gm)` rewrites `gm.graph` in place and returns how
 many places it changed (`matched_count`); the pass manager dumps the graph before and after.
-`uuid()` hashes the pass's source, so caches keyed on the pass list notice any edit.
+`uuid()` hashes the source of the pass's module and of every module of `v41graph.passes` /
+`v41graph.custom_ops` it imports from, transitively (the shared matchers in patterns.py, base.py,
+the stream ops...), so caches keyed on the pass list notice an edit of any code the pass runs.
 """
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import importlib
+import importlib.util
 import inspect
 import operator
 
@@ -15,6 +21,55 @@ import torch.fx as fx
 
 STREAM_KEY = "stream"          # node.meta key: the stream a node runs on
 MAIN_STREAM = "main"
+SOURCE_PACKAGES = ("v41graph.passes", "v41graph.custom_ops")   # the code a pass's uuid covers
+
+
+def _ours(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in SOURCE_PACKAGES)
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _is_package(name: str) -> bool:
+    return hasattr(importlib.import_module(name), "__path__")
+
+
+@functools.lru_cache(maxsize=None)
+def _imports_of(name: str, source: str) -> tuple:
+    """The modules of SOURCE_PACKAGES that module `name` (with this source) imports from."""
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
+                if node.level else node.module
+            found.append(base)
+            found += [f"{base}.{a.name}" for a in node.names if _ours(f"{base}.{a.name}")
+                      and _is_module(f"{base}.{a.name}")]   # `from . import patterns`
+    return tuple(dict.fromkeys(m for m in found if _ours(m)))
+
+
+def source_closure(*modules: str) -> dict:
+    """name -> source of each of `modules` and of every module of SOURCE_PACKAGES they import
+    from, transitively (read with inspect.getsource)."""
+    sources, todo = {}, list(modules)
+    while todo:
+        name = todo.pop()
+        if name in sources:
+            continue
+        try:
+            sources[name] = inspect.getsource(importlib.import_module(name))
+        except (OSError, TypeError):       # no source to read (a compiled module): its name only
+            sources[name] = ""
+        todo += _imports_of(name, sources[name])
+    return sources
 
 
 class GraphPass:
@@ -22,10 +77,17 @@ class GraphPass:
 
     def __init__(self):
         self.matched_count = 0
+        self.refused = 0        # places the last run left alone as unsafe (set by a pass that counts them)
 
     def uuid(self) -> str:
-        src = inspect.getsource(type(self))
-        return hashlib.sha256(src.encode()).hexdigest()[:16]
+        """Hash of the pass's class name and the sources of its module, its base classes'
+        modules and every module of ours they import from (`source_closure`)."""
+        cls = type(self)
+        roots = [c.__module__ for c in cls.__mro__ if _ours(c.__module__)] or [cls.__module__]
+        h = hashlib.sha256(cls.__qualname__.encode())
+        for name, src in sorted(source_closure(*roots).items()):
+            h.update(b"\0" + name.encode() + b"\0" + src.encode())
+        return h.hexdigest()[:16]
 
     def __call__(self, gm: fx.GraphModule) -> int:
         self.matched_count = self.run(gm)

@@ -8,7 +8,8 @@ every later reader at the input itself and drops the trailing copy_.
 
 It only rewrites a write whose bases are graph inputs that nothing reads after the write
 through the old value (true for the model: reads of a cache come before its write in program
-order); anything else is left functional and counted in `refused`.
+order); anything else is left functional and counted in `refused`, which the pass record reports
+(`refused`, only where there are any: each one is a cache cloned on every step).
 """
 from __future__ import annotations
 
@@ -26,15 +27,12 @@ COPY_ = torch.ops.aten.copy_.default
 class Defunctionalize(GraphPass):
     name = "defunctionalize"
 
-    def __init__(self):
-        super().__init__()
-        self.refused = 0
-
     def run(self, gm: fx.GraphModule) -> int:
         graph = gm.graph
         order = {n: i for i, n in enumerate(graph.nodes)}
-        count = 0
-        for node in [n for n in graph.nodes if is_call(n, auto_functionalized_v2)]:
+        writes = [n for n in graph.nodes if is_call(n, auto_functionalized_v2)]
+        self.refused = 0
+        for node in writes:
             op, kwargs = node.args[0], dict(node.kwargs)
             bases = kwargs.pop("_all_bases")
             if not self._safe(node, bases, order) or any(k.endswith(("_size", "_stride", "_storage_offset"))
@@ -65,8 +63,7 @@ class Defunctionalize(GraphPass):
                 user.replace_all_uses_with(base)
                 graph.erase_node(user)
             graph.erase_node(node)
-            count += 1
-        return count
+        return len(writes) - self.refused         # every functional write is rewritten or refused
 
     @staticmethod
     def _safe(node: fx.Node, bases: list, order: dict) -> bool:

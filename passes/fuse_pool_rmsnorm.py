@@ -9,7 +9,7 @@ decomposed graph spells it:
                                                        (the second under Inductor's decompositions)
     lat  = sum(mul(kv, p) | mul(p, kv), [1])           [N, D]
     y    = lat | convert(lat, dtype)
-    out  = RMSNorm(y)                                  (as in fuse_wkv_rmsnorm.match_rmsnorm)
+    out  = RMSNorm(y)                                  (as in patterns.match_rmsnorm)
 
 One op reads the r (kv, score) rows once and writes the normalised latent. Refuses a softmax
 over another dim and intermediates with other users.
@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from .base import is_call
-from .fuse_wkv_rmsnorm import RMSNormFusion, _single_user, _strip_convert, _val, transposed_weight
+from .patterns import RMSNormFusion, node_val, single_user, strip_convert, transposed_weight
 
 aten = torch.ops.aten
 STATE_WRITE = torch.ops.v41graph.state_write.default
@@ -66,13 +66,13 @@ class FusePoolRMSNorm(RMSNormFusion):
     def run(self, gm: fx.GraphModule) -> int:
         count = super().run(gm)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        widened = 0
+        widened = False               # matched_count stays the pool fusions: widening one is no new place
         for pooled in [n for n in gm.graph.nodes if is_call(n, self.target)]:
             m = self._match_projections(pooled, order)
             if m is not None:
                 self._absorb(gm, pooled, m)
-                widened += 1
-        if widened:
+                widened = True
+        if widened:                   # the absorbed projections, gather and split are dead now
             gm.graph.eliminate_dead_code()
         return count
 
@@ -81,14 +81,14 @@ class FusePoolRMSNorm(RMSNormFusion):
         kv, score, g, eps, out_dtype = pooled.args
         if not (is_call(kv, operator.getitem) and is_call(score, operator.getitem)
                 and kv.args[0] is score.args[0] and (kv.args[1], score.args[1]) == (0, 1)
-                and _single_user(kv, pooled) and _single_user(score, pooled)):
+                and single_user(kv, pooled) and single_user(score, pooled)):
             return None
         split = kv.args[0]
         if not (is_call(split, aten.split.Tensor) and set(split.users) == {kv, score}
                 and (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) in (-1, 2)):
             return None
         view = split.args[0]
-        if not (is_call(view, aten.view.default, aten.reshape.default) and _single_user(view, split)):
+        if not (is_call(view, aten.view.default, aten.reshape.default) and single_user(view, split)):
             return None
         gather = view.args[0]
         if is_call(gather, aten.index.Tensor) and len(gather.args[1]) == 1:
@@ -97,14 +97,14 @@ class FusePoolRMSNorm(RMSNormFusion):
             pool, member_rows = gather.args[0], gather.args[2]
         else:
             return None
-        if not (_single_user(gather, view) and isinstance(member_rows, fx.Node)):
+        if not (single_user(gather, view) and isinstance(member_rows, fx.Node)):
             return None
-        if not (is_call(pool, aten.cat.default) and _single_user(pool, gather)
+        if not (is_call(pool, aten.cat.default) and single_user(pool, gather)
                 and (pool.args[1] if len(pool.args) > 1 else pool.kwargs.get("dim", 0)) == 0
                 and len(pool.args[0]) == 2):
             return None
         state_view, rows = pool.args[0]
-        if not (is_call(state_view, aten.view.default) and _single_user(state_view, pool)):
+        if not (is_call(state_view, aten.view.default) and single_user(state_view, pool)):
             return None
         state = state_view.args[0]
         if not (isinstance(state, fx.Node) and state.op == "placeholder"):
@@ -121,7 +121,7 @@ class FusePoolRMSNorm(RMSNormFusion):
             if not is_write or order[u] < order[gather]:
                 return None
         mms = rows.args[0]
-        if not all(is_call(mm, aten.mm.default) and _single_user(mm, rows) for mm in mms):
+        if not all(is_call(mm, aten.mm.default) and single_user(mm, rows) for mm in mms):
             return None
         xin = mms[0].args[0]
         if mms[1].args[0] is not xin:
@@ -132,18 +132,18 @@ class FusePoolRMSNorm(RMSNormFusion):
             if not (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr")):
                 return None
             weights.append(w)
-        x, convert = _strip_convert(xin, torch.float32)
+        x, convert = strip_convert(xin, torch.float32)
         if convert is not None and set(convert.users) != set(mms):
             x = xin                                   # the fp32 copy has other users: keep it
-        xv, wv, gv, rv, sv, mv = (_val(n) for n in (x, weights[0], weights[1], rows, state, member_rows))
-        lat_v = _val(pooled)
+        xv, wv, gv, rv, sv, mv = (node_val(n) for n in (x, weights[0], weights[1], rows, state, member_rows))
+        lat_v = node_val(pooled)
         if None in (xv, wv, gv, rv, sv, mv, lat_v) or xv.dim() != 2 or mv.dim() != 1:
             return None
         if wv.dtype != torch.float32 or gv.dtype != torch.float32 or rv.dtype != torch.float32:
             return None
         if mv.dtype not in (torch.int64, torch.int32) or sv.dtype != torch.float32:
             return None
-        d, n, vv = wv.shape[0], xv.shape[0], _val(view)
+        d, n, vv = wv.shape[0], xv.shape[0], node_val(view)
         if not (vv is not None and _same(gv.shape, wv.shape) and _same(rv.shape, (n, 2 * d))
                 and _same(sv.shape[-1:], (2 * d,)) and _same(vv.shape[:1], (n,))
                 and split.args[1] == d and _same(lat_v.shape, (n, d))):
@@ -172,22 +172,22 @@ class FusePoolRMSNorm(RMSNormFusion):
         graph.erase_node(pooled)
 
     def _match(self, y: fx.Node, out: fx.Node, g: fx.Node, eps: float):
-        lat, convert_mid = _strip_convert(y)
-        if convert_mid is not None and not _single_user(lat, convert_mid):
+        lat, convert_mid = strip_convert(y)
+        if convert_mid is not None and not single_user(lat, convert_mid):
             return None
         if not (is_call(lat, aten.sum.dim_IntList) and _dims(lat) == [1] and len(lat.args) < 3):
             return None
         mul = lat.args[0]
-        if not (is_call(mul, aten.mul.Tensor) and _single_user(mul, lat)):
+        if not (is_call(mul, aten.mul.Tensor) and single_user(mul, lat)):
             return None
         a, b = mul.args
         s = _softmax_dim1_input(b)
         p, kv = (b, a) if s is not None else (a, b)
         s = s if s is not None else _softmax_dim1_input(a)
-        if s is None or not _single_user(p, mul):
+        if s is None or not single_user(p, mul):
             return None
         score = s.args[0] if is_call(s, aten.clone.default) else s
-        kv_v, sc_v, out_v = _val(kv), _val(score), _val(out)
+        kv_v, sc_v, out_v = node_val(kv), node_val(score), node_val(out)
         if None in (kv_v, sc_v, out_v) or kv_v.shape != sc_v.shape or kv_v.dim() != 3:
             return None
         if kv_v.dtype != torch.float32 or sc_v.dtype != torch.float32:
@@ -204,7 +204,7 @@ def _softmax_dim1_input(p):
         return None
     if is_call(p, aten._softmax.default):
         s = p.args[0]
-        sv = _val(s)
+        sv = node_val(s)
         if sv is not None and sv.dim() == 3 and p.args[1] in (1, -2) and not p.args[2]:
             return s
         return None
@@ -215,7 +215,7 @@ def _softmax_dim1_input(p):
             and denom.args[0] is e and _dims(denom) == [1] and set(e.users) == {p, denom}):
         return None
     sub = e.args[0]
-    if not (is_call(sub, aten.sub.Tensor) and _single_user(sub, e)):
+    if not (is_call(sub, aten.sub.Tensor) and single_user(sub, e)):
         return None
     s, amax = sub.args
     if not (is_call(amax, aten.amax.default) and amax.args[0] is s and _dims(amax) == [1]):

@@ -2,7 +2,7 @@
 
 Our executor runs the graph op by op, and an RMSNorm as the post-AOT graph spells it is ~7
 kernels (fp32 upcast, square, mean, add eps, rsqrt, two multiplies, downcast; see
-fuse_wkv_rmsnorm.match_rmsnorm for the accepted spellings). P1 takes the norms that follow a
+patterns.match_rmsnorm for the accepted spellings). P1 takes the norms that follow a
 Linear (query, KV and indexer-key norms, the compressors); this pass takes the rest: every
 layer's attention and FFN norms and the final norm (with P1 off, all of them). At batch 1, where
 a captured step is bound by how many small kernels it runs, one kernel per norm matters.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .fuse_wkv_rmsnorm import RMSNormFusion, _val
+from .patterns import RMSNormFusion, node_val
 
 
 class FuseRMSNorm(RMSNormFusion):
@@ -25,7 +25,7 @@ class FuseRMSNorm(RMSNormFusion):
     kind = "rmsnorm"
 
     def _match(self, x: fx.Node, out: fx.Node, weight: fx.Node, eps: float):
-        xv, ov, wv = _val(x), _val(out), _val(weight)
+        xv, ov, wv = node_val(x), node_val(out), node_val(weight)
         if xv is None or ov is None or wv is None:
             return None
         if ov.dtype != xv.dtype or tuple(wv.shape) != (xv.shape[-1],):

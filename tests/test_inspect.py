@@ -22,7 +22,8 @@ import v41graph
 from v41graph.tools import cli
 from v41graph.compiler.backend import copy_graph_module
 from v41graph.tools.graph_dump import DumpError, MissingDependency, draw_timeline, load_dump, to_dot
-from v41graph.passes.pass_manager import ARTIFACT, PASS_CLASSES, PassManager, resolve_passes
+from v41graph.compiler.dump import ARTIFACT
+from v41graph.passes.pass_manager import PASS_CLASSES, PassManager, resolve_passes
 
 
 def _stage(name: str) -> str:
@@ -402,6 +403,25 @@ def test_redump_with_fewer_passes_leaves_no_stale_stage_files(tmp_path):
     d = load_dump(tmp_path)
     assert d.stages(0) == ["input", "cleanup", "fuse_rmsnorm", "defunctionalize", "stream_check"]
     assert d.streams(0) == ["main"] and d.event_chains(0) == []
+
+
+def test_refusals_reach_the_record_and_an_alias_names_its_first_pass_that_ran(tmp_path, monkeypatch):
+    from v41graph.passes.defunctionalize import Defunctionalize
+
+    def refuse_two(self, gm):
+        self.refused = 2
+        return 0
+    monkeypatch.setattr(Defunctionalize, "run", refuse_two)
+    pm = PassManager(disable=["fuse_wkv_rmsnorm"], dump_dir=tmp_path)
+    pm(_small_graph())
+    pm(_small_graph())
+    d = load_dump(tmp_path)
+    for g in (0, 1):
+        assert d.pass_record("defunctionalize", g)["refused"] == 2
+        assert all("refused" not in r for r in d.passes(g) if r["pass"] != "defunctionalize")
+        assert d.pass_record("P1", g)["pass"] == "fuse_pool_rmsnorm"      # P1's first pass is off
+        assert d.stage("P1.before", g) == d.stage("fuse_pool_rmsnorm.before", g)
+    assert pm.records[1][resolve_passes(disable=["fuse_wkv_rmsnorm"]).index("defunctionalize")]["refused"] == 2
 
 
 def test_passes_reach_torch_logging_and_structured_trace():

@@ -12,7 +12,9 @@ queries) and makes discrete choices (top-k, experts); a last-bit difference can,
 value across a rounding boundary and then the two schedules legitimately differ by ~1e-3..1e-1
 from that position on (seen on ~1 in 10 random 40-token prompts, up to 0.16). The token
 sequences below were checked to have no such boundary case with the current code (on 1 and 2
-threads; the module runs on one); if one of these tests starts failing by ~1e-2 after a change that only
+threads under MKL_CBWR=COMPATIBLE, the test session's setting; the module runs on one thread;
+seed 17 of the 47-token case has one under that setting: layers 3 and 8 jump, 0.016 on a logit,
+so the case uses seed 18); if one of these tests starts failing by ~1e-2 after a change that only
 reorders floating-point sums, check for that first (compare the per-layer
 `block_out.layer{i}` debug captures: a flip shows up as a single layer's jump from ~1e-6).
 """
@@ -77,7 +79,7 @@ def _prefill_all(model, toks, debug=False):
 
 # =============================================================================== (a) prefill vs decode
 # (prompt length, prefix prefilled before token-by-token decode, token seed)
-DECODE_CASES = [(5, 2, 11), (8, 3, 12), (13, 6, 13), (40, 9, 14), (47, 20, 17)]
+DECODE_CASES = [(5, 2, 11), (8, 3, 12), (13, 6, 13), (40, 9, 14), (47, 20, 18)]
 
 
 @pytest.mark.parametrize("length,prefix,seed", DECODE_CASES)
@@ -109,7 +111,7 @@ def test_long_prompt_exercises_window_topk_and_candidate_pruning(tiny_model):
     blocks of 4 compressed positions while more blocks are visible."""
     cfg = tiny_model.config
     length = 47
-    _, dbg = _prefill_all(tiny_model, _tokens(length, 17), debug=True)
+    _, dbg = _prefill_all(tiny_model, _tokens(length, 18), debug=True)   # DECODE_CASES[-1]
     w, k, bs, keep = cfg.sliding_window, cfg.index_topk, cfg.candidate_block_size, cfg.candidate_topk_blocks
     assert (w, k, bs, keep) == (8, 4, 4, 3)
     for layer in range(10):

@@ -99,24 +99,24 @@ def window_kv_write(cache, scale, kv, slot_mapping, *, rows_per_program: int = 4
         BR=rows_per_program, num_warps=4)
 
 
-def global_kv_write(cache, scale, kv, slot_mapping, *, rows_per_program: int = 4) -> None:
-    x = _rows(kv)
+def _fp4_write(cache, scale, x, slot_mapping, block: int, e4m3_scale: bool, rows_per_program: int):
+    x = _rows(x)
     n, d = x.shape
     if n == 0:
         return
     _fp4_write_kernel[(triton.cdiv(n, rows_per_program),)](
-        x, slot_mapping, cache, scale.view(torch.uint8), n, D=d, BLOCK=16, NB=d // 16, HALF=8, E4M3_SCALE=True,
-        BR=rows_per_program, num_warps=4)
+        x, slot_mapping, cache, scale.view(torch.uint8), n, D=d, BLOCK=block, NB=d // block,
+        HALF=block // 2, E4M3_SCALE=e4m3_scale, BR=rows_per_program, num_warps=4)
+
+
+def global_kv_write(cache, scale, kv, slot_mapping, *, rows_per_program: int = 4) -> None:
+    """FP4 E2M1 + E4M3 scale per 16."""
+    _fp4_write(cache, scale, kv, slot_mapping, 16, True, rows_per_program)
 
 
 def index_k_write(cache, scale, k, slot_mapping, *, rows_per_program: int = 8) -> None:
-    x = _rows(k)
-    n, d = x.shape
-    if n == 0:
-        return
-    _fp4_write_kernel[(triton.cdiv(n, rows_per_program),)](
-        x, slot_mapping, cache, scale.view(torch.uint8), n, D=d, BLOCK=32, NB=d // 32, HALF=16, E4M3_SCALE=False,
-        BR=rows_per_program, num_warps=4)
+    """FP4 E2M1 + UE8M0 scale per 32."""
+    _fp4_write(cache, scale, k, slot_mapping, 32, False, rows_per_program)
 
 
 # =============================================================================== fake quantization

@@ -97,25 +97,11 @@ class V41Config:
     weight_format: str = "checkpoint"
 
     # ------------------------------------------------------------------ derived
-    @property
-    def n_backbone_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
-    def rope_factor(self) -> float:
-        return float(self.rope_scaling.get("factor", 1))
-
-    @property
-    def original_seq_len(self) -> int:
-        return int(self.rope_scaling.get("original_max_position_embeddings", 0))
-
-    @property
-    def beta_fast(self) -> float:
-        return float(self.rope_scaling.get("beta_fast", 32))
-
-    @property
-    def beta_slow(self) -> float:
-        return float(self.rope_scaling.get("beta_slow", 1))
+    # YaRN parameters, read from rope_scaling with the reference's defaults
+    rope_factor = property(lambda self: float(self.rope_scaling.get("factor", 1)))
+    original_seq_len = property(lambda self: int(self.rope_scaling.get("original_max_position_embeddings", 0)))
+    beta_fast = property(lambda self: float(self.rope_scaling.get("beta_fast", 32)))
+    beta_slow = property(lambda self: float(self.rope_scaling.get("beta_slow", 1)))
 
     # ------------------------------------------------------------------ sizes
     @classmethod

@@ -228,11 +228,10 @@ class StepContext:
     def fresh_or_ring_rows(self, pos: torch.Tensor, ring: int) -> torch.Tensor:
         """Rows of a (ring state ++ this call's tokens) pool for positions `pos` [N, M] of each
         token's own sequence: this call's tokens after the slot*ring ring rows."""
-        n_ring_rows = self.caches.num_slots * ring
-        in_chunk = pos >= self.tok_chunk_start.unsqueeze(-1)
-        fresh = n_ring_rows + self.tok_qstart.unsqueeze(-1) + (pos - self.tok_chunk_start.unsqueeze(-1))
-        ring_row = self.tok_slot.unsqueeze(-1) * ring + pos.remainder(ring)
-        return torch.where(in_chunk, fresh, ring_row)
+        return state_or_fresh_rows(
+            pos, self.tok_chunk_start.unsqueeze(-1), self.tok_qstart.unsqueeze(-1),
+            self.caches.num_slots * ring,
+            lambda: self.tok_slot.unsqueeze(-1) * ring + pos.remainder(ring))
 
     def compressed_rows(self, ratio: int, capacity: int) -> torch.Tensor:
         """Paged cache rows [N, capacity] of compressed positions 0..capacity-1 (-1 = no block)."""
@@ -246,3 +245,15 @@ class StepContext:
         rows_per_block = self.caches.block_size // ratio
         block = self.meta.block_table[self.tok_seq.unsqueeze(-1), pos // rows_per_block]
         return torch.where(block >= 0, block * rows_per_block + pos.remainder(rows_per_block), -1)
+
+
+def state_or_fresh_rows(pos: torch.Tensor, chunk_start: torch.Tensor, query_start: torch.Tensor,
+                        n_state_rows: int, state_row) -> torch.Tensor:
+    """Rows of a pool that holds every slot's state rows, then this call's tokens, for
+    positions `pos` of some sequences (chunk_start, query_start: those sequences' values,
+    broadcast to pos): a position this call computes is its token's row after the state rows;
+    an earlier one is `state_row()`, the caller's layout of the state (a ring by position, or
+    the Engram history's most-recent-first row)."""
+    in_chunk = pos >= chunk_start
+    fresh = n_state_rows + query_start + (pos - chunk_start)
+    return torch.where(in_chunk, fresh, state_row())

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention
-from .metadata import StepContext
-from .metadata import AttentionMetadata, replay_metadata
 from .kv_cache import ModelCaches
+from .metadata import AttentionMetadata, StepContext, replay_metadata, state_or_fresh_rows
 from .config import V41Config
 from .engram import Engram
 from .engram_hash import engram_hash_params
@@ -107,10 +106,10 @@ class V41Model(nn.Module):
 
         def ids_at(pos, seq):   # compressed id at positions pos [M, k] of sequences seq [M]
             chunk_start = meta.chunk_start[seq].unsqueeze(-1)
-            fresh = state.numel() + meta.query_start[seq].unsqueeze(-1) + pos - chunk_start
-            old = meta.seq_slot[seq].unsqueeze(-1) * lags + (chunk_start - 1 - pos).clamp(0, lags - 1)
-            ids = pool[torch.where(pos >= chunk_start, fresh, old).clamp_min(0)]
-            return torch.where(pos >= 0, ids, pad)
+            rows = state_or_fresh_rows(   # the history row holds the most recent id first
+                pos, chunk_start, meta.query_start[seq].unsqueeze(-1), state.numel(),
+                lambda: meta.seq_slot[seq].unsqueeze(-1) * lags + (chunk_start - 1 - pos).clamp(0, lags - 1))
+            return torch.where(pos >= 0, pool[rows.clamp_min(0)], pad)
 
         back = torch.arange(1, lags + 1, device=input_ids.device)
         history = ids_at(ctx.positions.unsqueeze(-1) - back, ctx.tok_seq)

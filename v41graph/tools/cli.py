@@ -13,11 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+from v41graph.compiler.dump import ALIASES
+
 CONFIGS = ("tiny",)
 
 STAGE_HELP = ("A stage is an index into the graph's stage list (0 = input, k = after the k-th pass), "
-              "'input', 'final', a pass name or alias P1/P4/P6 (the graph after that pass) or "
-              "'<pass>.before'.")
+              f"'input', 'final', a pass name or alias {'/'.join(ALIASES)} (the graph after that pass; "
+              "for an alias, after its first pass) or '<pass>.before'.")
 
 
 def _progress(msg: str) -> None:
@@ -65,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--config", default="tiny", choices=CONFIGS, help="model size (default: tiny)")
     d.add_argument("--out", required=True, metavar="DIR", help="dump directory to write (created if needed)")
     d.add_argument("--disable", nargs="+", default=[], metavar="PASS",
-                   help="passes to switch off, by name or alias (P1, P4, P6), e.g. --disable P1 P6")
+                   help=f"passes to switch off, by name or alias ({', '.join(ALIASES)}), e.g. --disable P1 P6")
     d.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt (default 0)")
     d.add_argument("--prompt-len", type=int, default=12, help="prefill prompt length (default 12)")
 
@@ -80,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="Markdown table per graph: matched count, node counts, added/removed/moved nodes, "
                         "fused ops and time of every pass")
     i.add_argument("--pass", dest="pass_name", metavar="NAME",
-                   help="one pass (name or P1/P4/P6): its record (matched count, nodes added, removed, moved "
-                        "to side streams, fused ops) and the diff of the graph before and after it")
+                   help=f"one pass (name or {'/'.join(ALIASES)}; for an alias, its first pass): its record "
+                        "(matched count, nodes added, removed, moved to side streams, fused ops) and the diff "
+                        "of the graph before and after it")
     i.add_argument("--diff", nargs=2, metavar=("A", "B"), help="unified diff between stages A and B")
     i.add_argument("--stage", metavar="S", help="print the readable graph of stage S")
     i.add_argument("--streams", action="store_true",
@@ -114,6 +117,8 @@ def _inspect(args) -> int:
               f"{nb} -> {na} nodes")
         print(f"  added ({len(r.get('added', []))}): {', '.join(r.get('added', []))}")
         print(f"  removed ({len(r.get('removed', []))}): {', '.join(r.get('removed', []))}")
+        if r.get("refused"):
+            print(f"  refused (left alone as unsafe): {r['refused']}")
         for s, names in r.get("moved_to_stream", {}).items():
             print(f"  moved to {s} ({len(names)}): {', '.join(names)}")
         for f in r.get("fused", []):

@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_compile:
         from v41graph.compiler.compiled_model import compile as v41compile
         print("\n== compile (v41graph backend, all passes) ==")
-        t0 = time.perf_counter()
         runner = v41compile(model, backend="auto", batch_sizes=(1,), dump_dir=args.dump_dir)
     session = Session(runner, max_batch_size=1, max_seq_len=max_len, block_size=16)
     t0 = time.perf_counter()

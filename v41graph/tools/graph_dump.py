@@ -13,8 +13,9 @@
     print(d.summary_markdown())             # per-pass table of every graph
     d.timeline("t.png", graph=1, layer=6)   # stream timeline (needs matplotlib)
 
-The dump layout is described in `v41graph/passes/pass_manager.py`. A missing or damaged dump
-raises `DumpError` naming the file and what is wrong with it.
+The dump format (layout, file names, record keys, the P-number aliases) is defined in
+`v41graph/compiler/dump.py`, the writer the pass manager calls. A missing or damaged dump raises
+`DumpError` naming the file and what is wrong with it.
 """
 from __future__ import annotations
 
@@ -24,18 +25,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from v41graph.compiler.dump import (ALIASES, GRAPH_DIR, MANIFEST_FILE, PASSES_FILE, READABLE_LINE,
+                                    REQUIRED_RECORD_KEYS, STAGE_FILE, STAGE_NAME, STREAM_MAP_KEYS,
+                                    STREAM_OP_TARGETS, STREAMS_FILE, TIMINGS_FILE, expand_aliases,
+                                    graph_dir_name, stage_file_name)
+
 __all__ = ["DumpError", "MissingDependency", "Dump", "NodeInfo", "EventChain", "FusedOp",
            "load_dump", "draw_timeline", "to_dot", "write_svg"]
-
-ALIASES = {"P1": "fuse_wkv_rmsnorm", "P4": "hoist_engram", "P6": "dual_stream"}
-STREAM_OPS = {f"v41graph.{op}.default" for op in
-              ("stream_enter", "stream_exit", "event_record", "event_wait", "mark_stream_use")}
-_GRAPH_DIR = re.compile(r"^graph(\d+)$")
-_LINE = re.compile(r"^\[\s*(?P<stream>[^\]]*)\] (?P<name>\S+) (?P<shape>.*?) = "
-                   r"(?P<op>placeholder|call_function|call_method|call_module|get_attr|output):"
-                   r"(?P<call>.*?)(?:  # (?P<module>\S+))?$")
-_REQUIRED_RECORD_KEYS = ("pass", "matched_count", "nodes_before", "nodes_after")
-_REQUIRED_STREAM_KEYS = ("streams", "nodes", "events", "regions")
 
 
 class DumpError(Exception):
@@ -59,8 +55,13 @@ class NodeInfo:
     args: str = ""
 
     @property
+    def stream_op(self) -> str:
+        """"event_record", "stream_enter"... for a stream / event op, else ""."""
+        return STREAM_OP_TARGETS.get(self.target, "")
+
+    @property
     def is_stream_op(self) -> bool:
-        return self.target in STREAM_OPS
+        return bool(self.stream_op)
 
 
 @dataclass(frozen=True)
@@ -112,20 +113,20 @@ class Dump:
         if not self.path.is_dir():
             raise DumpError(f"{self.path}: not a directory; a dump is a directory of graph<N>/ folders")
         self.manifest = None
-        manifest = self.path / "manifest.json"
+        manifest = self.path / MANIFEST_FILE
         if manifest.exists():
             self.manifest = _read_json(manifest)
             if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("graphs"), list):
                 raise DumpError(f"{manifest}: expected an object with a 'graphs' list")
             names = self.manifest["graphs"]
         else:
-            names = sorted((p.name for p in self.path.iterdir() if p.is_dir() and _GRAPH_DIR.match(p.name)),
-                           key=lambda s: int(s[5:]))
+            names = sorted((p.name for p in self.path.iterdir() if p.is_dir() and GRAPH_DIR.match(p.name)),
+                           key=lambda s: int(GRAPH_DIR.match(s).group(1)))
         if not names:
-            raise DumpError(f"{self.path}: no graph<N>/ folders and no manifest.json: not a v41graph dump")
+            raise DumpError(f"{self.path}: no graph<N>/ folders and no {MANIFEST_FILE}: not a v41graph dump")
         self._dirs: dict[int, Path] = {}
         for name in names:
-            m = _GRAPH_DIR.match(str(name))
+            m = GRAPH_DIR.match(str(name))
             if not m:
                 raise DumpError(f"{manifest}: bad graph folder name {name!r}")
             d = self.path / name
@@ -146,9 +147,9 @@ class Dump:
 
     def _load_records(self, g: int) -> list[dict]:
         d = self._dirs[g]
-        path = d / "passes.json"
+        path = d / PASSES_FILE
         if not path.is_file():
-            stages = sorted(p.name for p in d.glob("*.txt"))
+            stages = sorted(p.name for p in d.iterdir() if STAGE_FILE.match(p.name))
             hint = f"; the last stage written is {stages[-1]} (did the compile fail in that pass?)" if stages else ""
             raise DumpError(f"{path}: missing{hint}")
         records = _read_json(path)
@@ -157,21 +158,21 @@ class Dump:
         for i, r in enumerate(records):
             if not isinstance(r, dict):
                 raise DumpError(f"{path}: record {i} is not an object")
-            missing = [k for k in _REQUIRED_RECORD_KEYS if k not in r]
+            missing = [k for k in REQUIRED_RECORD_KEYS if k not in r]
             if missing:
                 raise DumpError(f"{path}: record {i} ({r.get('pass', '?')}) lacks {', '.join(missing)}")
             r.setdefault("index", i)
             for when in ("before", "after"):
-                f = d / f"{r['index']:02d}_{r['pass']}.{when}.txt"
+                f = d / stage_file_name(r["index"], r["pass"], when)
                 if not f.is_file():
-                    raise DumpError(f"{f}: missing (passes.json lists pass {r['pass']!r} at index {r['index']})")
+                    raise DumpError(f"{f}: missing ({PASSES_FILE} lists pass {r['pass']!r} at index {r['index']})")
         return records
 
     def _load_streams(self, g: int) -> dict:
-        path = self._dirs[g] / "streams.json"
+        path = self._dirs[g] / STREAMS_FILE
         data = _read_json(path)
-        if not isinstance(data, dict) or any(k not in data for k in _REQUIRED_STREAM_KEYS):
-            raise DumpError(f"{path}: expected an object with keys {', '.join(_REQUIRED_STREAM_KEYS)}")
+        if not isinstance(data, dict) or any(k not in data for k in STREAM_MAP_KEYS):
+            raise DumpError(f"{path}: expected an object with keys {', '.join(STREAM_MAP_KEYS)}")
         for i, n in enumerate(data["nodes"]):
             if not isinstance(n, dict) or "name" not in n or "stream" not in n:
                 raise DumpError(f"{path}: node entry {i} lacks 'name' or 'stream'")
@@ -179,11 +180,17 @@ class Dump:
 
     # ------------------------------------------------------------------ passes and stages
     def passes(self, graph: int = 0) -> list[dict]:
-        """The pass records of one graph, in order (see pass_manager.py for the keys)."""
+        """The pass records of one graph, in order (see v41graph/compiler/dump.py for the keys)."""
         return self._records[self._graph(graph)]
 
+    def _pass_name(self, name: str, graph: int) -> str:
+        """`name`, or for an alias (P1) the first of its passes that ran in this graph."""
+        ran = [r["pass"] for r in self.passes(graph)]
+        return next((n for n in expand_aliases([name]) if n in ran), name)
+
     def pass_record(self, name: str, graph: int = 0) -> dict:
-        name = ALIASES.get(name, name)
+        """The record of pass `name` (for an alias: of its first pass that ran)."""
+        name = self._pass_name(name, graph)
         for r in self.passes(graph):
             if r["pass"] == name:
                 return r
@@ -201,9 +208,9 @@ class Dump:
         def file(idx: int) -> tuple[str, Path]:
             if idx == 0:
                 r = records[0]
-                return "input", self._dirs[g] / f"{r['index']:02d}_{r['pass']}.before.txt"
+                return "input", self._dirs[g] / stage_file_name(r["index"], r["pass"], "before")
             r = records[idx - 1]
-            return r["pass"], self._dirs[g] / f"{r['index']:02d}_{r['pass']}.after.txt"
+            return r["pass"], self._dirs[g] / stage_file_name(r["index"], r["pass"], "after")
 
         if isinstance(stage, str) and re.fullmatch(r"-?\d+", stage):
             stage = int(stage)
@@ -216,17 +223,17 @@ class Dump:
             return file(0)
         if s in ("final", "output", "after"):
             return file(len(names) - 1)
-        m = re.fullmatch(r"(?:\d\d_)?(.+?)(?:\.(before|after))?(?:\.txt)?", s)
-        base, when = ALIASES.get(m.group(1), m.group(1)), m.group(2) or "after"
-        for i, r in enumerate(records):
+        m = STAGE_NAME.fullmatch(s)
+        base, when = self._pass_name(m.group(1), g), m.group(2) or "after"
+        for r in records:
             if r["pass"] == base:
                 return (f"{base}.{when}" if when == "before" else base,
-                        self._dirs[g] / f"{r['index']:02d}_{r['pass']}.{when}.txt")
+                        self._dirs[g] / stage_file_name(r["index"], r["pass"], when))
         raise ValueError(f"unknown stage {stage!r}; stages: {self._stage_help(g)}")
 
     def _stage_help(self, g: int) -> str:
         return ", ".join(f"{i}={n}" for i, n in enumerate(self.stages(g))) + \
-            " (also final, <pass>.before, P1/P4/P6)"
+            f" (also final, <pass>.before, {'/'.join(ALIASES)})"
 
     def stage(self, name_or_index, graph: int = 0) -> str:
         """The readable text of a stage: an index into `stages()`, "input", "final", a pass
@@ -246,14 +253,12 @@ class Dump:
             return self._nodes[path]
         out = []
         for lineno, line in enumerate(self.stage(name_or_index, graph).splitlines(), 1):
-            m = _LINE.match(line)
+            m = READABLE_LINE.match(line)
             if not m:
                 raise DumpError(f"{path}:{lineno}: cannot parse this line: {line[:120]!r}")
             call = m.group("call")
             target, _, args = call.partition("(")
-            event = ""
-            if target in ("v41graph.event_record.default", "v41graph.event_wait.default"):
-                event = args[:-1]
+            event = args[:-1] if STREAM_OP_TARGETS.get(target) in ("event_record", "event_wait") else ""
             out.append(NodeInfo(name=m.group("name"), op=m.group("op"), target=target,
                                 stream=m.group("stream").strip(), module=m.group("module") or "",
                                 event=event, shape=m.group("shape"), args=args[:-1]))
@@ -266,7 +271,8 @@ class Dump:
         lb, _ = self._stage_file(b, graph)
         lines = difflib.unified_diff(self.stage(a, graph).splitlines(keepends=True),
                                      self.stage(b, graph).splitlines(keepends=True),
-                                     fromfile=f"graph{graph}/{la}", tofile=f"graph{graph}/{lb}", n=context)
+                                     fromfile=f"{graph_dir_name(graph)}/{la}", tofile=f"{graph_dir_name(graph)}/{lb}",
+                                     n=context)
         return "".join(lines)
 
     # ------------------------------------------------------------------ streams
@@ -318,7 +324,7 @@ class Dump:
 
     # ------------------------------------------------------------------ reports
     def timings(self, graph: int = 0) -> dict:
-        path = self._dirs[self._graph(graph)] / "timings.json"
+        path = self._dirs[self._graph(graph)] / TIMINGS_FILE
         return _read_json(path) if path.exists() else {}
 
     def summary_markdown(self) -> str:
@@ -411,10 +417,8 @@ _KIND_COLORS = {"compute": "#4C72B0", "other": "#B0BEC5", "record": "#2CA02C", "
 
 
 def _kind(n: NodeInfo) -> str:
-    if n.target == "v41graph.event_record.default":
-        return "record"
-    if n.target == "v41graph.event_wait.default":
-        return "wait"
+    if n.stream_op in ("event_record", "event_wait"):
+        return n.stream_op[len("event_"):]
     if n.is_stream_op:
         return "stream"
     if n.target.startswith("v41graph."):
