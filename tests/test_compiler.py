@@ -1,23 +1,22 @@
 """The v41graph backend: pass counts, stream placement, and compiled vs eager numerics.
 
-Dynamo + aot_autograd of the tiny model costs tens of seconds on CPU, so the tests trace it
-once per shape and apply pass combinations to copies of the post-AOT graph (VariantBackend);
-the real `v41graph.compile` path is exercised end to end in a few tests as well.
+Dynamo + AOT autograd of the tiny model costs tens of seconds on CPU, so the tests trace it
+once per shape and apply pass combinations to copies of the post-AOT graph (PassHarness in
+tests/compile_harness.py); the real `v41graph.compile` path is exercised end to end in a few
+tests as well.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.fx as fx
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 import v41graph
-from v41graph.compiler.backend import DECOMPOSITIONS, copy_graph_module
+from compile_harness import CompiledSession, PassHarness, count_ops
+from v41graph.compiler.backend import copy_graph_module
 from v41graph.model.layers import RMSNorm
 from v41graph.model.model import V41Model, init_random_
 from v41graph.passes.base import STREAM_KEY, module_path
-from v41graph.passes.pass_manager import PassManager, resolve_passes
+from v41graph.passes.pass_manager import resolve_passes
 from v41graph.runtime.session import Session
 
 ops = torch.ops.v41graph
@@ -28,54 +27,6 @@ ALL = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defu
 ATOL = 1e-4
 
 
-class VariantBackend:
-    """Traces once; runs the post-AOT graph through the pass list selected in `self.passes`."""
-
-    def __init__(self):
-        self.passes = ALL
-        self.lower = None        # a lowering run after the passes (e.g. inductor segments), or None
-        self.graphs: list[fx.GraphModule] = []     # untouched post-AOT graphs
-        self.variants: dict = {}
-        self.managers: dict = {}
-
-    def fw_compiler(self, gm, example_inputs):
-        index = len(self.graphs)
-        self.graphs.append(copy_graph_module(gm))
-
-        def run(*args):
-            key = (index, tuple(self.passes), self.lower)
-            if key not in self.variants:
-                g = copy_graph_module(self.graphs[index])
-                manager = PassManager(list(self.passes))
-                manager(g)
-                if self.lower is not None:
-                    self.lower(g)
-                self.variants[key], self.managers[key] = g, manager
-            return self.variants[key](*args)
-        return make_boxed_func(run)
-
-    def backend(self):
-        return aot_autograd(fw_compiler=self.fw_compiler, decompositions=DECOMPOSITIONS,
-                            keep_inference_input_mutations=True)
-
-    def passed(self, graph_index: int, passes=ALL) -> fx.GraphModule:
-        key = (graph_index, tuple(passes))
-        if key not in self.variants:
-            g = copy_graph_module(self.graphs[graph_index])
-            PassManager(list(passes))(g)
-            self.variants[key] = g
-        return self.variants[key]
-
-
-class CompiledSession(Session):
-    """A Session whose forward goes through a torch.compile'd model (prefill / decode)."""
-
-    def __init__(self, model, fn, *args, **kwargs):
-        super().__init__(model, *args, **kwargs)
-        self.fn = fn
-        self.model = lambda *a, **k: self.fn(*a[:4])
-
-
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
@@ -84,13 +35,13 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def traced(tiny):
-    vb = VariantBackend()
-    fn = torch.compile(tiny, backend=vb.backend(), fullgraph=True, dynamic=False)
+    vb = PassHarness(ALL)
+    fn = vb.compile(tiny, dynamic=False)
     prompt = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(5))
     s = CompiledSession(tiny, fn, 2, 64, block_size=16)
     s.prefill(prompt)                                   # graph 0: prefill of 2 x 21 tokens
     s.decode(torch.tensor([[3], [4]]))                  # graph 1: decode of 2 tokens
-    assert len(vb.graphs) == 2
+    assert len(vb.traced) == 2
     return vb, fn, prompt
 
 
@@ -116,17 +67,12 @@ def _run(model, fn, prompt, steps=16):
                                        "hoist_engram", "dual_stream")])
 def test_compiled_matches_eager_prefill_and_16_decode_steps(tiny, traced, disabled):
     vb, fn, prompt = traced
-    vb.passes = tuple(p for p in ALL if p not in disabled)
-    for step, (a, b) in enumerate(_run(tiny, fn, prompt)):
-        assert torch.allclose(a, b, atol=ATOL, rtol=0), f"step {step}: {(a - b).abs().max()}"
-    vb.passes = ALL
+    with vb.using(tuple(p for p in ALL if p not in disabled)):
+        for step, (a, b) in enumerate(_run(tiny, fn, prompt)):
+            assert torch.allclose(a, b, atol=ATOL, rtol=0), f"step {step}: {(a - b).abs().max()}"
 
 
 # ---------------------------------------------------------------------------- pass counts
-def _count(gm, *targets):
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
-
-
 def _expected_linear_rmsnorm_pairs(model) -> int:
     """Counted from the module structure: every dense Linear whose output goes straight into
     an RMSNorm (tiny() is all-dense): wkv->kv_norm and wq_a->q_norm in every layer, the ratio-1
@@ -143,14 +89,16 @@ def _expected_linear_rmsnorm_pairs(model) -> int:
 
 def test_p1_fuses_every_linear_rmsnorm_pair(tiny, traced):
     vb, *_ = traced
+    p1_only = tuple(p for p in ALL if p != "fuse_rmsnorm")         # P1's own share
     for idx in (0, 1):
-        before = vb.graphs[idx]
-        after = vb.passed(idx, tuple(p for p in ALL if p != "fuse_rmsnorm"))   # P1's own share
+        before, after = vb.before(idx), vb.passed(idx, p1_only)
+        vb.check_after_ops([ops.fused_wkv_rmsnorm.default], index=idx, passes=p1_only)
+        vb.check_before_ops([torch.ops.aten.rsqrt.default], fully_replaced=False, index=idx, passes=p1_only)
         expected = _expected_linear_rmsnorm_pairs(tiny)
-        assert _count(after, ops.fused_wkv_rmsnorm.default) == expected == 24
+        assert count_ops(after, ops.fused_wkv_rmsnorm.default) == expected == 24
         # every rsqrt left belongs to an RMSNorm that is not fed by a Linear (mHC, attn/ffn norms...)
         # every rsqrt removed belongs to a fused RMSNorm: the 24 pairs plus the 2 ratio-2 pools
-        assert _count(before, torch.ops.aten.rsqrt.default) - _count(after, torch.ops.aten.rsqrt.default) == expected + 2
+        assert count_ops(before, torch.ops.aten.rsqrt.default) - count_ops(after, torch.ops.aten.rsqrt.default) == expected + 2
 
 
 def _expected_plain_rmsnorms(model) -> int:
@@ -165,31 +113,28 @@ def test_fuse_rmsnorm_takes_every_norm_p1_left(tiny, traced):
     p1_only = tuple(p for p in ALL if p != "fuse_rmsnorm")
     for idx in (0, 1):
         g, without = vb.passed(idx), vb.passed(idx, p1_only)
-        n = _count(g, ops.rms_norm.default)
+        n = count_ops(g, ops.rms_norm.default)
         assert n == _expected_plain_rmsnorms(tiny) == 21
         # each fused norm took exactly one rsqrt; what is left are the mHC predictors' and the
         # Engram gates' weightless norms (no [D] weight parameter)
-        assert _count(without, torch.ops.aten.rsqrt.default) - _count(g, torch.ops.aten.rsqrt.default) == n
+        assert count_ops(without, torch.ops.aten.rsqrt.default) - count_ops(g, torch.ops.aten.rsqrt.default) == n
         left = [module_path(x) for x in g.graph.nodes if x.op == "call_function"
                 and x.target == torch.ops.aten.rsqrt.default]
         assert left and all(p.endswith((".hc_attn", ".hc_ffn")) or p.startswith("engram.") for p in left), left
         # P1 off: the Linear + RMSNorm pairs' norms become plain rms_norm ops instead
         no_p1 = vb.passed(idx, tuple(resolve_passes(disable=("P1",))))
-        assert _count(no_p1, ops.rms_norm.default) == n + _expected_linear_rmsnorm_pairs(tiny) + 2
+        assert count_ops(no_p1, ops.rms_norm.default) == n + _expected_linear_rmsnorm_pairs(tiny) + 2
 
 
 def _logits_with_lowering(tiny, traced, lower, steps=3):
     """Logits of prefill + `steps` greedy decode steps through the traced graphs with all passes
     and `lower` (a lowering run after them, or None)."""
     vb, fn, prompt = traced
-    vb.passes, vb.lower = ALL, lower
-    try:
+    with vb.using(ALL, lower):
         session = CompiledSession(tiny, fn, 2, 64, block_size=16)
         out = [session.prefill(prompt)]
         for _ in range(steps):
             out.append(session.decode(out[-1].argmax(-1, keepdim=True)))
-    finally:
-        vb.lower = None
     return out
 
 
@@ -229,8 +174,8 @@ def test_mhc_one_op_per_predictor(tiny, traced):
     predictors = 2 * len(tiny.layers)
     for idx in (0, 1):
         g = vb.passed(idx)
-        assert _count(g, ops.mhc_sinkhorn.default) == predictors == 20
-        assert _count(g, torch.ops.aten.div.Tensor) < 2 * (tiny.config.hc_sinkhorn_iters - 1) * predictors
+        assert count_ops(g, ops.mhc_sinkhorn.default) == predictors == 20
+        assert count_ops(g, torch.ops.aten.div.Tensor) < 2 * (tiny.config.hc_sinkhorn_iters - 1) * predictors
 
 
 def test_p1_fuses_each_ratio2_compressor(tiny, traced):
@@ -246,25 +191,25 @@ def test_p1_fuses_each_ratio2_compressor(tiny, traced):
     no_fold = tuple(p for p in ALL if p != "fuse_ratio2_state_write")
     for idx in (0, 1):
         g = vb.passed(idx)
-        assert _count(g, ops.fused_ratio2_compressor_update.default) == ratio2_full
-        assert _count(g, ops.fused_ratio2_compressor.default, ops.fused_pool_rmsnorm.default) == 0
+        assert count_ops(g, ops.fused_ratio2_compressor_update.default) == ratio2_full
+        assert count_ops(g, ops.fused_ratio2_compressor.default, ops.fused_pool_rmsnorm.default) == 0
         read = vb.passed(idx, no_fold)
-        assert _count(read, ops.fused_ratio2_compressor.default) == ratio2_full
-        assert _count(read, ops.fused_pool_rmsnorm.default) == 0        # every pool took its projections
+        assert count_ops(read, ops.fused_ratio2_compressor.default) == ratio2_full
+        assert count_ops(read, ops.fused_pool_rmsnorm.default) == 0        # every pool took its projections
         # the fold removes exactly one state write per ratio-2 compressor (Engram's history
         # writes stay)
-        assert _count(read, ops.state_write.default) - _count(g, ops.state_write.default) == ratio2_full
+        assert count_ops(read, ops.state_write.default) - count_ops(g, ops.state_write.default) == ratio2_full
         # without the pool fusion (or without P1) nothing of it: softmax and the mm pair still there
         for passes in (tuple(p for p in ALL if p != "fuse_pool_rmsnorm"), tuple(resolve_passes(disable=("P1",)))):
             plain = vb.passed(idx, passes)
-            assert _count(plain, ops.fused_ratio2_compressor.default, ops.fused_pool_rmsnorm.default,
+            assert count_ops(plain, ops.fused_ratio2_compressor.default, ops.fused_pool_rmsnorm.default,
                           ops.fused_ratio2_compressor_update.default) == 0
-            assert _count(plain, aten._softmax.default) - _count(g, aten._softmax.default) == ratio2_full
+            assert count_ops(plain, aten._softmax.default) - count_ops(g, aten._softmax.default) == ratio2_full
         plain = vb.passed(idx, tuple(p for p in ALL if p != "fuse_pool_rmsnorm"))
-        assert _count(plain, aten.mm.default) - _count(g, aten.mm.default) == 2 * ratio2_full
+        assert count_ops(plain, aten.mm.default) - count_ops(g, aten.mm.default) == 2 * ratio2_full
         gathers = (aten.index.Tensor, aten.index_select.default)
-        assert _count(plain, *gathers) - _count(g, *gathers) == ratio2_full
-        assert _count(plain, ops.state_write.default) == _count(read, ops.state_write.default)
+        assert count_ops(plain, *gathers) - count_ops(g, *gathers) == ratio2_full
+        assert count_ops(plain, ops.state_write.default) == count_ops(read, ops.state_write.default)
         order = {n: i for i, n in enumerate(read.graph.nodes)}
         for n in read.graph.nodes:
             if n.op == "call_function" and n.target == ops.fused_ratio2_compressor.default:
@@ -281,23 +226,23 @@ def test_p1_count_matches_ratio1_compressors_in_checkpoint_format():
     indexer's wk -> k_norm in each Full layer."""
     cfg = v41graph.V41Config.tiny(weight_format="checkpoint")
     model = init_random_(V41Model(cfg), seed=2).set_numerics("reference").eval().requires_grad_(False)
-    vb = VariantBackend()
-    fn = torch.compile(model, backend=vb.backend(), fullgraph=True, dynamic=False)
+    vb = PassHarness(ALL)
+    fn = vb.compile(model, dynamic=False)
     s = CompiledSession(model, fn, 1, 32, block_size=16)
     s.prefill(torch.randint(0, 256, (1, 5)))
     g = vb.passed(0, ("cleanup", "fuse_wkv_rmsnorm", "stream_check"))
     plan = v41graph.build_layer_plan(cfg)
     ratio1 = sum(1 for r in plan if r.mode == "full" and r.ratio == 1)
     full = sum(1 for r in plan if r.mode == "full")
-    assert _count(g, ops.fused_wkv_rmsnorm.default) == ratio1 + full
+    assert count_ops(g, ops.fused_wkv_rmsnorm.default) == ratio1 + full
 
 
 def test_defunctionalize_leaves_no_cache_copies(tiny, traced):
     vb, *_ = traced
     for idx in (0, 1):
         g = vb.passed(idx)
-        assert _count(g, torch.ops.higher_order.auto_functionalized_v2) == 0
-        writes = _count(g, ops.window_kv_write.default, ops.global_kv_write.default,
+        assert count_ops(g, torch.ops.higher_order.auto_functionalized_v2) == 0
+        writes = count_ops(g, ops.window_kv_write.default, ops.global_kv_write.default,
                         ops.index_k_write.default, ops.state_write.default,
                         ops.fused_ratio2_compressor_update.default)
         # window x10, global x3, index x3, r2 state x2 (folded into the fused op), Engram history
@@ -435,7 +380,7 @@ def test_inductor_segment_partition_of_the_tiny_graph(tiny, traced):
 
     split_graphs = functools.partial(lower_inductor_segments, compile_segments=False)
     plain, split = _logits_with_lowering(tiny, traced, None), _logits_with_lowering(tiny, traced, split_graphs)
-    ran = [g for key, g in vb.variants.items() if len(key) == 3 and key[2] is split_graphs]
+    ran = [g for (_, _, lower), g in vb.variants.items() if lower is split_graphs]   # made by a call
     assert len(ran) == 2 and all(any(n.op == "call_module" for n in g.graph.nodes) for g in ran)
     for step, (a, b) in enumerate(zip(plain, split)):
         assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
@@ -475,16 +420,16 @@ def test_set_passes_switches_without_tracing_again(tiny):
     _eager_vs_compiled_decodes(tiny, compiled, 3, 12, 2)
     traced = len(compiled.traced)
     assert traced == 2                                           # prefill + decode
-    fused = [_count(g.current, ops.fused_wkv_rmsnorm.default) for g in compiled.traced]
+    fused = [count_ops(g.current, ops.fused_wkv_rmsnorm.default) for g in compiled.traced]
     assert fused == [24, 24]
     compiled.set_passes(disable=("P1", "P6"))
     _, new_graphs = _eager_vs_compiled_decodes(tiny, compiled, 3, 13, 2)
     assert new_graphs == 0 and len(compiled.traced) == traced
-    assert [_count(g.current, ops.fused_wkv_rmsnorm.default) for g in compiled.traced] == [0, 0]
-    assert all(_count(g.current, ops.stream_enter.default) > 0 for g in compiled.traced)   # P4 stays
+    assert [count_ops(g.current, ops.fused_wkv_rmsnorm.default) for g in compiled.traced] == [0, 0]
+    assert all(count_ops(g.current, ops.stream_enter.default) > 0 for g in compiled.traced)   # P4 stays
     assert compiled.pass_manager.names == resolve_passes(disable=("P1", "P6"))
     compiled.set_passes()
-    assert [_count(g.current, ops.fused_wkv_rmsnorm.default) for g in compiled.traced] == fused
+    assert [count_ops(g.current, ops.fused_wkv_rmsnorm.default) for g in compiled.traced] == fused
 
 
 def test_compile_api_end_to_end_with_padding_and_errors(tiny):
@@ -547,31 +492,28 @@ class _Pairs(torch.nn.Module):
 
 
 def _compiled_with(module_cls, passes):
-    """(compiled output, eager output, the one passed graph) of a fresh `module_cls` on a fixed
-    [2, 5, 24] input, compiled through our backend with only these passes."""
+    """(compiled output, eager output, the harness holding the one graph) of a fresh
+    `module_cls` on a fixed [2, 5, 24] input, compiled through our backend with only these passes."""
     torch.manual_seed(0)
     m = module_cls().eval().requires_grad_(False)
     x = torch.randn(2, 5, 24)
-    graphs = []
-
-    def fw(gm, ex):
-        PassManager(passes)(gm)
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-    be = aot_autograd(fw_compiler=fw, decompositions=DECOMPOSITIONS, keep_inference_input_mutations=True)
-    out = torch.compile(m, backend=be, fullgraph=True)(x)
-    assert len(graphs) == 1
-    return out, m(x), graphs[0]
+    h = PassHarness(passes)
+    out = h.compile(m)(x)
+    assert len(h.traced) == 1
+    return out, m(x), h
 
 
 def test_p1_generality_and_near_misses():
-    out, want, g = _compiled_with(_Pairs, ["cleanup", "fuse_wkv_rmsnorm"])
+    out, want, h = _compiled_with(_Pairs, ["cleanup", "fuse_wkv_rmsnorm"])
     assert torch.allclose(out, want, atol=1e-5)
+    h.check_after_ops([ops.fused_wkv_rmsnorm.default])
+    h.check_before_ops([torch.ops.aten.rsqrt.default], fully_replaced=False)
+    g = h.after()
     # fused: a -> torch.nn.RMSNorm (torch's own spelling) and b -> our spelling (3-D input)
-    assert _count(g, ops.fused_wkv_rmsnorm.default) == 2
+    assert count_ops(g, ops.fused_wkv_rmsnorm.default) == 2
     # refused: the biased Linear (addmm), the norm over dim -2, the Linear output used twice
-    assert _count(g, torch.ops.aten.addmm.default) == 1
-    assert _count(g, torch.ops.aten.rsqrt.default) == 3
+    assert count_ops(g, torch.ops.aten.addmm.default) == 1
+    assert count_ops(g, torch.ops.aten.rsqrt.default) == 3
 
 
 class _Norms(torch.nn.Module):
@@ -604,13 +546,16 @@ class _Norms(torch.nn.Module):
 
 
 def test_fuse_rmsnorm_generality_and_near_misses():
-    out, want, g = _compiled_with(_Norms, ["cleanup", "fuse_rmsnorm"])
+    out, want, h = _compiled_with(_Norms, ["cleanup", "fuse_rmsnorm"])
     # the op's CPU implementation is the same arithmetic as the model's spelling
     assert torch.allclose(out, want, atol=1e-6, rtol=1e-6)
+    h.check_after_ops([ops.rms_norm.default])
+    h.check_before_ops([torch.ops.aten.rsqrt.default], fully_replaced=False)
+    g = h.after()
     fused = [n for n in g.graph.nodes if n.op == "call_function" and n.target == ops.rms_norm.default]
     assert len(fused) == 2
     assert sorted(n.args[2] for n in fused) == pytest.approx([1e-3, 1e-2], rel=1e-6)   # eps kept
-    assert _count(g, torch.ops.aten.rsqrt.default) == 4       # the four near misses
+    assert count_ops(g, torch.ops.aten.rsqrt.default) == 4       # the four near misses
 
 
 def test_captured_decode_hands_out_copies(tiny, monkeypatch):
@@ -631,8 +576,8 @@ def test_captured_decode_hands_out_copies(tiny, monkeypatch):
     compiled = v41graph.compile(tiny, backend="cpu", batch_sizes=(4,))
     caches = ModelCaches.allocate(tiny.config, 5, 8, 16)
     meta = build_metadata([0, 1], [5, 5], [1, 1], [[0], [1]], 1, "cpu")
-    first = compiled(torch.tensor([1, 1]), torch.tensor([5, 5]), caches, meta)
-    second = compiled(torch.tensor([2, 2]), torch.tensor([5, 5]), caches, meta)
+    first = compiled.decode(torch.tensor([1, 1]), torch.tensor([5, 5]), caches, meta)
+    second = compiled.decode(torch.tensor([2, 2]), torch.tensor([5, 5]), caches, meta)
     assert first.shape == (2, tiny.config.vocab_size)
     assert first.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     assert torch.all(first == 1) and torch.all(second == 2)
@@ -763,30 +708,25 @@ def test_p1_ratio2_compressor_fusion_and_near_miss(extra_user, peek_state, dynam
     state = torch.randn(3, 4, 16)
     member_rows = torch.randint(0, 3 * 4 + 5, (10,))
     state_rows = torch.tensor([0, -1, 5, 7, -1])
-    graphs = []
-
-    def fw(gm, ex):
-        PassManager(["cleanup", "fuse_pool_rmsnorm", "defunctionalize", "fuse_ratio2_state_write"])(gm)
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-    be = aot_autograd(fw_compiler=fw, decompositions=DECOMPOSITIONS, keep_inference_input_mutations=True)
+    h = PassHarness(["cleanup", "fuse_pool_rmsnorm", "defunctionalize", "fuse_ratio2_state_write"])
     s_eager, s_comp = state.clone(), state.clone()
     want = m(x, s_eager, member_rows, state_rows)
     if dynamic:   # the token count symbolic, as in the shared decode graph (batch dims marked)
         for t in (x, member_rows, state_rows):
             torch._dynamo.mark_dynamic(t, 0)
-    got = torch.compile(m, backend=be, fullgraph=True, dynamic=False)(x, s_comp, member_rows, state_rows)
+    got = h.compile(m, dynamic=False)(x, s_comp, member_rows, state_rows)
     assert torch.equal(got, want) and torch.equal(s_comp, s_eager)
-    g = graphs[0]
+    g = h.after(0)
     fused = 0 if extra_user else 1
     folded = fused if not peek_state else 0
-    assert _count(g, ops.fused_ratio2_compressor_update.default) == folded
-    assert _count(g, ops.fused_ratio2_compressor.default) == fused - folded
-    assert _count(g, ops.fused_pool_rmsnorm.default) == 1 - fused      # refused: plain pool fusion
-    assert _count(g, torch.ops.aten.mm.default) == 2 * (1 - fused)
+    assert count_ops(g, ops.fused_ratio2_compressor_update.default) == folded
+    assert count_ops(g, ops.fused_ratio2_compressor.default) == fused - folded
+    assert count_ops(g, ops.fused_pool_rmsnorm.default) == 1 - fused      # refused: plain pool fusion
+    assert count_ops(g, torch.ops.aten.mm.default) == 2 * (1 - fused)
     # the state write still happens in place after the fused read (defunctionalized), unless folded
-    assert _count(g, torch.ops.higher_order.auto_functionalized_v2) == 0
-    assert _count(g, ops.state_write.default) == 1 - folded
+    assert count_ops(g, torch.ops.higher_order.auto_functionalized_v2) == 0
+    h.check_before_ops([torch.ops.higher_order.auto_functionalized_v2])
+    assert count_ops(g, ops.state_write.default) == 1 - folded
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 import v41graph  # noqa: F401  (registers torch.ops.v41graph)
-from v41graph.compiler.backend import DECOMPOSITIONS
+from compile_harness import PassHarness
 from v41graph.custom_ops.streams import STREAM_OPS
 from v41graph.passes.base import STREAM_KEY
 from v41graph.compiler.inductor_segments import InductorSegment, lower_inductor_segments
-from v41graph.passes.pass_manager import PassManager
 from v41graph.passes.side_stream import exclusive_ancestors, move_to_side_stream
 from v41graph.passes.stream_check import StreamCheck
 
@@ -79,25 +76,21 @@ def test_toy_graph_segments_between_stream_ops_and_writes_match_eager():
     x, rows = torch.randn(4, 32), torch.tensor([0, 2])
     seen = {}
 
-    def fw_compiler(gm, example_inputs):
-        PassManager(["cleanup", "defunctionalize"])(gm)
+    def lower(gm):      # after the passes: the toy's side stream (as P6 does), then the segments
         quant = [n for n in gm.graph.nodes if n.target == ops.fake_quant.default]
-        move_to_side_stream(gm, exclusive_ancestors(quant), "toy", "toy")    # as P6 does
+        move_to_side_stream(gm, exclusive_ancestors(quant), "toy", "toy")
         StreamCheck()(gm)
         state = next(n for n in gm.graph.nodes if n.target == ops.state_write.default).kwargs["dst"]
         seen["runs"] = _expected_runs(gm, state)
         seen["stream_ops"] = sum(n.target in STREAM_OPS for n in gm.graph.nodes)
         seen["report"] = lower_inductor_segments(gm, min_compute_nodes=MIN_COMPUTE)
-        seen["gm"] = gm
-        return make_boxed_func(gm.forward)
 
-    backend = aot_autograd(fw_compiler=fw_compiler, decompositions=DECOMPOSITIONS,
-                           keep_inference_input_mutations=True)
+    harness = PassHarness(["cleanup", "defunctionalize"], lower=lower)
     eager_state, compiled_state = torch.zeros(3, 32), torch.zeros(3, 32)
     expected = model(x, eager_state, rows)
-    got = torch.compile(model, backend=backend, fullgraph=True)(x, compiled_state, rows)
+    got = harness.compile(model)(x, compiled_state, rows)
 
-    runs, report, gm = seen["runs"], seen["report"], seen["gm"]
+    runs, report, gm = seen["runs"], seen["report"], harness.after()
     large = sum(r >= MIN_COMPUTE for r in runs)
     # the side-stream region, the join's wait, the write and the view of the written state cut
     # the graph into runs; the one between the write and the view is too small

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import v41graph
-from v41graph.compiler.backend import make_backend
+from compile_harness import PassHarness
 from v41graph.model.layers import default_dtype
 from v41graph.model.model import V41Model, init_random_, init_random_weights_
 from v41graph.model.moe import MoE, grouped_mm_emulated, pack_moe_experts_, set_moe_impl
@@ -245,7 +245,7 @@ def test_deepcopy_repacks_on_first_grouped_forward():
 # =============================================================================== traced / compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_grouped_matches_eager_loop(dtype):
-    """The grouped path traces through Dynamo + aot_autograd (our backend, fullgraph, static
+    """The grouped path traces through Dynamo + AOT autograd (our backend, fullgraph, static
     shapes) and the compiled graph gives the loop's numbers for new inputs and other routings.
     fp32 through the emulation; bf16 through torch._grouped_mm (its meta function is
     bf16-only) where the CPU op exists."""
@@ -255,8 +255,7 @@ def test_compiled_grouped_matches_eager_loop(dtype):
     m = _moe(seed=14).to(dtype)
     m.grouped_impl = impl
     assert pack_moe_experts_(m) == 1
-    backend, _ = make_backend()
-    f = torch.compile(m, backend=backend, fullgraph=True, dynamic=False)
+    f = PassHarness().compile(m, dynamic=False)
     atol = ATOL if dtype == torch.float32 else 3e-2
     for seed in range(3):
         x = _x(9, seed=20 + seed, dtype=dtype)
@@ -280,8 +279,7 @@ def test_compiled_grouped_dynamic_token_count():
     m = _moe(seed=15)
     m.grouped_impl = "emulate"
     m.pack_experts_()
-    backend, _ = make_backend()
-    f = torch.compile(m, backend=backend, fullgraph=True, dynamic=None)
+    f = PassHarness().compile(m, dynamic=None)
     for n in (9, 13, 20, 3):
         x = _x(n, seed=50 + n)
         with torch.no_grad():

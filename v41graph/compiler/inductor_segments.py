@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 
 from v41graph.custom_ops.streams import STREAM_OPS
-from .base import MAIN_STREAM, STREAM_KEY, returns_alias, writes_memory, written_args
+from v41graph.passes.base import MAIN_STREAM, STREAM_KEY, returns_alias, writes_memory, written_args
 
 log = logging.getLogger(__name__)
 

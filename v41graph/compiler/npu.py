@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .base import is_call
+from v41graph.passes.base import is_call
 
 ops = torch.ops.v41graph
 
