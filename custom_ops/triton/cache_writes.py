@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import (_FLOAT_DTYPES, _TL_DTYPE, _ceil_log2, _e2m1_decode, _e2m1_encode, _exp2i,
-                     _pow2, _rows)
+                     _pow2, _program_rows, _rows)
 
 
 # =============================================================================== cache writes
@@ -22,9 +22,7 @@ from .common import (_FLOAT_DTYPES, _TL_DTYPE, _ceil_log2, _e2m1_decode, _e2m1_e
 def _fp8_ue8m0_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
                             D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
                             BR: tl.constexpr):
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = r < N
-    slot = tl.load(slot_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    r, rmask, slot = _program_rows(slot_ptr, N, -1, BR)
     valid = rmask & (slot >= 0)
     b = tl.arange(0, NB)
     e = tl.arange(0, BLOCK)
@@ -46,9 +44,7 @@ def _fp8_ue8m0_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
 def _fp4_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
                       D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, HALF: tl.constexpr,
                       E4M3_SCALE: tl.constexpr, BR: tl.constexpr):
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = r < N
-    slot = tl.load(slot_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    r, rmask, slot = _program_rows(slot_ptr, N, -1, BR)
     valid = rmask & (slot >= 0)
     b = tl.arange(0, NB)
     h = tl.arange(0, HALF)

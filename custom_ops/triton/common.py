@@ -4,7 +4,8 @@ Host side: the torch -> Triton dtype table, the float dtypes the kernels accept,
 device's SM count (grid sizing) and `_rows` (a tensor as contiguous [rows, last dim]).
 @triton.jit helpers inlined by several families: exact ceil(log2) and 2^e from the fp32 bits
 (UE8M0 scale exponents) and the FP4 E2M1 encode/decode, used by the cache writes, fake
-quantization, sparse attention and the lightning indexer.
+quantization, sparse attention and the lightning indexer; a program's rows and their indices
+(cache writes, Engram gather).
 """
 from __future__ import annotations
 
@@ -63,3 +64,13 @@ def _e2m1_decode(c):
                     tl.where(m == 1, 126 << 23, 0))
     bits = bits | ((c & 8) << 28)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _program_rows(index_ptr, n_rows, other, BR: tl.constexpr):
+    """The BR rows of this program, their in-range mask and each row's int64 index (a cache
+    slot or a table row) loaded from index_ptr (`other` for rows out of range)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    in_range = r < n_rows
+    index = tl.load(index_ptr + r, mask=in_range, other=other).to(tl.int64)
+    return r, in_range, index

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _TL_DTYPE, _pow2
+from .common import _TL_DTYPE, _pow2, _program_rows
 
 
 class _HostPtr:
@@ -28,9 +28,7 @@ class _HostPtr:
 def _engram_gather_kernel(table_ptr, scale_ptr, ids_ptr, out_ptr, n_rows,
                           DH: tl.constexpr, NB: tl.constexpr, BR: tl.constexpr,
                           OUT_DTYPE: tl.constexpr):
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    rm = r < n_rows
-    ids = tl.load(ids_ptr + r, mask=rm, other=0).to(tl.int64)
+    r, rm, ids = _program_rows(ids_ptr, n_rows, 0, BR)
     b = tl.arange(0, NB)
     e = tl.arange(0, 32)
     col = b[:, None] * 32 + e[None, :]
