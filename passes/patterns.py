@@ -100,6 +100,9 @@ def replace_with(gm: fx.GraphModule, out: fx.Node, target, args, kind: str) -> f
     what died, once: dead-code elimination walks the whole graph)."""
     with gm.graph.inserting_before(out):
         fused = gm.graph.call_function(target, args)
+    # The fused op computes exactly `out`'s value, so its fake value is out's: taken over as
+    # it is rather than propagated again (torch._inductor's FakeTensorUpdater would re-run the
+    # fake kernels of every changed node, through an Inductor-internal API).
     fused.meta.update({k: v for k, v in out.meta.items() if k != "val"})
     fused.meta["val"] = out.meta.get("val")
     fused.meta["fused_from"] = kind

@@ -173,7 +173,11 @@ def extract_segment(gm: fx.GraphModule, segment: Segment, name: str) -> fx.Graph
     """Move `segment`'s nodes into a submodule `name` of gm (returning its outputs as a tuple)
     called in their place. Returns the submodule. Node names inside are generated from the
     ops (in_0, mm, mm_1, ...), so equal segments of different layers give equal code and are
-    compiled once (segment_key)."""
+    compiled once (segment_key).
+    Not torch.fx.passes.split_module.split_module: it puts every node of the graph into some
+    partition (we keep everything outside the segments inline, in our executor) and keeps the
+    original node names inside each partition, so equal segments of different layers would
+    not give equal code and each would be compiled again."""
     inputs, outputs, members = segment.inputs(), segment.outputs(), segment.members()
     if not all(isinstance(o.meta.get("val"), torch.Tensor) for o in outputs):
         raise ValueError(f"segment at {segment.nodes[0].name}: an output is not a tensor")
