@@ -6,7 +6,7 @@ not overlap anything on torch 2.11). Tags are plain strings; the tag -> stream /
 resolved at run time from the current device, never baked in at trace time, so one graph runs
 on CPU (every op is a no-op), on CUDA (torch.cuda streams and events; inside a CUDA-graph
 capture they become the graph's fork/join edges), and is lowered to torchair's
-`air.scope_enter` / `air.tagged_event_*` ops on Ascend (passes/lower_npu.py).
+`air.scope_enter` / `air.tagged_event_*` ops on Ascend (v41graph/compiler/npu.py).
 
 A fork/join in a graph reads:
     event_record("fork:T")      on main: everything the side work needs is ready

@@ -116,7 +116,7 @@ def module_path(node: fx.Node) -> str:
 def cast_dtype(node) -> "torch.dtype | None":
     """The target dtype when `node` is a plain dtype cast, else None. The graph spells a cast
     `prims.convert_element_type(x, dtype)` under Inductor's decompositions and
-    `aten._to_copy(x, dtype=dtype)` without them (our backend's default, see compiler.py)."""
+    `aten._to_copy(x, dtype=dtype)` without them (our backend's default, see compiler/backend.py)."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     if node.target is torch.ops.prims.convert_element_type.default:

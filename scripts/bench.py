@@ -230,7 +230,7 @@ def make_runner(model: V41Model, variant: str, batches: list[int]):
 
 
 def inductor_segment_totals(runner) -> dict | None:
-    """The Inductor-segment reports (passes/inductor_segments.py) of every graph the runner
+    """The Inductor-segment reports (compiler/inductor_segments.py) of every graph the runner
     runs now, summed; None when it runs none (not a v41graph-inductor variant)."""
     reports = [g.current.meta.get("inductor_segments") for g in getattr(runner, "traced", ())]
     reports = [r for r in reports if r]

@@ -224,3 +224,55 @@ def test_build_metadata_mismatched_lengths():
         build_metadata([0], [0], [0], [[0]], 4)
     with pytest.raises(ValueError, match="max_blocks"):
         build_metadata([0], [0], [3], [[0, 1, 2]], 2)
+
+
+# =============================================================================== types at the boundary
+@pytest.mark.parametrize("chunk, what", [([1.5, 2.0], r"chunks\[0\] must hold integers.*1\.5"),
+                                         ("12", r"chunks\[0\] must be .*str"),
+                                         ([True], r"chunks\[0\] must hold integers.*True")])
+def test_extend_rejects_non_integer_ids_without_coercing(tiny_model, chunk, what):
+    """int(1.5) would silently be 1 and "12" would become [1, 2]: both are refused, nothing
+    changes, and the other sequence's next decode is the clean twin's."""
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(TypeError, match=what):
+        s.extend([0], [chunk])
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+def test_decode_takes_a_flat_list_of_one_token_per_sequence(tiny_model):
+    """Session.decode's [B] form as a plain list: the same step as the [B, 1] tensor."""
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    assert torch.equal(s.decode([7, 11]), ref.decode(torch.tensor([[7], [11]])))
+    with pytest.raises(TypeError, match=r"ids must hold integers.*2\.5"):
+        s.decode([7, 2.5])
+
+
+def test_meta_tensor_ids_are_a_clear_error(tiny_model):
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match="meta tensor"):
+        s.prefill(torch.zeros(2, 4, dtype=torch.long, device="meta"))
+    with pytest.raises(ValueError, match="meta tensor"):
+        s.decode(torch.zeros(2, 1, dtype=torch.long, device="meta"))
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+@pytest.mark.parametrize("kw, what", [(dict(block_size=0), "block_size must be a positive integer"),
+                                      (dict(max_batch_size=0), "max_batch_size must be a positive integer"),
+                                      (dict(num_blocks=0), "num_blocks must be a positive integer"),
+                                      (dict(max_seq_len=2.5), "max_seq_len must be a positive integer")])
+def test_session_sizes_are_checked(tiny_model, kw, what):
+    with pytest.raises(ValueError, match=what):
+        Session(tiny_model, **{**KW, **kw})
+
+
+def test_release_of_an_unknown_sequence_is_a_clear_error(tiny_model):
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    with pytest.raises(ValueError, match=r"release: sequence id 999 outside 0\.\.1"):
+        s.release(999)
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)

@@ -332,7 +332,7 @@ def test_stream_check_rejects_unjoined_work(traced):
 
 
 def test_inductor_segment_partition_of_the_tiny_graph(tiny, traced):
-    """passes/inductor_segments.py without Inductor (CPU codegen would cost minutes here): on the
+    """compiler/inductor_segments.py without Inductor (CPU codegen would cost minutes here): on the
     final prefill and decode graphs no segment holds a stream op, a write or a view of a written
     cache, each runs on one stream, every node lands in exactly one place, and the split graph
     (segments run as plain GraphModules by our executor) gives bit-identical logits over a

@@ -1,4 +1,4 @@
-"""Persistent decode metadata (the seed's P5, v41graph.cache.DecodeBatch): a steady-state decode
+"""Persistent decode metadata (the seed's P5, v41graph.runtime.batch.DecodeBatch): a steady-state decode
 step reads nothing from the device and builds no tensor from host data, and gives exactly the
 same results as rebuilding the metadata from host lists every step (the previous path).
 

@@ -314,3 +314,69 @@ def test_compiled_decode_with_eager_prefill(tiny_model, reference_greedy):
     assert [o.token_ids for o in outs] == reference_greedy
     assert _all_free(eng)
     assert len(compiled.traced) == 1 and compiled._decode
+
+
+# =============================================================================== failures stay local
+def test_a_failing_callback_fails_its_request_only(tiny_model):
+    """A stream callback that raises finishes its own request with reason "error" (blocks and
+    slot freed, the error kept); every other request continues and gives exactly what a clean
+    twin engine gives (sampled too, with per-request generators); generate() does not spin."""
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=N_NEW, seed=3)
+    greedy = SamplingParams(max_tokens=N_NEW)
+    calls = []
+
+    def failing(rid, new, finished):
+        calls.append(new)
+        if len(calls) == 3:
+            raise RuntimeError("client went away")
+
+    outs = {}
+    for twin in ("clean", "failing"):
+        eng = _engine(tiny_model)
+        ids = [eng.add_request(PROMPTS[0], greedy),
+               eng.add_request(PROMPTS[1], greedy, callback=failing if twin == "failing" else None),
+               eng.add_request(PROMPTS[2], sampled)]
+        steps = 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+            assert steps < 200, "the engine did not finish"
+        outs[twin] = [eng.output(r) for r in ids]
+        assert _all_free(eng)
+    clean, bad = outs["clean"], outs["failing"]
+    assert [o.token_ids for o in (bad[0], bad[2])] == [o.token_ids for o in (clean[0], clean[2])]
+    assert bad[1].finish_reason == "error" and "RuntimeError: client went away" in bad[1].error
+    assert bad[1].token_ids == clean[1].token_ids[:3] and len(calls) == 3
+    assert clean[1].finish_reason == "length" and clean[1].error is None
+
+
+@pytest.mark.parametrize("ids, what", [([1.5, 2.5], r"token_ids must hold integers.*1\.5"),
+                                       ("2024", "token_ids must be a sequence of integer token ids"),
+                                       ([1, True], r"token_ids must hold integers.*True"),
+                                       (7, "token_ids must be a sequence")])
+def test_add_request_rejects_non_integer_ids(tiny_model, ids, what):
+    eng = _engine(tiny_model)
+    with pytest.raises(RequestError, match=what):
+        eng.add_request(ids, SamplingParams(max_tokens=2))
+    assert not eng.requests and not eng.has_unfinished()
+
+
+def test_unknown_request_ids_and_bad_sizes_are_clear_errors(tiny_model):
+    eng = _engine(tiny_model)
+    for call in (eng.output, eng.release, eng.abort):
+        with pytest.raises(KeyError, match="unknown request id 999"):
+            call(999)
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        Engine(tiny_model, 2, MAX_SEQ, block_size=0)
+
+
+@pytest.mark.parametrize("kw, error, what", [
+    (dict(temperature="0.7"), TypeError, "temperature must be a number"),
+    (dict(max_tokens=None), ValueError, "max_tokens must be a positive integer"),
+    (dict(max_tokens=2.0), ValueError, "max_tokens must be a positive integer"),
+    (dict(stop_ids=5), TypeError, "stop_ids must be a sequence"),
+    (dict(stop_ids=[1.5]), TypeError, "stop_ids must hold integers"),
+    (dict(seed="abc"), TypeError, "seed must be an integer or None")])
+def test_sampling_params_check_their_types(kw, error, what):
+    with pytest.raises(error, match=what):
+        SamplingParams(**kw)

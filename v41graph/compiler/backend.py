@@ -1,21 +1,13 @@
-"""The v41graph torch.compile backend and the compile-and-run API.
+"""The v41graph torch.compile backend.
 
-    compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
-                                batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
-                                inductor_segments=False, compile_prefill=True)
-    logits = compiled(input_ids, positions, caches, metadata)     # same call as the model
-
-    torch.compile(model, backend="v41graph")                      # also registered
+    torch.compile(model, backend="v41graph")        # registered; v41graph.compile builds on it
 
 Flow (DESIGN.md): Dynamo graph -> aot_autograd(DECOMPOSITIONS,
 keep_inference_input_mutations=True) -> our pass manager (cleanup, P1, defunctionalize, P4,
 P6, stream check) -> platform lowering (opt-in: Inductor segments) -> our executor (the FX
-graph's own forward; stream ops are real on CUDA, no-ops on CPU) -> static capture of decode
-steps per batch bucket (CUDA graphs on NVIDIA; ACL graphs through torchair on Ascend).
-
-Decode batches are padded up to the nearest bucket: padding tokens belong to a scratch cache
-slot (the caches' last slot, which Session keeps free) and have no cache blocks, so they
-write nothing any real sequence reads.
+graph's own forward; stream ops are real on CUDA, no-ops on CPU). The compiled model and its
+static capture of decode steps per batch bucket (CUDA graphs on NVIDIA; ACL graphs through
+torchair on Ascend) are in compiled_model.py.
 """
 from __future__ import annotations
 
@@ -74,7 +66,7 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
     """A torch.compile backend running our pass manager; returns (backend, pass_manager).
     `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes).
     `lower(gm)`, if given, is the platform lowering run on each final graph after the passes
-    (Inductor segments, passes/inductor_segments.py). `on_compiled(passes_s, lower_s)`, if
+    (Inductor segments, compiler/inductor_segments.py). `on_compiled(passes_s, lower_s)`, if
     given, is called when a graph is ready to run, with the seconds our passes and the lowering
     took on it."""
     from functorch.compile import make_boxed_func

@@ -1,4 +1,16 @@
-"""The compiled model: decode buckets, persistent buffers and static capture."""
+"""The compile-and-run API: the compiled model, its decode buckets, persistent buffers and
+static capture.
+
+    compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
+                                batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
+                                inductor_segments=False, compile_prefill=True)
+    logits = compiled(input_ids, positions, caches, metadata)         # any step
+    logits = compiled.decode(input_ids, positions, caches, metadata)  # a decode step: its bucket
+
+Decode batches are padded up to the nearest bucket: padding tokens belong to the caches'
+scratch slot (model/kv_cache.py), which the runtime never hands out, and have no cache blocks,
+so they write nothing any real sequence reads.
+"""
 from __future__ import annotations
 
 import bisect

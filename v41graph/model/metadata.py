@@ -75,10 +75,10 @@ class AttentionMetadata:
         made = {}
         for f in cls.tensor_fields():
             kind = f.metadata["decode"]
-            n = rows + 1 if f.metadata["rows"] == "seqs+1" else rows
-            shape = (n, max_blocks) if f.name == "block_table" else (n,)
             if kind is None:
                 continue
+            n = rows + 1 if f.metadata["rows"] == "seqs+1" else rows
+            shape = (n, max_blocks) if f.name == "block_table" else (n,)
             if f.name in use:
                 made[f.name] = use[f.name]
             elif kind == "arange":

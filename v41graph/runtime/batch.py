@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from dataclasses import replace
 from typing import Sequence
 
@@ -219,6 +220,28 @@ class DecodeBatch:
                     positions=self.counters[2, :n].tolist())
 
 
+def token_ids_list(ids, what: str) -> list[int]:
+    """A sequence of token ids as Python ints, or a clear error naming `what`: a string, floats,
+    bools or other non-integers are rejected, never coerced (int(1.5) would silently be 1)."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of integer token ids, got a {type(ids).__name__}")
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+            raise TypeError(f"{what}: expected a 1-D integer tensor, got {ids.dtype} {list(ids.shape)}")
+        if ids.device.type == "meta":
+            raise ValueError(f"{what} is a meta tensor: it has no values")
+        return ids.tolist()
+    try:
+        items = list(ids)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of integer token ids, got "
+                        f"{type(ids).__name__}") from None
+    for i, t in enumerate(items):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{what} must hold integers: {what}[{i}] = {t!r} is a {type(t).__name__}")
+    return [int(t) for t in items]
+
+
 def eager_model(model):
     """The V41Model behind a model argument: the model itself, or a CompiledModel's model."""
     return model.model if isinstance(model, CompiledModel) else model
@@ -235,8 +258,13 @@ class StepRunner:
                  num_blocks: int | None = None, persistent_metadata: bool = True):
         base = eager_model(model)
         self.model, self.config = model, base.config
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
+                            ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int)
+                                       or num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
         if max_seq_len > self.config.max_position_embeddings:
             raise ValueError(f"max_seq_len {max_seq_len} > max_position_embeddings "
                              f"{self.config.max_position_embeddings}")

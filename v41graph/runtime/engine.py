@@ -16,7 +16,7 @@ Scheduling (continuous batching): every step runs ONE model call over a flat bat
 Waiting requests are admitted FIFO whenever a cache slot and their blocks are free.
 
 Decode metadata (the seed's P5): the decode rows of a step live in a persistent `DecodeBatch`
-(v41graph/cache.py): slots and block tables are written when a request starts or stops
+(v41graph/runtime/batch.py): slots and block tables are written when a request starts or stops
 decoding, positions / chunk starts / sequence lengths move on by one with a single device add
 after each step. A steady-state decode step (same decoding requests as the step before, no
 prefill chunk) therefore builds its metadata without reading the device and without building a
@@ -41,8 +41,11 @@ and slot are freed on finish and on abort.
 
 Validation (`add_request`) happens before anything is queued: empty prompts, token ids outside
 the vocabulary, contexts longer than `max_seq_len` / `max_position_embeddings`, and requests that
-need more blocks than the whole pool raise `RequestError` / `CacheCapacityError`; nothing about
-the other requests changes.
+need more blocks than the whole pool raise `RequestError` / `CacheCapacityError`; token ids must
+be integers (a string or floats are refused, not coerced); nothing about the other requests
+changes. A stream callback that raises fails its own request only: it finishes with reason
+"error" (its blocks and slot freed, the exception text in `RequestOutput.error`) and the step
+goes on with every other request.
 
 A request's tokens depend only on its own prompt, params and seed: sampling uses one
 torch.Generator per request, and the model computes each sequence independently (up to
@@ -61,7 +64,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from v41graph.model.metadata import concat_metadata
-from .batch import CacheCapacityError, StepRunner
+from .batch import CacheCapacityError, StepRunner, token_ids_list
 from .sampling import SamplingParams, sample_batch
 
 
@@ -87,7 +90,8 @@ class Request:
     num_cached: int = 0                 # tokens of prompt + output already in the cache
     output: list = field(default_factory=list)
     status: str = "waiting"             # waiting | running | finished
-    finish_reason: str | None = None    # stop | length | abort
+    finish_reason: str | None = None    # stop | length | abort | error
+    error: str | None = None            # why the request failed (finish_reason "error")
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -111,6 +115,7 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    error: str | None = None
 
     @property
     def latency(self) -> float | None:
@@ -171,15 +176,10 @@ class Engine(StepRunner):
         cfg = self.config
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(token_ids, torch.Tensor):
-            if token_ids.dtype not in (torch.int32, torch.int64) or token_ids.dim() != 1:
-                raise RequestError(f"token_ids tensor must be 1-D integer, got {token_ids.dtype} "
-                                   f"{list(token_ids.shape)}")
-            token_ids = token_ids.tolist()
         try:
-            prompt = [int(t) for t in token_ids]
+            prompt = token_ids_list(token_ids, "token_ids")
         except (TypeError, ValueError) as e:
-            raise RequestError(f"token_ids must be a sequence of integers: {e}") from None
+            raise RequestError(str(e)) from None
         if not prompt:
             raise RequestError("empty prompt: a request needs at least one token")
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
@@ -210,29 +210,32 @@ class Engine(StepRunner):
 
     def abort(self, request_id: int) -> bool:
         """Stop a request and free its memory. Returns False if it was already finished."""
-        req = self.requests.get(request_id)
-        if req is None:
-            raise KeyError(f"unknown request id {request_id}")
+        req = self._request(request_id)
         if req.status == "finished":
             return False
         if req.status == "waiting":
             self.waiting.remove(req)
         self._finish(req, "abort")
-        if req.callback is not None:
-            req.callback(req.request_id, [], True)
+        self._notify(req, [], True)
         return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _request(self, request_id: int) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request id {request_id!r} (never added, or already released)")
+        return req
+
     def output(self, request_id: int) -> RequestOutput:
-        r = self.requests[request_id]
+        r = self._request(request_id)
         return RequestOutput(r.request_id, list(r.prompt), list(r.output), r.finish_reason,
-                             r.arrival_time, r.first_token_time, r.finish_time)
+                             r.arrival_time, r.first_token_time, r.finish_time, r.error)
 
     def release(self, request_id: int) -> RequestOutput:
         """Output of a finished request, forgetting it (keeps a long-running engine small)."""
-        if self.requests[request_id].status != "finished":
+        if self._request(request_id).status != "finished":
             raise ValueError(f"request {request_id} has not finished")
         out = self.output(request_id)
         del self.requests[request_id]
@@ -410,9 +413,26 @@ class Engine(StepRunner):
             req.first_token_time = now if now is not None else time.perf_counter()
         if reason is not None:
             self._finish(req, reason)
-        if req.callback is not None:
-            req.callback(req.request_id, new, reason is not None)
-        return req.request_id, new, reason is not None
+        finished = self._notify(req, new, reason is not None)
+        return req.request_id, new, finished
+
+    def _notify(self, req: Request, new: list, finished: bool) -> bool:
+        """Stream new tokens to the request's callback. A callback that raises fails its own
+        request only: it is finished with reason "error" (blocks and slot freed, the error kept
+        in `error`), and the step goes on with every other request. Returns whether the request
+        is finished now."""
+        if req.callback is None:
+            return finished
+        try:
+            req.callback(req.request_id, new, finished)
+        except Exception as e:   # noqa: BLE001  (whatever the caller's code raises)
+            req.error = f"callback raised {type(e).__name__}: {e}"
+            if req.status != "finished":
+                self._finish(req, "error")
+            else:
+                req.finish_reason = "error"
+            return True
+        return finished
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None

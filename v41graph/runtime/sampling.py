@@ -18,6 +18,7 @@ verification commits between 1 and k + 1 tokens.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -33,13 +34,26 @@ class SamplingParams:
     seed: int | None = None           # per-request generator seed (None: drawn from torch's RNG)
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
-        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, numbers.Integral) \
+                or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise TypeError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if isinstance(self.stop_ids, (str, bytes, numbers.Number)) or not hasattr(self.stop_ids, "__iter__"):
+            raise TypeError(f"SamplingParams.stop_ids must be a sequence of token ids, got {self.stop_ids!r}")
+        stop = list(self.stop_ids)
+        bad = [t for t in stop if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:
+            raise TypeError(f"SamplingParams.stop_ids must hold integers, got {bad[0]!r}")
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in stop))
 
     @property
     def greedy(self) -> bool:

@@ -20,11 +20,12 @@ tensor of ids is read once per call (Engine, which samples on the host, reads no
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 import torch
 
-from .batch import CacheCapacityError, StepRunner
+from .batch import CacheCapacityError, StepRunner, token_ids_list
 
 PREFILL_MODES = ("auto", "full", "replay")
 
@@ -70,7 +71,7 @@ class Session(StepRunner):
 
     def decode(self, ids) -> torch.Tensor:
         """One token per running sequence (ids [B, 1] or [B]); logits [B, V]."""
-        tokens = self._as_lists(ids, "ids")
+        tokens = self._as_lists(ids, "ids", flat_is_one_per_row=True)
         if any(len(t) != 1 for t in tokens):
             raise ValueError(f"decode takes exactly one token per sequence, got shape {[len(t) for t in tokens]}")
         for b in range(len(tokens)):
@@ -80,10 +81,16 @@ class Session(StepRunner):
 
     def extend(self, seq_ids: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         """Append token chunks to the given sequences (chunked prefill / mixed batches)."""
-        return self._step(list(seq_ids), [list(c) for c in chunks])
+        seqs = token_ids_list(seq_ids, "seq_ids")
+        chunks = [] if isinstance(chunks, (str, bytes)) else list(chunks)
+        if len(chunks) != len(seqs):
+            raise ValueError(f"extend: needs one chunk of token ids per sequence id ({len(seqs)} ids)")
+        return self._step(seqs, [token_ids_list(c, f"chunks[{i}]") for i, c in enumerate(chunks)])
 
     def release(self, seq: int) -> None:
         """Forget a sequence and free its blocks."""
+        if isinstance(seq, bool) or not isinstance(seq, numbers.Integral) or not 0 <= seq < self.max_batch_size:
+            raise ValueError(f"release: sequence id {seq!r} outside 0..{self.max_batch_size - 1}")
         self.allocator.free(self.blocks[seq])
         self.blocks[seq], self.seq_lens[seq] = [], 0
         if self.decode_batch is not None:
@@ -91,16 +98,26 @@ class Session(StepRunner):
 
     # ------------------------------------------------------------------ internals
     @staticmethod
-    def _as_lists(ids, what: str) -> list[list[int]]:
+    def _as_lists(ids, what: str, flat_is_one_per_row: bool = False) -> list[list[int]]:
+        """Token ids per sequence: an integer tensor [B, T] (or [B], one token each), or a list
+        of lists of ints; with flat_is_one_per_row (decode) also a flat list of ints, one token
+        per sequence. Anything else (floats, strings, meta tensors) is a clear error."""
         if isinstance(ids, torch.Tensor):
             if ids.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"{what}: expected an integer tensor, got {ids.dtype}")
+            if ids.device.type == "meta":
+                raise ValueError(f"{what} is a meta tensor: it has no values")
             if ids.dim() == 1:
                 ids = ids.unsqueeze(-1)
             if ids.dim() != 2:
                 raise ValueError(f"{what}: expected shape [B, T], got {list(ids.shape)}")
             return ids.tolist()
-        return [list(map(int, row)) for row in ids]
+        if isinstance(ids, (str, bytes)):
+            raise TypeError(f"{what} must be token ids, got a {type(ids).__name__}")
+        rows = list(ids)
+        if flat_is_one_per_row and not any(hasattr(r, "__iter__") for r in rows):
+            return [[t] for t in token_ids_list(rows, what)]
+        return [token_ids_list(row, f"{what}[{i}]") for i, row in enumerate(rows)]
 
     def _step(self, seqs: list[int], chunks: list[list[int]], replay: int | None = None,
               restart: bool = False) -> torch.Tensor:
