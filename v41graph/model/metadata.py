@@ -55,9 +55,10 @@ class AttentionMetadata:
         return self.seq_slot.shape[0]
 
     @classmethod
-    def tensor_fields(cls) -> list:
-        """The dataclass fields that hold tensors, in order (static_key is not one)."""
-        return [f for f in fields(cls) if f.metadata]
+    def tensor_fields(cls) -> tuple:
+        """The dataclass fields that hold tensors, in order (static_key is not one); read once,
+        since a decode step walks them (load_decode_rows_)."""
+        return _TENSOR_FIELDS
 
     def batch_tensors(self) -> tuple:
         """Every tensor of the batch, in field order; dim 0 of each is its token or sequence
@@ -87,13 +88,14 @@ class AttentionMetadata:
                 made[f.name] = torch.full(shape, scratch_slot if kind == "scratch" else kind, **i64)
         return cls(**made)
 
-    def first_rows(self, n: int) -> "AttentionMetadata":
-        """Views of the first n rows of decode metadata (n tokens of n sequences)."""
+    def first_rows(self, n: int, static_key: int | None = None) -> "AttentionMetadata":
+        """Views of the first n rows of decode metadata (n tokens of n sequences), named by
+        `static_key`."""
         out = {}
         for f in self.tensor_fields():
             t = getattr(self, f.name)
             out[f.name] = None if t is None else t[:n + 1 if f.metadata["rows"] == "seqs+1" else n]
-        return AttentionMetadata(**out, static_key=self.static_key)
+        return AttentionMetadata(**out, static_key=static_key)
 
     def load_decode_rows_(self, src: "AttentionMetadata", scratch_slot: int, static: bool = True) -> None:
         """Copy a decode step's metadata (n <= rows sequences, one token each) into these
@@ -107,6 +109,8 @@ class AttentionMetadata:
             pad = scratch_slot if kind == "scratch" else kind
             getattr(self, f.name).fill_(pad)[:n].copy_(getattr(src, f.name))
 
+
+_TENSOR_FIELDS = tuple(f for f in fields(AttentionMetadata) if f.metadata)
 
 def build_metadata(seq_slots: Sequence[int], chunk_starts: Sequence[int], query_lens: Sequence[int],
                    block_tables: Sequence[Sequence[int]], max_blocks: int,

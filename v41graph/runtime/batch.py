@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -97,7 +96,7 @@ class DecodeBatch:
         once per change of the rows."""
         if self._views is None:
             n = self.n
-            meta = replace(self.buffers.first_rows(n), static_key=self.static_key)
+            meta = self.buffers.first_rows(n, self.static_key)
             live = self.counters[:, :n]
             self._views = (live[2], meta, live)
         return self._views
@@ -220,16 +219,23 @@ class DecodeBatch:
                     positions=self.counters[2, :n].tolist())
 
 
+def check_ids_tensor(ids: torch.Tensor, what: str) -> None:
+    """A tensor of token ids must be integer and have values (not on the meta device)."""
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{what}: expected an integer tensor, got {ids.dtype}")
+    if ids.device.type == "meta":
+        raise ValueError(f"{what} is a meta tensor: it has no values")
+
+
 def token_ids_list(ids, what: str) -> list[int]:
     """A sequence of token ids as Python ints, or a clear error naming `what`: a string, floats,
     bools or other non-integers are rejected, never coerced (int(1.5) would silently be 1)."""
     if isinstance(ids, (str, bytes)):
         raise TypeError(f"{what} must be a sequence of integer token ids, got a {type(ids).__name__}")
     if isinstance(ids, torch.Tensor):
-        if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
-            raise TypeError(f"{what}: expected a 1-D integer tensor, got {ids.dtype} {list(ids.shape)}")
-        if ids.device.type == "meta":
-            raise ValueError(f"{what} is a meta tensor: it has no values")
+        check_ids_tensor(ids, what)
+        if ids.dim() != 1:
+            raise ValueError(f"{what}: expected a 1-D tensor of token ids, got shape {list(ids.shape)}")
         return ids.tolist()
     try:
         items = list(ids)

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from .batch import CacheCapacityError, StepRunner, token_ids_list
+from .batch import CacheCapacityError, StepRunner, check_ids_tensor, token_ids_list
 
 PREFILL_MODES = ("auto", "full", "replay")
 
@@ -103,10 +103,7 @@ class Session(StepRunner):
         of lists of ints; with flat_is_one_per_row (decode) also a flat list of ints, one token
         per sequence. Anything else (floats, strings, meta tensors) is a clear error."""
         if isinstance(ids, torch.Tensor):
-            if ids.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"{what}: expected an integer tensor, got {ids.dtype}")
-            if ids.device.type == "meta":
-                raise ValueError(f"{what} is a meta tensor: it has no values")
+            check_ids_tensor(ids, what)
             if ids.dim() == 1:
                 ids = ids.unsqueeze(-1)
             if ids.dim() != 2:
