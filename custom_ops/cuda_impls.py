@@ -62,7 +62,8 @@ def _register_triton_first(op: str, family: str, checked: int, fallback) -> None
 _register_triton_first("fused_wkv_rmsnorm", "norms", 3, ref.wkv_rmsnorm)
 _register_triton_first("rope", "rope", 2,
                        lambda x, rotation, inverse: ref.apply_rope(x, rotation, inverse).contiguous())
-_register_triton_first("rms_norm", "norms", 2, lambda x, weight, eps: ref.rms_norm(x, weight, eps).contiguous())
+_register_triton_first("rms_norm", "norms", 2, lambda x, weight, eps, cast_before_weight=False:
+                       ref.rms_norm(x, weight, eps, cast_before_weight).contiguous())
 _register_triton_first("sparse_attention", "attention", 9, ref.sparse_attention_over_caches)   # all but the scale
 _register_triton_first("mhc_sinkhorn", "mhc", 4, ref.mhc_sinkhorn)
 _register_triton_first("fake_quant", "cache_writes", 3, fake_quant_reference)

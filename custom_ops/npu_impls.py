@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from . import reference as ref
+
 _NS = "v41graph"
 _KEY = "privateuseone"     # torch_npu's device type before/after the rename
 
@@ -47,7 +49,9 @@ def _fused_wkv_rmsnorm_npu(x, wkv, norm_weight, eps):
     return out.to(x.dtype)
 
 
-def _rms_norm_npu(x, weight, eps):
+def _rms_norm_npu(x, weight, eps, cast_before_weight=False):
+    if cast_before_weight:     # npu_rms_norm multiplies by the weight in fp32: the reference here
+        return ref.rms_norm(x, weight, eps, True).contiguous()
     torch_npu = torch_npu_module("npu_rms_norm")
     return torch_npu.npu_rms_norm(x.float(), weight.float(), epsilon=float(eps))[0].to(x.dtype)
 

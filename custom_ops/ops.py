@@ -218,17 +218,19 @@ def _(x, rotation, inverse):
 
 
 @custom_op(f"{_NS}::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in one op: fp32 math, result in x's dtype, weight [D].
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_before_weight: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim in one op: fp32 math, result in x's dtype, weight [D]
+    (cast_before_weight: the normalised value rounded to x's dtype before the weight multiply,
+    Llama's spelling; see reference.rms_norm).
     passes/fuse_rmsnorm.py rewrites every RMSNorm the P1 fusions left (the attention, FFN and
     final norms; all of them with P1 off) into this op: one kernel instead of ~7 elementwise
     ones (upcast, square, mean, add, rsqrt, two multiplies, downcast). The result is always
     contiguous (the fast kernels write it so)."""
-    return ref.rms_norm(x, weight, eps).contiguous()
+    return ref.rms_norm(x, weight, eps, cast_before_weight).contiguous()
 
 
 @rms_norm.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, cast_before_weight=False):
     return x.new_empty(x.shape)
 
 

@@ -171,11 +171,16 @@ def apply_rope(x, rotation, inverse):
     return torch.cat([head, rotated], dim=-1)
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, cast_before_weight=False):
     """The `rms_norm` op: RMSNorm over the last dim, fp32 math, result in x's dtype. Also what
-    the model's layers.RMSNorm runs (as plain ops, which the compiler's passes match)."""
+    the model's layers.RMSNorm runs (as plain ops, which the compiler's passes match).
+    cast_before_weight: the normalised value is rounded to x's dtype before the weight multiply
+    (Llama's `weight * hidden.to(dtype)`; the fp32 product of two bf16/fp16 values is exact, so
+    this is that spelling's value whatever the weight's float dtype)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if cast_before_weight:
+        xf = xf.to(x.dtype).float()
     return (weight.float() * xf).to(x.dtype)
 
 

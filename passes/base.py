@@ -116,14 +116,27 @@ def module_path(node: fx.Node) -> str:
 def cast_dtype(node) -> "torch.dtype | None":
     """The target dtype when `node` is a plain dtype cast, else None. The graph spells a cast
     `prims.convert_element_type(x, dtype)` under Inductor's decompositions and
-    `aten._to_copy(x, dtype=dtype)` without them (our backend's default, see compiler/backend.py)."""
+    `aten._to_copy(x, dtype=dtype)` without them (our backend's default, see compiler/backend.py);
+    `Tensor.type_as` (torch.nn.RMSNorm's cast back) adds layout=strided and x's own device, and
+    `.to(dtype)` may add memory_format=preserve_format: still a plain cast."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     if node.target is torch.ops.prims.convert_element_type.default:
         return node.args[1]
-    if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"}:
-        return node.kwargs["dtype"]
-    return None
+    if node.target is not torch.ops.aten._to_copy.default or len(node.args) != 1 or "dtype" not in node.kwargs:
+        return None
+    extra = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+    if not set(extra) <= {"layout", "device", "memory_format"}:
+        return None
+    if extra.get("layout", torch.strided) not in (None, torch.strided):
+        return None
+    if extra.get("memory_format", torch.preserve_format) not in (None, torch.preserve_format):
+        return None
+    if extra.get("device") is not None:
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if val is None or val.device != torch.device(extra["device"]):
+            return None
+    return node.kwargs["dtype"]
 
 
 def _write_params(node: fx.Node) -> list:

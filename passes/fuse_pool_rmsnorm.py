@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from .base import is_call
-from .patterns import RMSNormFusion, node_val, single_user, strip_convert, transposed_weight
+from .patterns import RMSNormFusion, RMSNormMatch, feeds_only, node_val, single_user, strip_convert, transposed_weight
 
 aten = torch.ops.aten
 STATE_WRITE = torch.ops.v41graph.state_write.default
@@ -171,7 +171,11 @@ class FusePoolRMSNorm(RMSNormFusion):
             u.replace_input_with(rows, new_rows)     # the state write(s) keep writing the rows
         graph.erase_node(pooled)
 
-    def _match(self, y: fx.Node, out: fx.Node, g: fx.Node, eps: float):
+    def _match(self, norm: RMSNormMatch):
+        y, out = norm.x, norm.out
+        # the op multiplies by the weight in fp32 and the pooled latent must feed only the norm
+        if norm.cast_before_weight or not feeds_only(y, norm):
+            return None
         lat, convert_mid = strip_convert(y)
         if convert_mid is not None and not single_user(lat, convert_mid):
             return None
@@ -194,7 +198,7 @@ class FusePoolRMSNorm(RMSNormFusion):
             return None
         if tuple(out_v.shape) != (kv_v.shape[0], kv_v.shape[2]):
             return None
-        return out, (kv, score, g, eps, out_v.dtype)
+        return out, (kv, score, norm.weight, norm.eps, out_v.dtype)
 
 
 def _softmax_dim1_input(p):

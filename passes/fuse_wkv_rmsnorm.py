@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from .base import is_call
-from .patterns import RMSNormFusion, node_val, single_user, transposed_weight
+from .patterns import RMSNormFusion, RMSNormMatch, feeds_only, node_val, single_user, transposed_weight
 
 aten = torch.ops.aten
 
@@ -33,7 +33,11 @@ class FuseWkvRMSNorm(RMSNormFusion):
     kind = "linear+rmsnorm"
 
     # ------------------------------------------------------------------ matching
-    def _match(self, y: fx.Node, out: fx.Node, g_inner: fx.Node, eps: float):
+    def _match(self, norm: RMSNormMatch):
+        y, out = norm.x, norm.out
+        # the op multiplies by the weight in fp32 and the Linear's output must feed only the norm
+        if norm.cast_before_weight or not feeds_only(y, norm):
+            return None
         # the Linear: (view) <- mm(x2, permute(w)) (<- view)
         mm = y
         if is_call(y, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
@@ -52,4 +56,4 @@ class FuseWkvRMSNorm(RMSNormFusion):
             return None
         if tuple(ov.shape) != (*xv.shape[:-1], wv.shape[0]):
             return None
-        return out, (x, w, g_inner, eps)
+        return out, (x, w, norm.weight, norm.eps)

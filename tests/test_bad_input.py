@@ -276,3 +276,90 @@ def test_release_of_an_unknown_sequence_is_a_clear_error(tiny_model):
         s.release(999)
     _assert_unchanged(s, before)
     _check_same_next_decode(s, ref)
+
+
+# =============================================================================== the model contract
+def _contract_step(s: Session, n_tokens=3):
+    """(input_ids, positions, metadata) of a valid one-sequence step of n tokens on a free slot."""
+    meta = build_metadata([1], [0], [n_tokens], [[s.allocator.num_free - 1]], s.max_blocks)
+    return torch.arange(n_tokens) + 5, torch.arange(n_tokens), meta
+
+
+@pytest.mark.parametrize("change, error, what", [
+    (lambda i, p, m: (i.float(), p, m), TypeError, r"input_ids must be an integer tensor, got torch\.float32"),
+    (lambda i, p, m: (i.bool(), p, m), TypeError, r"input_ids must be an integer tensor, got torch\.bool"),
+    (lambda i, p, m: (i[None], p, m), ValueError, r"input_ids must be 1-D \[N\].*\[1, 3\]"),
+    (lambda i, p, m: (i, p.double(), m), TypeError, r"positions must be an integer tensor"),
+    (lambda i, p, m: (i, torch.arange(4), m), ValueError, r"positions has 4 entries but input_ids 3"),
+    (lambda i, p, m: (i[:2], p[:2], m), ValueError, r"metadata\.token_seq has shape \[3\]; dim 0 must be its tokens count 2"),
+    (lambda i, p, m: (i.tolist(), p, m), TypeError, r"input_ids must be a torch\.Tensor, got list"),
+    (lambda i, p, m: (i, p, None), TypeError, r"metadata must be an AttentionMetadata, got NoneType"),
+])
+def test_model_contract_inputs_are_checked_at_the_boundary(tiny_model, change, error, what):
+    """model(input_ids, positions, caches, metadata) with float / 2-D ids, mismatched lengths or
+    no metadata: an error naming the argument and the rule, raised before any layer ran (no
+    cache written: the next decode of the running sequences is the clean twin's)."""
+    s, ref = _twins(tiny_model, PROMPTS, **KW)
+    before = _state(s)
+    ids, pos, meta = change(*_contract_step(s))
+    with pytest.raises(error, match=what):
+        tiny_model(ids, pos, s.caches, meta)
+    _assert_unchanged(s, before)
+    _check_same_next_decode(s, ref)
+
+
+# =============================================================================== configs
+@pytest.mark.parametrize("field, value, error, what", [
+    ("sliding_window", 0, ValueError, r"'sliding_window': must be > 0, got 0"),
+    ("head_dim", 48, ValueError, r"'head_dim': must be a multiple of the quantization block 32"),
+    ("o_groups", 3, ValueError, r"'o_groups': must divide num_attention_heads \(4\), got 3"),
+    ("hidden_size", -64, ValueError, r"'hidden_size': must be > 0, got -64"),
+    ("index_topk", -1, ValueError, r"'index_topk': must be > 0, got -1"),
+    ("num_experts_per_tok", -1, ValueError, r"'num_experts_per_tok': must be > 0, got -1"),
+    ("num_experts_per_tok", 5, ValueError, r"'num_experts_per_tok': must be at most n_routed_experts \(4\)"),
+    ("qk_rope_head_dim", 15, ValueError, r"'qk_rope_head_dim': must be even"),
+    ("engram_pad_token_id", 256, ValueError, r"'engram_pad_token_id': must be a token id below vocab_size \(256\)"),
+    ("rms_norm_eps", float("nan"), ValueError, r"'rms_norm_eps': must be a finite number >= 0"),
+    ("scoring_func", "softmax", ValueError, r"'scoring_func': must be one of \['sqrtsoftplus'\]"),
+    ("hidden_size", "64", TypeError, r"'hidden_size' must be int, got str '64'"),
+    ("vocab_size", 256.0, TypeError, r"'vocab_size' must be int, got float"),
+    ("fake_quant", 1, TypeError, r"'fake_quant' must be bool, got int"),
+    ("compress_ratios", [0, 0, 2.0], TypeError, r"'compress_ratios' must be a list of ints"),
+])
+def test_config_fields_are_validated_at_construction(field, value, error, what):
+    """A config that would build and then fail in the first forward, or run with nonsense, is
+    refused when it is made (by any route: constructor, tiny(**overrides), dataclasses.replace)."""
+    import dataclasses
+    with pytest.raises(error, match=what):
+        v41graph.V41Config.tiny(**{field: value})
+    with pytest.raises(error, match=what):
+        dataclasses.replace(v41graph.V41Config.tiny(), **{field: value})
+
+
+def test_config_json_with_a_string_for_a_number_names_file_and_field(tmp_path):
+    import json
+    raw = v41graph.V41Config.tiny().to_hf_dict()
+    raw["num_attention_heads"] = "4"
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(TypeError, match=r"config\.json: config field 'num_attention_heads' must be int, got str '4'"):
+        v41graph.V41Config.from_json(tmp_path)
+
+
+def test_checkpoint_config_round_trip_keeps_hf_keys_and_leaves_ours_out(tmp_path):
+    """save_pretrained writes config.json as released (keys v41graph does not use kept, its own
+    settings left out) and v41graph.json with those settings; from_json reads both back."""
+    import json
+    cfg = v41graph.V41Config.from_dict({**v41graph.V41Config.tiny().to_hf_dict(), "pad_token_id": 1,
+                                        "bos_token_id": 0, "eos_token_id": 1, "model_type": "deepseek_v41",
+                                        "architectures": ["DeepseekV41ForCausalLM"], "fake_quant": False,
+                                        "weight_format": "dense"})
+    cfg.save_pretrained(tmp_path)
+    official = json.loads((tmp_path / "config.json").read_text())
+    assert {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 1, "model_type": "deepseek_v41",
+            "architectures": ["DeepseekV41ForCausalLM"]}.items() <= official.items()
+    assert "fake_quant" not in official and "weight_format" not in official and "extra" not in official
+    assert json.loads((tmp_path / "v41graph.json").read_text()) == {"fake_quant": False, "weight_format": "dense"}
+    assert v41graph.V41Config.from_json(tmp_path) == cfg
+    (tmp_path / "v41graph.json").write_text(json.dumps({"fake_quant": False, "hidden_size": 8}))
+    with pytest.raises(ValueError, match=r"v41graph\.json: unknown v41graph settings \['hidden_size'\]"):
+        v41graph.V41Config.from_json(tmp_path)

@@ -183,12 +183,18 @@ def test_from_json_accepts_a_directory(golden_config_path):
     assert V41Config.from_json(golden_config_path.parent) == V41Config.from_json(golden_config_path)
 
 
-def test_from_json_unknown_field_raises(golden_config_path, tmp_path):
+def test_from_json_keeps_unknown_fields(golden_config_path, tmp_path, caplog):
+    """A released config.json carries keys v41graph does not use (pad_token_id, architectures...):
+    they load, are kept in `extra` and come back out of save_pretrained; a near miss of a field's
+    name is warned about."""
     raw = json.loads(golden_config_path.read_text())
-    raw["definitely_not_a_field"] = 1
+    raw.update(pad_token_id=1, architectures=["DeepseekV41ForCausalLM"], hiden_size=7)
     p = tmp_path / "config.json"
     p.write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="definitely_not_a_field"):
-        V41Config.from_json(p)
-    with pytest.raises(ValueError, match="unknown field"):
-        V41Config.from_dict({"dim": 64, "bogus_knob": True})
+    with caplog.at_level("WARNING", logger="v41graph.model.config"):
+        cfg = V41Config.from_json(p)
+    assert cfg.extra["pad_token_id"] == 1 and cfg.extra["architectures"] == ["DeepseekV41ForCausalLM"]
+    assert cfg.hidden_size == raw["dim"]                  # the misspelt key did not set the field
+    assert [r.message for r in caplog.records if "hiden_size" in r.message] == [
+        "config.json: unknown field 'hiden_size' kept as is (did you mean 'hidden_size'?)"]
+    assert V41Config.from_dict({"dim": 64, "bogus_knob": True}).extra == {"bogus_knob": True}

@@ -78,15 +78,19 @@ def _wkv_rmsnorm_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, acc_ptr, cnt_ptr,
 
 
 @triton.jit
-def _rmsnorm_rows_kernel(y_ptr, nw_ptr, out_ptr, M, N, eps, BR: tl.constexpr, NP2: tl.constexpr):
+def _rmsnorm_rows_kernel(y_ptr, nw_ptr, out_ptr, M, N, eps, BR: tl.constexpr, NP2: tl.constexpr,
+                         CAST_BEFORE_WEIGHT: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, NP2)
     msk = (rows < M)[:, None] & (cols < N)[None, :]
     off = rows[:, None].to(tl.int64) * N + cols[None, :]
     y = tl.load(y_ptr + off, mask=msk, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(y * y, axis=1) / N + eps)
+    normed = y * r[:, None]
+    if CAST_BEFORE_WEIGHT:
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     nw = tl.load(nw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + off, (nw[None, :] * (y * r[:, None])).to(out_ptr.dtype.element_ty), mask=msk)
+    tl.store(out_ptr + off, (nw[None, :] * normed).to(out_ptr.dtype.element_ty), mask=msk)
 
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -95,7 +99,7 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and 0 < x.shape[-1] <= 16384)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_before_weight: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim (reference.rms_norm): one program per row (per 4 rows when rows
     are short), fp32 math, result in x's dtype, contiguous."""
     x2 = _rows(x)
@@ -105,7 +109,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         np2 = max(16, triton.next_power_of_2(n))
         rows = 1 if np2 >= 2048 else 4
         _rmsnorm_rows_kernel[(triton.cdiv(m, rows),)](
-            x2, weight, out, m, n, float(eps), BR=rows, NP2=np2, num_warps=8 if np2 >= 4096 else 4)
+            x2, weight, out, m, n, float(eps), BR=rows, NP2=np2, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
+            num_warps=8 if np2 >= 4096 else 4)
     return out
 
 

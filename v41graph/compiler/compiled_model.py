@@ -23,6 +23,7 @@ import torch
 
 from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.metadata import AttentionMetadata
+from v41graph.model.model import check_step_inputs
 from .backend import TracedGraph, make_backend, raise_dynamo_recompile_limit, resolve_platform
 
 
@@ -118,16 +119,19 @@ class CompiledModel:
         # allocator (INTERNAL ASSERT use_count > 0, torch 2.11, seen on the H200).
         self.graph_pool = None
 
-    def _check_device(self, input_ids, positions) -> None:
+    def _check_inputs(self, input_ids, positions, metadata) -> None:
+        """The device and the model contract's checks (check_step_inputs), before any graph runs
+        (a captured replay runs no Python of the model's)."""
         for name, t in (("input_ids", input_ids), ("positions", positions)):
-            if t.device != self.device:
+            if isinstance(t, torch.Tensor) and t.device != self.device:
                 raise ValueError(f"{name} is on {t.device} but the compiled model is on {self.device}")
+        check_step_inputs(input_ids, positions, metadata)
 
     def decode(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata):
         """One decode step (one token per sequence, the logits of each): its bucket's graph,
         padded to the bucket and captured on CUDA. The caller (Session, Engine) knows a step is
         a decode step and says so by calling this; the model contract is V41Model.decode."""
-        self._check_device(input_ids, positions)
+        self._check_inputs(input_ids, positions, metadata)
         if input_ids.shape[0] != metadata.num_seqs:
             raise ValueError(f"decode: {input_ids.shape[0]} tokens for {metadata.num_seqs} sequences; "
                              f"a decode step has one token per sequence")
@@ -146,7 +150,7 @@ class CompiledModel:
         of a static trace and recompiles as the counts change (a step of one sequence gets one
         more trace: Dynamo specializes sizes of 1). decoder_replay (data-dependent shapes) runs
         the eager model. Decode steps go through `decode()`."""
-        self._check_device(input_ids, positions)
+        self._check_inputs(input_ids, positions, metadata)
         # only passed when asked for, so the plain prefill call (and its trace) stays as it was
         extra = {"return_streams": tuple(return_streams)} if return_streams else {}
         with torch.no_grad():

@@ -143,6 +143,7 @@ class V41Model(nn.Module):
         token, a later one only the replayed ones (as its debug entry). Empty (the default):
         the logits alone, as always.
         """
+        check_step_inputs(input_ids, positions, metadata)
         wanted = tuple(int(i) for i in return_streams)
         bad = [i for i in wanted if not 0 <= i < len(self.layers)]
         if bad:
@@ -197,6 +198,25 @@ class V41Model(nn.Module):
         runtime calls this for decode steps so that a compiled model (CompiledModel.decode)
         can run them through its captured buckets."""
         return self(input_ids, positions, caches, metadata)
+
+
+def check_step_inputs(input_ids, positions, metadata) -> None:
+    """The model contract's inputs, checked where they enter (shapes and dtypes only, so a
+    traced graph keeps no data-dependent branch): input_ids and positions integer [N] tensors of
+    one length, metadata an AttentionMetadata of N tokens."""
+    for name, t in (("input_ids", input_ids), ("positions", positions)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D [N] (the step's tokens, flattened), got shape {list(t.shape)}")
+    if positions.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"positions has {positions.shape[0]} entries but input_ids {input_ids.shape[0]}: "
+                         "one position per token")
+    if not isinstance(metadata, AttentionMetadata):
+        raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
+    metadata.check_batch(input_ids.shape[0])
 
 
 def init_random_weights_(module: nn.Module, generator: torch.Generator) -> nn.Module:

@@ -86,10 +86,11 @@ def open_validated(path: Path, overrides: dict | None = None):
     ckpt = Checkpoint.open(path)
     config = V41Config.from_json(ckpt.config_path)
     file_format = config.weight_format
-    for k, v in (overrides or {}).items():
-        if not hasattr(config, k):
+    fields = {f.name for f in dataclasses.fields(config)} - {"extra"}
+    for k in overrides or {}:
+        if k not in fields:
             raise TypeError(f"unknown config override {k!r}")
-        setattr(config, k, v)
+    config = dataclasses.replace(config, **(overrides or {}))      # validated like any config
     layout = dataclasses.replace(config, weight_format=file_format)
     specs = official_tensor_specs(layout, include_mtp=True)
     validate_checkpoint(ckpt, specs, ckpt.config_path)

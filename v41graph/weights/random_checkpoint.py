@@ -166,5 +166,5 @@ def write_random_checkpoint(config: V41Config, out: str | Path, seed: int = 0, *
                 if name.startswith("mtp."):
                     w.write(name, _random_official(spec, specs, _unit_generator(seed, next(counter))))
         files = [w.dir / f for f in w.file_names]
-    config.save_json(out / "config.json")
+    config.save_pretrained(out)
     return files

@@ -115,7 +115,7 @@ def save_pretrained(model: V41Model, path: str | Path, *,
     finally:
         if mtp_ckpt is not None:
             mtp_ckpt.close()
-    config.save_json(path / "config.json")
+    config.save_pretrained(path)
     if source is not None and Path(source).resolve() != path.resolve():
         for fname in copy_files:
             if (Path(source) / fname).is_file():
