@@ -196,7 +196,8 @@ class FusePoolRMSNorm(RMSNormFusion):
             return None
         if kv_v.dtype != torch.float32 or sc_v.dtype != torch.float32:
             return None
-        if tuple(out_v.shape) != (kv_v.shape[0], kv_v.shape[2]):
+        if tuple(out_v.shape) != (kv_v.shape[0], kv_v.shape[2]) or node_val(y) is None \
+                or node_val(y).dtype != out_v.dtype:      # the op normalises in its output dtype
             return None
         return out, (kv, score, norm.weight, norm.eps, out_v.dtype)
 

@@ -79,7 +79,7 @@ def match_rmsnorm(rsqrt: fx.Node) -> RMSNormMatch | None:
     if not (is_call(add, aten.add.Tensor, aten.add.Scalar) and isinstance(add.args[1], (int, float))):
         return None
     eps, mean = float(add.args[1]), add.args[0]
-    if not (is_call(mean, aten.mean.dim) and not mean.kwargs.get("dtype")
+    if not (is_call(mean, aten.mean.dim) and len(mean.args) <= 3 and mean.kwargs.get("dtype") is None
             and single_user(mean, add) and single_user(add, rsqrt) and len(rsqrt.users) == 1):
         return None
     square = mean.args[0]

@@ -126,6 +126,26 @@ def test_rms_norm(shape, dtype):
     assert torch.equal(ops.rms_norm(wide, wd, eps), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(64, 5120), (3, 7, 512), (9, 33)])
+def test_rms_norm_cast_before_weight(shape, dtype):
+    """Llama's spelling (normalised value rounded to x's dtype, then times the weight): the
+    Triton kernel against the same spelling in torch on the GPU, within one rounding of the
+    normalised value (the kernel's sum order differs from torch's mean)."""
+    g = _rng(400 + shape[-1])
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(DEV)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).to(DEV)
+    eps = 1e-6
+    out = ops.rms_norm(x, w, eps, True)
+    h = x.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    assert out.dtype == dtype and out.shape == x.shape
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    assert ((out.float() - want.float()).abs() <= want.float().abs() * 2 * ulp + 1e-6).all()
+    # differs from the cast-after spelling somewhere (the flag reaches the kernel)
+    assert not torch.equal(out, ops.rms_norm(x, w, eps))
+
+
 # =============================================================================== rope
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape,pairs", [((1, 512), 32), ((64, 512), 32), ((64, 64, 512), 32),

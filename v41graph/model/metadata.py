@@ -88,10 +88,11 @@ class AttentionMetadata:
                 made[f.name] = torch.full(shape, scratch_slot if kind == "scratch" else kind, **i64)
         return cls(**made)
 
-    def check_batch(self, num_tokens: int, what: str = "metadata") -> None:
+    def check_batch(self, num_tokens: int, what: str = "metadata", sizes: bool = True) -> None:
         """Every tensor field is an integer tensor whose dim 0 is its rows kind's count for a
         batch of `num_tokens` tokens and this metadata's sequences (a clear error naming the
-        field, not an index error deep inside a layer). Shapes and dtypes only: no host sync."""
+        field, not an index error deep inside a layer). Shapes and dtypes only: no host sync;
+        sizes=False checks types and ranks only (see model.check_step_inputs)."""
         b = self.num_seqs
         counts = {"tokens": num_tokens, "seqs": b, "seqs+1": b + 1}
         for f in self.tensor_fields():
@@ -103,7 +104,7 @@ class AttentionMetadata:
                 raise TypeError(f"{what}.{f.name} must be an integer tensor, got "
                                 f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
             want = counts[f.metadata["rows"]]
-            if t.dim() == 0 or t.shape[0] != want:
+            if t.dim() == 0 or (sizes and t.shape[0] != want):
                 raise ValueError(f"{what}.{f.name} has shape {list(t.shape)}; dim 0 must be its "
                                  f"{f.metadata['rows']} count {want} ({num_tokens} tokens of {b} sequences)")
 

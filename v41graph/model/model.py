@@ -203,7 +203,9 @@ class V41Model(nn.Module):
 def check_step_inputs(input_ids, positions, metadata) -> None:
     """The model contract's inputs, checked where they enter (shapes and dtypes only, so a
     traced graph keeps no data-dependent branch): input_ids and positions integer [N] tensors of
-    one length, metadata an AttentionMetadata of N tokens."""
+    one length, metadata an AttentionMetadata of N tokens. Under torch.compile only the types,
+    dtypes and ranks are checked: comparing sizes there would guard on them, and a decode graph
+    with an unbacked batch size cannot (CompiledModel runs every check before its graphs)."""
     for name, t in (("input_ids", input_ids), ("positions", positions)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -211,12 +213,13 @@ def check_step_inputs(input_ids, positions, metadata) -> None:
             raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
         if t.dim() != 1:
             raise ValueError(f"{name} must be 1-D [N] (the step's tokens, flattened), got shape {list(t.shape)}")
-    if positions.shape[0] != input_ids.shape[0]:
-        raise ValueError(f"positions has {positions.shape[0]} entries but input_ids {input_ids.shape[0]}: "
-                         "one position per token")
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
-    metadata.check_batch(input_ids.shape[0])
+    sizes = not torch.compiler.is_compiling()
+    if sizes and positions.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"positions has {positions.shape[0]} entries but input_ids {input_ids.shape[0]}: "
+                         "one position per token")
+    metadata.check_batch(input_ids.shape[0], sizes=sizes)
 
 
 def init_random_weights_(module: nn.Module, generator: torch.Generator) -> nn.Module:
