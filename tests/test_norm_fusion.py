@@ -140,24 +140,26 @@ RMSNORM_CASES = [
 ]
 
 
-def _compile(module, x, passes):
-    """(compiled output, eager output, harness) of `module` on x through our backend (Dynamo's
-    caches reset first: every case compiles the same forward code objects anew)."""
+def _compiled_exactly(make, shape, dtype, passes) -> PassHarness:
+    """The case's module (made by `make(dtype)`) on a random input of `shape` compiled through our
+    backend with `passes` (Dynamo's caches reset first: every case compiles the same forward code
+    objects anew); its output equals eager bit for bit. Returns the harness holding the graph."""
+    torch.manual_seed(0)
+    module = make(dtype).eval().requires_grad_(False)
+    x = torch.randn(shape).to(dtype)
     torch._dynamo.reset()
     h = PassHarness(passes)
     out = h.compile(module)(x)
     assert len(h.traced) == 1
-    return out, module(x), h
+    want = module(x)
+    assert torch.equal(out, want), (out.float() - want.float()).abs().max()
+    return h
 
 
 @pytest.mark.parametrize("make, shape, dtype, fused", [c[1:] for c in RMSNORM_CASES],
                          ids=[c[0] for c in RMSNORM_CASES])
 def test_fuse_rmsnorm_exact_or_refused(make, shape, dtype, fused, reference_threads):
-    torch.manual_seed(0)
-    module = make(dtype).eval().requires_grad_(False)
-    x = torch.randn(shape).to(dtype)
-    out, want, h = _compile(module, x, ["cleanup", "fuse_rmsnorm"])
-    assert torch.equal(out, want), (out.float() - want.float()).abs().max()
+    h = _compiled_exactly(make, shape, dtype, ["cleanup", "fuse_rmsnorm"])
     g = h.after()
     nodes = [n for n in g.graph.nodes if n.op == "call_function" and n.target is ops.rms_norm.default]
     assert len(nodes) == (1 if fused else 0)
@@ -166,10 +168,8 @@ def test_fuse_rmsnorm_exact_or_refused(make, shape, dtype, fused, reference_thre
         assert nodes[0].args[3] == (fused == CAST_FIRST)
 
 
-def test_fuse_rmsnorm_keeps_eps():
-    torch.manual_seed(0)
-    module = TorchNorm(D, F32, eps=1e-3).eval().requires_grad_(False)
-    _, _, h = _compile(module, torch.randn(4, D), ["cleanup", "fuse_rmsnorm"])
+def test_fuse_rmsnorm_keeps_eps(reference_threads):
+    h = _compiled_exactly(lambda dt: TorchNorm(D, dt, eps=1e-3), (4, D), F32, ["cleanup", "fuse_rmsnorm"])
     (node,) = [n for n in h.after().graph.nodes if n.target is ops.rms_norm.default]
     assert node.args[2] == pytest.approx(1e-3, rel=1e-6)
 
@@ -218,11 +218,7 @@ P1_CASES = [
 
 @pytest.mark.parametrize("make, shape, dtype, fused", [c[1:] for c in P1_CASES], ids=[c[0] for c in P1_CASES])
 def test_p1_exact_or_refused(make, shape, dtype, fused, reference_threads):
-    torch.manual_seed(0)
-    module = make(dtype).eval().requires_grad_(False)
-    x = torch.randn(shape).to(dtype)
-    out, want, h = _compile(module, x, ["cleanup", "fuse_wkv_rmsnorm"])
-    assert torch.equal(out, want), (out.float() - want.float()).abs().max()
+    h = _compiled_exactly(make, shape, dtype, ["cleanup", "fuse_wkv_rmsnorm"])
     g = h.after()
     assert count_ops(g, ops.fused_wkv_rmsnorm.default) == fused
     assert count_ops(g, aten.mm.default, aten.addmm.default) == 1 - fused
