@@ -274,5 +274,8 @@ def build_server(args):
 
 def serve_main(args) -> int:
     server, _ = build_server(args)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:   # uvicorn shuts down on Ctrl-C, then raises it again
+        pass
     return 0
