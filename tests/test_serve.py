@@ -313,6 +313,32 @@ def test_openai_client(server, hf, reference):
     assert [m.id for m in client.models.list()] == [NAME]
 
 
+def test_a_failed_step_fails_the_running_requests_and_serving_goes_on(server):
+    base, app = server
+    loop_, url = app.state.engine_loop, f"{base}/v1/chat/completions"
+    eng = loop_.engine
+    real_step, failures = eng.step, []
+
+    def step_that_fails_once():
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected step failure")
+        return real_step()
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    eng.step = step_that_fails_once        # read by the engine thread at its next step
+    try:
+        r = httpx.post(url, json=body, timeout=120)
+        assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
+        h = _wait_idle(base)
+        assert h["status"] == "degraded" and "injected step failure" in h["error"]
+        assert h["free_blocks"] == h["total_blocks"] and h["free_slots"] == h["total_slots"]
+        r = httpx.post(url, json=body, timeout=120)       # the next request is served
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        del eng.step
+        loop_.error = None
+
+
 # ================================================================================ the command itself
 def test_serve_command_starts_and_stops(tiny_checkpoint):
     sock = socket.socket()

@@ -44,10 +44,10 @@ and slot are freed on finish and on abort.
 Validation (`add_request`) happens before anything is queued: empty prompts, token ids outside
 the vocabulary, contexts longer than `max_seq_len` / `max_position_embeddings`, and requests that
 need more blocks than the whole pool raise `RequestError` / `CacheCapacityError`; token ids must
-be integers (a string or floats are refused, not coerced); nothing about the other requests
-changes. A stream callback that raises fails its own request only: it finishes with reason
-"error" (its blocks and slot freed, the exception text in `RequestOutput.error`) and the step
-goes on with every other request.
+be integers (floats are refused, not coerced; a string is a text prompt, which needs a
+tokenizer); nothing about the other requests changes. A stream callback that raises fails its
+own request only: it finishes with reason "error" (its blocks and slot freed, the exception text
+in `RequestOutput.error`) and the step goes on with every other request.
 
 Text (runtime/text.py): with a tokenizer (`Engine(..., tokenizer=DIR)`, or by default the one in
 the checkpoint folder a `from_pretrained` model came from) a prompt may be a string (encoded with
@@ -193,8 +193,10 @@ class Engine(StepRunner):
         template with the generation prompt. Raises RequestError for what cannot be a prompt."""
         if isinstance(prompt, str) or is_chat(prompt):
             if self.tokenizer is None:
-                raise RequestError("a text or chat prompt needs a tokenizer: Engine(..., tokenizer=DIR) "
-                                   "or a model loaded from a checkpoint folder with tokenizer.json")
+                what = ("token_ids must be a sequence of integer token ids, got a str; a text prompt"
+                        if isinstance(prompt, str) else "a chat prompt")
+                raise RequestError(f"{what} needs a tokenizer: Engine(..., tokenizer=DIR) or a model "
+                                   f"loaded from a checkpoint folder with tokenizer.json")
             if isinstance(prompt, str) and not prompt:
                 raise RequestError("empty prompt: the prompt text is an empty string")
             try:

@@ -17,5 +17,8 @@ def add_serve_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=16, help="cache block size in tokens (default 16)")
     p.add_argument("--num-blocks", type=int, default=None, help="cache blocks (default: every slot at max-seq-len)")
     p.add_argument("--device", default=None, help="torch device of the model (default: stay on the CPU)")
-    p.add_argument("--numerics", default="fast", choices=("fast", "reference"), help="default: fast")
-    p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    p.add_argument("--numerics", default="fast", choices=("fast", "reference"),
+                   help="weight arithmetic: fast (weights dequantized once) or reference "
+                        "(DeepSeek's blockwise FP8 GEMMs); default fast")
+    p.add_argument("--log-level", default="info",
+                   help="uvicorn's log level: critical, error, warning, info, debug (default info)")

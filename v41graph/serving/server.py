@@ -192,10 +192,12 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         now = int(time.time())
 
         def choice(text, reason, delta: bool):
+            if chat and delta:     # OpenAI's closing chunk has an empty delta
+                return {"index": 0, "delta": {"content": text} if text or reason is None else {},
+                        "logprobs": None, "finish_reason": reason}
             if chat:
-                content = {"delta" if delta else "message": (
-                    {"content": text} if delta else {"role": "assistant", "content": text})}
-                return {"index": 0, **content, "logprobs": None, "finish_reason": reason}
+                return {"index": 0, "message": {"role": "assistant", "content": text},
+                        "logprobs": None, "finish_reason": reason}
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
         if not body.stream:
