@@ -339,6 +339,31 @@ def test_a_failed_step_fails_the_running_requests_and_serving_goes_on(server):
         loop_.error = None
 
 
+def test_engine_loop_refuses_what_the_pool_can_never_hold(tiny_model):
+    """Without HTTP: a request needing more blocks than the whole pool is refused (400), and the
+    engine thread goes on serving."""
+    from v41graph.serving.engine_loop import EngineLoop, Submission
+
+    loop_ = EngineLoop(Engine(tiny_model, 2, 64, block_size=16, num_blocks=2, tokenizer=False))
+    loop_.start()
+
+    async def submit(ids, max_tokens):
+        sub = Submission(ids, lambda n: SamplingParams(max_tokens=max_tokens), asyncio.get_running_loop())
+        loop_.submit(sub)
+        events = [await asyncio.wait_for(sub.events.get(), 60)]
+        while events[-1][0] not in ("rejected", "finished"):
+            events.append(await asyncio.wait_for(sub.events.get(), 60))
+        return events
+    try:
+        too_big = asyncio.run(submit([1, 2, 3], 40))
+        fits = asyncio.run(submit([1, 2, 3], 2))
+    finally:
+        loop_.stop()
+    assert too_big == [("rejected", 400, "request needs 3 cache blocks but the pool has only 2")]
+    assert fits[0] == ("accepted", 3) and fits[-1] == ("finished", "length", None, 2)
+    assert loop_.snapshot()["free_blocks"] == 2
+
+
 # ================================================================================ the command itself
 def test_serve_command_starts_and_stops(tiny_checkpoint):
     sock = socket.socket()

@@ -3,7 +3,7 @@ call it. They hand work over through a thread-safe command queue (`submit`, `abo
 events back on their own asyncio.Queue (`call_soon_threadsafe`):
 
     ("accepted", prompt_tokens)                   the request passed validation and is queued
-    ("rejected", message)                         a RequestError: HTTP 400 with that message
+    ("rejected", status, message)                 refused (400: a bad request; 500: a bug)
     ("text", text_delta, new_tokens)              output text that may be shown now
     ("finished", finish_reason, error, tokens)    stop | length | abort | error
 
@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from v41graph.runtime.batch import CacheCapacityError
 from v41graph.runtime.engine import Engine, RequestError
 from v41graph.runtime.sampling import SamplingParams
 
@@ -113,8 +114,12 @@ class EngineLoop:
                 ids = eng.prompt_ids(sub.prompt)
                 params = sub.make_params(len(ids))
                 rid = eng.add_request(ids, params, callback=lambda r, new, fin: self._on_tokens(sub, new, fin))
-            except (RequestError, ValueError, TypeError) as e:
-                sub._put(("rejected", str(e)))
+            except (RequestError, CacheCapacityError, ValueError, TypeError) as e:
+                sub._put(("rejected", 400, str(e)))
+                return
+            except Exception as e:   # noqa: BLE001  (a bug: refuse this request, keep serving)
+                log.exception("adding a request failed")
+                sub._put(("rejected", 500, f"adding the request failed: {type(e).__name__}: {e}"))
                 return
             sub.request_id = rid
             self._live[rid] = sub

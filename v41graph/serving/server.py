@@ -128,7 +128,9 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         event = await sub.events.get()
         if event[0] == "rejected":
             sub.finished = True
-            return None, _error(400, event[1])
+            status, message = event[1], event[2]
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            return None, _error(status, message, kind=kind)
         return sub, event[1]
 
     def _close(sub: Submission):
