@@ -10,7 +10,9 @@ norm, head, each Engram module, each layer; DSpark `mtp.*` tensors one by one wi
 rules; Engram tables in blocks of rows), each written at its final offset and freed, so peak
 memory is about one layer whatever the config. Named configs are written with
 weight_format="checkpoint" (FP8 / FP4 as released) unless --weight-format dense; a JSON config
-keeps its own weight_format. Load the result with `v41graph.from_pretrained(DIR)`.
+keeps its own weight_format. A small real tokenizer (byte-level BPE over the config's vocabulary,
+with a chat template) is written too, unless --no-tokenizer. Load the result with
+`v41graph.from_pretrained(DIR)`; `v41graph serve DIR` serves it over HTTP.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single-file", action="store_true", help="one model.safetensors, no index")
     ap.add_argument("--weight-format", choices=("checkpoint", "dense"), default=None)
     ap.add_argument("--no-mtp", action="store_true", help="leave out the DSpark stages (mtp.*)")
+    ap.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     ap.add_argument("--dry-run", action="store_true", help="print the shard plan, write nothing")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     args = ap.parse_args(argv)
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     write_random_checkpoint(config, args.out, args.seed, max_shard_bytes=max_bytes,
                             single_file=args.single_file or None, include_mtp=not args.no_mtp,
-                            progress=False if args.quiet else True)
+                            tokenizer=not args.no_tokenizer, progress=False if args.quiet else True)
     print(f"wrote {args.out} in {time.time() - t0:.1f} s")
     return 0
 

@@ -70,3 +70,14 @@ def fresh_dynamo():
     entries of all earlier modules too, so the order of modules would decide what fails."""
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A random tiny checkpoint folder with its small real tokenizer (random_tokenizer.py):
+    what `v41graph serve` and the text tests load."""
+    from v41graph.weights.random_checkpoint import write_random_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_checkpoint")
+    write_random_checkpoint(v41graph.V41Config.tiny(), out, seed=0, progress=False)
+    return out

@@ -9,7 +9,11 @@ start of a step.  The pieces:
     - ``engram_offsets``     where each head's slice starts in the layer table
     - ``engram_table_rows``  rows of a layer's table (= engram_num_embeddings)
     - ``engram_multipliers`` odd int64 multipliers per layer, from numpy's RNG
-    - ``build_compressed_token_map``  tokenizer id -> compressed (normalised) id
+    - ``build_compressed_token_map``  tokenizer id -> compressed (normalised) id; the
+      normalisation is `tokenizers`' own normalizers in the reference's order
+      (``engram_normalizer``); what the library has no step for is written here: the key rule
+      (U+FFFD texts keep their raw token string, an empty result keeps the original text) and
+      the first-appearance numbering
 * device side, every step (plain torch int64 ops, static shapes):
     - ``engram_prefill_history`` / ``engram_roll_history``  the previous N-1
       compressed ids of each token, padded at the sequence start
@@ -22,7 +26,7 @@ shared/golden/golden_v41_tiny (see tests/test_engram_hash.py).
 
 from __future__ import annotations
 
-import unicodedata
+import functools
 from typing import Optional, Sequence
 
 import numpy as np
@@ -37,7 +41,9 @@ __all__ = [
     "engram_table_rows",
     "engram_multipliers",
     "engram_hash_params",
+    "engram_normalizer",
     "normalize_token_text",
+    "tokenizer_token_texts",
     "build_compressed_token_map",
     "engram_prefill_history",
     "engram_roll_history",
@@ -189,52 +195,42 @@ def engram_hash_params(
 # Compressed token map
 # --------------------------------------------------------------------------
 
-# Characters Rust's char::is_whitespace accepts (Unicode White_Space), which is
-# what the tokenizers Strip normalizer trims.  Python's str.strip() differs
-# (it also trims U+001C..U+001F), so we spell the set out.
-_WHITE_SPACE = frozenset(
-    "\t\n\x0b\x0c\r \x85\xa0\u1680"
-    + "".join(chr(c) for c in range(0x2000, 0x200B))
-    + "\u2028\u2029\u202f\u205f\u3000"
-)
-# Only these four characters are collapsed (the reference regex is [ \t\r\n]+).
-_COLLAPSE = frozenset(" \t\r\n")
-# Private-use char the reference uses to protect a lone " " from Strip.
-_SENTINEL = "\ue000"
+_SENTINEL = "\ue000"          # private-use char the reference uses to protect a lone " " from Strip
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+@functools.cache
+def engram_normalizer():
+    """The reference's normalizer chain, built from `tokenizers`' own normalizers as the
+    reference builds it: NFKC -> NFD -> StripAccents -> Lowercase -> collapse [ \\t\\r\\n]+ to
+    " " -> a string that is exactly " " becomes the sentinel -> Strip -> sentinel back to " ".
+    (The library itself, not a re-implementation: its Unicode tables, e.g. which characters are
+    marks, are not Python's unicodedata ones, and the reference's map follows the library.)"""
+    from tokenizers import Regex, normalizers
+
+    return normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), _SENTINEL),
+        normalizers.Strip(),
+        normalizers.Replace(_SENTINEL, " "),
+    ])
+
+
 def normalize_token_text(text: str) -> str:
-    """The reference normalizer chain, step by step, with Python's unicodedata:
-    NFKC -> NFD -> drop marks -> lowercase -> collapse [ \\t\\r\\n]+ to " " ->
-    a string that is exactly " " becomes the sentinel -> strip White_Space at
-    both ends -> sentinel back to " ".  Net effect: a whitespace-only token
-    like "  " or "\\n" normalises to " " (not to ""), while " the" -> "the"."""
-    s = unicodedata.normalize("NFKC", text)
-    s = unicodedata.normalize("NFD", s)
-    # StripAccents removes every General_Category=Mark char (Mn, Mc, Me).
-    s = "".join(c for c in s if not unicodedata.category(c).startswith("M"))
-    # Lowercase char by char (no context-sensitive final sigma), as tokenizers does.
-    s = "".join(c.lower() for c in s)
-    # Collapse runs of the four ASCII whitespace chars.
-    out, prev_ws = [], False
-    for c in s:
-        if c in _COLLAPSE:
-            if not prev_ws:
-                out.append(" ")
-            prev_ws = True
-        else:
-            out.append(c)
-            prev_ws = False
-    s = "".join(out)
-    if s == " ":  # the "^ $" rule: no newline can survive the collapse above
-        s = _SENTINEL
-    i, j = 0, len(s)
-    while i < j and s[i] in _WHITE_SPACE:
-        i += 1
-    while j > i and s[j - 1] in _WHITE_SPACE:
-        j -= 1
-    return s[i:j].replace(_SENTINEL, " ")
+    """One token text through the reference chain (`engram_normalizer`). Net effect: a
+    whitespace-only token like "  " or "\\n" normalises to " " (not to ""), " the" -> "the"."""
+    return engram_normalizer().normalize_str(text)
+
+
+def tokenizer_token_texts(tokenizer, vocab_size: int) -> tuple[list[str], list[str]]:
+    """(texts, raw) of token ids 0..vocab_size-1 from a `tokenizers.Tokenizer`, as the reference
+    reads its tokenizer: texts[i] = decode([i]) with special tokens kept, raw[i] the vocabulary
+    string. Ids past the tokenizer's vocabulary (a model vocabulary padded beyond it) get ""."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    texts = [tokenizer.decode([i], skip_special_tokens=False) if i < size else "" for i in range(vocab_size)]
+    raw = [(tokenizer.id_to_token(i) or "") if i < size else "" for i in range(vocab_size)]
+    return texts, raw
 
 
 def build_compressed_token_map(

@@ -6,6 +6,8 @@
         for rid, new_tokens, finished in eng.step():
             ...
     outs = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))   # greedy
+    outs = eng.generate(["Hello", [{"role": "user", "content": "Hi"}]],       # text in, text out
+                        SamplingParams(max_tokens=8, stop=["\n"]))           # outs[i].text
     for tokens in eng.stream([1, 2, 3], SamplingParams(max_tokens=8)): ...   # streaming
 
 Scheduling (continuous batching): every step runs ONE model call over a flat batch that holds
@@ -42,10 +44,18 @@ and slot are freed on finish and on abort.
 Validation (`add_request`) happens before anything is queued: empty prompts, token ids outside
 the vocabulary, contexts longer than `max_seq_len` / `max_position_embeddings`, and requests that
 need more blocks than the whole pool raise `RequestError` / `CacheCapacityError`; token ids must
-be integers (a string or floats are refused, not coerced); nothing about the other requests
-changes. A stream callback that raises fails its own request only: it finishes with reason
-"error" (its blocks and slot freed, the exception text in `RequestOutput.error`) and the step
-goes on with every other request.
+be integers (floats are refused, not coerced; a string is a text prompt, which needs a
+tokenizer); nothing about the other requests changes. A stream callback that raises fails its
+own request only: it finishes with reason "error" (its blocks and slot freed, the exception text
+in `RequestOutput.error`) and the step goes on with every other request.
+
+Text (runtime/text.py): with a tokenizer (`Engine(..., tokenizer=DIR)`, or by default the one in
+the checkpoint folder a `from_pretrained` model came from) a prompt may be a string (encoded with
+the tokenizer's special tokens) or a list of chat messages (the chat template with the
+generation prompt); every request then has its output text (`RequestOutput.text`, grown token by
+token for streaming callbacks: `Engine.text(request_id)`), and `SamplingParams.stop` strings end a
+request with finish reason "stop", its text cut just before the stop string. End-of-sequence is
+a token id like any other: pass `stop_ids=[tokenizer.eos_token_id]` to stop there.
 
 A request's tokens depend only on its own prompt, params and seed: sampling uses one
 torch.Generator per request, and the model computes each sequence independently (up to
@@ -64,8 +74,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from v41graph.model.metadata import concat_metadata
-from .batch import CacheCapacityError, StepRunner, token_ids_list
+from .batch import CacheCapacityError, StepRunner, eager_model, token_ids_list
 from .sampling import SamplingParams, sample_batch
+from .text import TextStream, Tokenizer, TokenizerError, has_tokenizer, is_chat
 
 
 PREFILL_MODES = ("auto", "replay", "full")
@@ -85,6 +96,7 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None
     callback: StreamCallback | None = None
+    text_stream: TextStream | None = None    # the output text (with a tokenizer)
     slot: int | None = None
     blocks: list = field(default_factory=list)
     num_cached: int = 0                 # tokens of prompt + output already in the cache
@@ -116,6 +128,7 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     error: str | None = None
+    text: str | None = None             # the output text (None without a tokenizer)
 
     @property
     def latency(self) -> float | None:
@@ -131,7 +144,7 @@ class Engine(StepRunner):
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  prefill_chunk_size: int | None = None, speculative=None, draft_head=None,
                  prefill_mode: str = "auto", persistent_metadata: bool = True,
-                 decode_width_buckets: bool = False):
+                 decode_width_buckets: bool = False, tokenizer=None):
         """model: a V41Model or a v41graph.compile()d CompiledModel (same call signature).
 
         speculative=SpecConfig(num_draft=k) with draft_head=DSparkHead: lossless DSpark
@@ -144,7 +157,9 @@ class Engine(StepRunner):
         rounded up to a power of two of blocks, instead of max_seq_len (the Full layers score
         every position of the table width, so the step's cost then follows the contexts in it;
         same tokens). With a compiled model each width is one more capture of the shared
-        decode trace, not a new trace."""
+        decode trace, not a new trace.
+        tokenizer: a runtime.text.Tokenizer, a folder with tokenizer.json, False for none, or
+        None (default): the tokenizer of the checkpoint folder the model was loaded from, if any."""
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         sizes = getattr(model, "batch_sizes", None)
@@ -165,21 +180,46 @@ class Engine(StepRunner):
         self.stats = collections.Counter()
         self.prefill_mode = prefill_mode
         self.decode_width_buckets = decode_width_buckets
+        self.tokenizer = _resolve_tokenizer(tokenizer, model)
         self.spec = None
         if speculative is not None:
             from .speculative import SpeculativeDecoder
             self.spec = SpeculativeDecoder(self, draft_head, speculative)
 
     # ------------------------------------------------------------------ requests
+    def prompt_ids(self, prompt) -> list:
+        """A prompt's token ids: token ids as given (integers), a string through the tokenizer
+        (with its special tokens, e.g. BOS), chat messages [{"role", "content"}] through its chat
+        template with the generation prompt. Raises RequestError for what cannot be a prompt."""
+        if isinstance(prompt, str) or is_chat(prompt):
+            if self.tokenizer is None:
+                what = ("token_ids must be a sequence of integer token ids, got a str; a text prompt"
+                        if isinstance(prompt, str) else "a chat prompt")
+                raise RequestError(f"{what} needs a tokenizer: Engine(..., tokenizer=DIR) or a model "
+                                   f"loaded from a checkpoint folder with tokenizer.json")
+            if isinstance(prompt, str) and not prompt:
+                raise RequestError("empty prompt: the prompt text is an empty string")
+            try:
+                if isinstance(prompt, str):
+                    return self.tokenizer.encode(prompt)
+                return self.tokenizer.apply_chat_template(prompt)
+            except TokenizerError as e:
+                raise RequestError(str(e)) from None
+        try:
+            return token_ids_list(prompt, "token_ids")
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e)) from None
+
     def validate(self, token_ids, params: SamplingParams) -> list:
-        """The checks add_request does, without queueing anything. Returns the prompt as ints."""
+        """The checks add_request does, without queueing anything. Returns the prompt as ints
+        (`token_ids` may be a string or chat messages with a tokenizer, see prompt_ids)."""
         cfg = self.config
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        try:
-            prompt = token_ids_list(token_ids, "token_ids")
-        except (TypeError, ValueError) as e:
-            raise RequestError(str(e)) from None
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings (SamplingParams.stop) need a tokenizer; use stop_ids "
+                               "for token ids")
+        prompt = self.prompt_ids(token_ids)
         if not prompt:
             raise RequestError("empty prompt: a request needs at least one token")
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
@@ -197,13 +237,15 @@ class Engine(StepRunner):
 
     def add_request(self, token_ids, params: SamplingParams | None = None,
                     callback: StreamCallback | None = None) -> int:
-        """Queue a request; returns its id. callback(request_id, new_token_ids, finished) is
-        called from step() whenever the request produces tokens (streaming)."""
+        """Queue a request (token ids, or a string / chat messages with a tokenizer); returns its
+        id. callback(request_id, new_token_ids, finished) is called from step() whenever the
+        request produces tokens (streaming; its text so far is `text(request_id)`)."""
         params = params if params is not None else SamplingParams()
         prompt = self.validate(token_ids, params)
         rid = next(self._ids)
         gen = None if params.greedy else params.make_generator(self.device)
-        req = Request(rid, prompt, params, gen, callback, arrival_time=time.perf_counter())
+        text = None if self.tokenizer is None else self.tokenizer.text_stream(params.stop)
+        req = Request(rid, prompt, params, gen, callback, text, arrival_time=time.perf_counter())
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -231,7 +273,14 @@ class Engine(StepRunner):
     def output(self, request_id: int) -> RequestOutput:
         r = self._request(request_id)
         return RequestOutput(r.request_id, list(r.prompt), list(r.output), r.finish_reason,
-                             r.arrival_time, r.first_token_time, r.finish_time, r.error)
+                             r.arrival_time, r.first_token_time, r.finish_time, r.error,
+                             self.text(request_id))
+
+    def text(self, request_id: int) -> str | None:
+        """The request's output text so far (None without a tokenizer): only text no later token
+        can change, never part of a stop string; complete once the request has finished."""
+        stream = self._request(request_id).text_stream
+        return None if stream is None else stream.text
 
     def release(self, request_id: int) -> RequestOutput:
         """Output of a finished request, forgetting it (keeps a long-running engine small)."""
@@ -260,6 +309,8 @@ class Engine(StepRunner):
             self.allocator.free(req.blocks)
             self.free_slots.append(req.slot)
         req.blocks, req.slot = [], None
+        if req.text_stream is not None:
+            req.text_stream.finish()        # release the text held back for stop strings
         req.status, req.finish_reason = "finished", reason
         req.finish_time = time.perf_counter()
         self.stats[f"finished_{reason}"] += 1
@@ -397,14 +448,16 @@ class Engine(StepRunner):
         return floors
 
     def _emit(self, req: Request, toks: list, now: float | None = None) -> tuple:
-        """Append newly committed tokens (stopping at a stop id or max_tokens), finish the
-        request if it is done, stream them. Returns the step() event."""
+        """Append newly committed tokens (stopping at a stop id, a stop string or max_tokens),
+        finish the request if it is done, stream them. Returns the step() event."""
         new, reason = [], None
         for tok in toks:
             req.output.append(tok)
             new.append(tok)
             if tok in req.params.stop_ids:
                 reason = "stop"
+            elif req.text_stream is not None and req.text_stream.push(tok):
+                reason = "stop"             # a stop string appeared in the text
             elif len(req.output) >= req.params.max_tokens:
                 reason = "length"
             if reason is not None:
@@ -437,15 +490,18 @@ class Engine(StepRunner):
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list:
-        """Run these prompts to completion (together with whatever else is queued). Every
-        request is validated before any is queued. Returns one RequestOutput per prompt."""
+        """Run these prompts (token ids, strings or chat message lists) to completion, together
+        with whatever else is queued. Every request is validated before any is queued. Returns
+        one RequestOutput per prompt (with `.text` when the engine has a tokenizer)."""
+        if isinstance(prompts, str) or is_chat(prompts):
+            raise TypeError("generate takes a list of prompts; put a single string or chat "
+                            "(a list of messages) in a list: generate([prompt])")
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        for p, sp in zip(prompts, plist):
-            self.validate(p, sp)
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        ids = [self.validate(p, sp) for p, sp in zip(prompts, plist)]
+        rids = [self.add_request(p, sp) for p, sp in zip(ids, plist)]
         while any(self.requests[r].status != "finished" for r in rids):
             self.step()
         return [self.release(r) for r in rids]
@@ -470,6 +526,18 @@ class Engine(StepRunner):
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
+
+
+def _resolve_tokenizer(tokenizer, model) -> Tokenizer | None:
+    """Engine's `tokenizer` argument as a Tokenizer or None (see Engine.__init__)."""
+    if tokenizer is False:
+        return None
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if tokenizer is None:
+        folder = getattr(eager_model(model), "checkpoint_dir", None)
+        return Tokenizer.from_pretrained(folder) if has_tokenizer(folder) else None
+    return Tokenizer.from_pretrained(tokenizer)
 
 
 __all__ = ["Engine", "Request", "RequestError", "RequestOutput", "SamplingParams"]

@@ -32,6 +32,9 @@ class SamplingParams:
     max_tokens: int = 16              # generated tokens, >= 1
     stop_ids: Sequence[int] = field(default_factory=tuple)   # finish after emitting one of these
     seed: int | None = None           # per-request generator seed (None: drawn from torch's RNG)
+    # Stop strings (vLLM's `stop`): the output text ends just before the first one that appears;
+    # matched on the detokenized text by runtime/text.py (the engine needs a tokenizer for them).
+    stop: Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):
@@ -54,6 +57,12 @@ class SamplingParams:
         if bad:
             raise TypeError(f"SamplingParams.stop_ids must hold integers, got {bad[0]!r}")
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in stop))
+        if isinstance(self.stop, str) or not hasattr(self.stop, "__iter__"):
+            raise TypeError(f"SamplingParams.stop must be a sequence of strings, got {self.stop!r}")
+        stop_strings = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop_strings):
+            raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {stop_strings!r}")
+        object.__setattr__(self, "stop", stop_strings)
 
     @property
     def greedy(self) -> bool:

@@ -1,8 +1,9 @@
-"""The `v41graph` command line: compile-and-dump, and inspect a dump.
+"""The `v41graph` command line: compile-and-dump, inspect a dump, serve a checkpoint over HTTP.
 
     v41graph dump --config tiny --out DIR [--disable P1 ...]
     v41graph inspect DIR [--graph N] [--summary] [--pass NAME] [--diff A B] [--stage S]
                          [--streams] [--fused] [--timeline OUT.png [--layer N]] [--dot OUT.dot] [--svg OUT.svg]
+    v41graph serve CHECKPOINT [--host 127.0.0.1] [--port 8000] [--max-batch-size 8] ...   (v41graph/serving)
 
 Also runs as `python -m v41graph.tools.cli ...`. Run `v41graph <command> --help` for every option.
 """
@@ -58,7 +59,7 @@ def run_dump(out, config: str = "tiny", disable=(), seed: int = 0, prompt_len: i
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="v41graph", description="v41graph: compile DeepSeek-V4.1 with "
                                  "graph dumps, and inspect what every pass did.")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{dump,inspect}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{dump,inspect,serve}")
 
     d = sub.add_parser("dump", help="build a model with random weights, compile it and write a dump",
                        description="Build the model with random weights, compile it with every pass "
@@ -97,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="restrict --timeline / --dot / --svg to block N (module path layers.N) and its side regions")
     i.add_argument("--dot", metavar="OUT.dot", help="write Graphviz DOT text of the final graph (no extra packages)")
     i.add_argument("--svg", metavar="OUT.svg", help="render the Graphviz picture as SVG (needs pydot and Graphviz)")
+
+    s = sub.add_parser("serve", help="serve a checkpoint over HTTP (OpenAI-compatible API)",
+                       description="Load CHECKPOINT and serve /v1/completions, /v1/chat/completions "
+                       "(streaming and not), /v1/models and /health with FastAPI + uvicorn; needs "
+                       "pip install 'v41graph[serve]'.")
+    from v41graph.serving.options import add_serve_arguments
+    add_serve_arguments(s)
     return ap
 
 
@@ -168,8 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 torch.set_num_threads(threads)
             return 0
+        if args.command == "serve":
+            try:
+                from v41graph.serving.server import serve_main
+            except ImportError as e:
+                raise MissingDependency(f"{e}; v41graph serve needs pip install 'v41graph[serve]'") from None
+            return serve_main(args)
         return _inspect(args)
-    except (DumpError, MissingDependency, ValueError) as e:
+    except (DumpError, MissingDependency, ValueError, FileNotFoundError) as e:
         print(f"v41graph {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -4,8 +4,9 @@ prompt and decode 16 tokens greedily.
     python -m v41graph.tools.demo [--prompt-len 40] [--steps 16] [--seed 0] [--no-compile] [--dump-dir DIR]
 
 Prints the layer plan, the accounting (parameters, KV bytes per token) of the tiny and the
-released configs, what each compiler pass did, the generated tokens, and checks the compiled
-run against the eager model (same tokens, logits within fp32 noise).
+released configs, what each compiler pass did, the generated tokens (also as text, through the
+random checkpoints' small tokenizer), and checks the compiled run against the eager model (same
+tokens, logits within fp32 noise).
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{t_decode:.1f} s for {args.steps} steps)")
     print(f"\n== generation (random weights) ==\nprompt ({args.prompt_len} tokens): {prompt[0].tolist()}")
     print(f"greedy tokens ({args.steps}): {tokens}")
+    prompt_text, text = _as_text(cfg.vocab_size, prompt[0].tolist(), tokens)
+    print(f"as text (random weights, random text): prompt {prompt_text!r} -> {text!r}")
     print(f"cache memory allocated: {session.caches.nbytes() / 1024:.1f} KiB")
 
     # Eager reference: same prompt, same tokens teacher-forced.
@@ -80,6 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         print("MISMATCH")
         return 1
     return 0
+
+
+def _as_text(vocab_size: int, *id_lists) -> list[str]:
+    """Decode with the tokenizer random checkpoints get (weights/random_tokenizer.py)."""
+    import tempfile
+
+    from tokenizers import Tokenizer
+
+    from v41graph.weights.random_tokenizer import write_random_tokenizer
+    with tempfile.TemporaryDirectory() as d:
+        tok = Tokenizer.from_file(str(write_random_tokenizer(d, vocab_size)))
+    return [tok.decode(ids, skip_special_tokens=True) for ids in id_lists]
 
 
 if __name__ == "__main__":

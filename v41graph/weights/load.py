@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from v41graph.custom_ops import codecs
 from v41graph.model.config import V41Config
-from v41graph.model.engram_hash import build_compressed_token_map
+from v41graph.model.engram_hash import build_compressed_token_map, tokenizer_token_texts
 from v41graph.model.layers import default_dtype
 from v41graph.model.model import V41Model
 
@@ -304,18 +304,33 @@ def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize
         _load_into_model(model, ckpt, specs, dequantize, engram_storage, progress)
     finally:
         ckpt.close()
-    stub = ckpt.root / "tokenizer_stub.json"
-    if stub.is_file():   # the compressed-id map of Engram comes from the tokenizer's texts
-        vocab = json.loads(stub.read_text())
-        token_map, size = build_compressed_token_map(vocab["texts"], vocab.get("raw"))
-        if size != config.engram_compressed_vocab_size:
-            raise ValueError(f"{stub}: tokenizer gives {size} compressed ids, config says "
-                             f"{config.engram_compressed_vocab_size}")
-        model.engram_token_map.copy_(token_map)
+    _load_engram_token_map(model, ckpt.root, config)
     model.checkpoint_dir = ckpt.root
     if device is not None or engram_device is not None:
         place_model(model, device, engram_device)
     return model.set_numerics(numerics).eval()
+
+
+def _load_engram_token_map(model: V41Model, root: Path, config: V41Config) -> None:
+    """Engram's compressed-id map comes from the tokenizer: tokenizer_stub.json (the texts and raw
+    strings of every token, as DeepSeek's golden vectors ship them) or the real tokenizer.json
+    (read with `tokenizers`). Without either the model keeps its placeholder map."""
+    stub, tok_file = root / "tokenizer_stub.json", root / "tokenizer.json"
+    if stub.is_file():
+        vocab = json.loads(stub.read_text())
+        texts, raw, source = vocab["texts"], vocab.get("raw"), stub
+    elif tok_file.is_file():
+        from tokenizers import Tokenizer
+
+        texts, raw = tokenizer_token_texts(Tokenizer.from_file(str(tok_file)), config.vocab_size)
+        source = tok_file
+    else:
+        return
+    token_map, size = build_compressed_token_map(texts, raw)
+    if size != config.engram_compressed_vocab_size:
+        raise ValueError(f"{source}: tokenizer gives {size} compressed ids, config says "
+                         f"engram_compressed_vocab_size = {config.engram_compressed_vocab_size}")
+    model.engram_token_map.copy_(token_map)
 
 
 def load_official_state_dict(model: V41Model, tensors: dict) -> list[str]:

@@ -4,6 +4,7 @@ config), with `init_random_`'s rules; used by scripts/make_random_checkpoint.py 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from v41graph.model.moe import MoE
 
 from .checkpoint import DEFAULT_MAX_SHARD_BYTES, ST_DTYPES, CheckpointWriter, progress_default, torch_dtype_of
 from .names import TensorSpec, compute_dtype, module_to_official_name, official_tensor_specs
+from .random_tokenizer import write_random_tokenizer
 from .save import official_tensor
 
 __all__ = ["write_random_checkpoint"]
@@ -72,7 +74,7 @@ def _unit_groups(module: nn.Module, path: str):
 def write_random_checkpoint(config: V41Config, out: str | Path, seed: int = 0, *,
                             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                             single_file: bool | None = None, include_mtp: bool = True,
-                            progress=None, chunk_bytes: int = 64 << 20) -> list[Path]:
+                            progress=None, chunk_bytes: int = 64 << 20, tokenizer: bool = True) -> list[Path]:
     """A random checkpoint of `config` in the official layout, streamed.
 
     Each layer (and each Engram module) is built with unallocated storage (torch.empty), then
@@ -82,7 +84,11 @@ def write_random_checkpoint(config: V41Config, out: str | Path, seed: int = 0, *
     with init_random_'s rule, the DSpark tensors (`mtp.*`, not part of V41Model) one by one with
     the same rules. Peak memory is about one attention module or chunk_bytes, whatever the
     config. Deterministic in `seed`; not the values of init_random_(V41Model(config), seed)
-    (each piece has its own generator)."""
+    (each piece has its own generator).
+
+    tokenizer=True also writes a small real tokenizer of `config.vocab_size` tokens
+    (random_tokenizer.py); config.json's engram_compressed_vocab_size is then the size of the
+    Engram map that tokenizer gives (from_pretrained builds the map from it and checks that)."""
     out = Path(out)
     specs = official_tensor_specs(config, include_mtp)
     entries = [(s.name, s.dtype, s.shape) for s in specs.values()]
@@ -166,5 +172,12 @@ def write_random_checkpoint(config: V41Config, out: str | Path, seed: int = 0, *
                 if name.startswith("mtp."):
                     w.write(name, _random_official(spec, specs, _unit_generator(seed, next(counter))))
         files = [w.dir / f for f in w.file_names]
+    if tokenizer:
+        from v41graph.model.engram_hash import build_compressed_token_map, tokenizer_token_texts
+        from tokenizers import Tokenizer
+
+        tok_file = write_random_tokenizer(out, config.vocab_size, config.max_position_embeddings)
+        texts, raw = tokenizer_token_texts(Tokenizer.from_file(str(tok_file)), config.vocab_size)
+        config = dataclasses.replace(config, engram_compressed_vocab_size=build_compressed_token_map(texts, raw)[1])
     config.save_pretrained(out)
     return files

@@ -1,0 +1,24 @@
+"""The `v41graph serve` command-line options (kept apart from server.py so that building the
+command line imports no web packages)."""
+from __future__ import annotations
+
+__all__ = ["add_serve_arguments"]
+
+
+def add_serve_arguments(p) -> None:
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="checkpoint folder (official layout, with tokenizer.json; "
+                        "scripts/make_random_checkpoint.py writes one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the folder name)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="concurrent sequences (default 8)")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="context length per request (default 1024)")
+    p.add_argument("--block-size", type=int, default=16, help="cache block size in tokens (default 16)")
+    p.add_argument("--num-blocks", type=int, default=None, help="cache blocks (default: every slot at max-seq-len)")
+    p.add_argument("--device", default=None, help="torch device of the model (default: stay on the CPU)")
+    p.add_argument("--numerics", default="fast", choices=("fast", "reference"),
+                   help="weight arithmetic: fast (weights dequantized once) or reference "
+                        "(DeepSeek's blockwise FP8 GEMMs); default fast")
+    p.add_argument("--log-level", default="info",
+                   help="uvicorn's log level: critical, error, warning, info, debug (default info)")

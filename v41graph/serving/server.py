@@ -1,0 +1,285 @@
+"""`v41graph serve CHECKPOINT`: an OpenAI-compatible HTTP server over one Engine.
+
+    v41graph serve /tmp/v41_tiny --port 8000 --max-batch-size 8 --max-seq-len 256
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}'
+
+Endpoints: POST /v1/completions and /v1/chat/completions (non-streaming JSON, or server-sent
+events with `"stream": true`, ending with `data: [DONE]`), GET /v1/models, GET /health (the
+engine's free / total cache blocks and slots, running and waiting requests, finish counts).
+Concurrent requests share the Engine's continuous batching; the Engine runs on one background
+thread (engine_loop.py). A client that disconnects aborts its request (blocks freed). Bad
+requests get HTTP 400 (404 for an unknown model) with an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}`: bad JSON, unknown fields, wrong types,
+an empty prompt, max_tokens beyond the context, token ids outside the vocabulary.
+Generation stops at the tokenizer's end-of-sequence token, at a `stop` string, or at max_tokens
+(chat's default: the rest of the context).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from v41graph.runtime.engine import Engine
+from v41graph.runtime.sampling import SamplingParams
+
+from .engine_loop import EngineLoop, Submission
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("v41graph.serving")
+
+__all__ = ["build_app", "build_server", "serve_main"]
+
+# How often a non-streaming handler looks whether its client is still there.
+DISCONNECT_POLL_S = 0.1
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    return JSONResponse(status_code=status, content={"error": {
+        "message": message, "type": kind, "param": param, "code": status}})
+
+
+class _EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however the stream ends: completed, client gone
+    (Starlette cancels the stream) or an error, so an abandoned request is always aborted."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def build_app(engine: Engine, model_name: str) -> FastAPI:
+    """The FastAPI app serving `engine` (which needs a tokenizer) under `model_name`. The engine
+    thread starts and stops with the app's lifespan."""
+    if engine.tokenizer is None:
+        raise ValueError("serving needs a tokenizer: the checkpoint folder has no tokenizer.json "
+                         "(scripts/make_random_checkpoint.py writes one)")
+    loop_ = EngineLoop(engine)
+    eos = engine.tokenizer.eos_token_id
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop_.start()
+        try:
+            yield
+        finally:
+            loop_.stop()
+
+    app = FastAPI(title="v41graph", lifespan=lifespan)
+    app.state.engine_loop = loop_
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        problems, params = [], []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            if err.get("type") == "json_invalid":   # loc: ("body", character position)
+                problems.append(f"invalid JSON body at character {loc}: "
+                                f"{err.get('ctx', {}).get('error', err.get('msg'))}")
+                loc = None
+            elif err.get("type") == "extra_forbidden":
+                problems.append(f"{loc}: unknown field")
+            else:
+                problems.append(f"{loc or 'body'}: {err.get('msg')}")
+            params.append(loc)
+        return _error(400, "; ".join(problems) or "invalid request", next(filter(None, params), None))
+
+    def _params(body, max_new: int | None):
+        def make(prompt_len: int) -> SamplingParams:
+            room = engine.max_seq_len - prompt_len + 1      # tokens the context has room for
+            n = max_new if max_new is not None else room
+            if n > room:
+                raise ValueError(f"max_tokens {n} is more than the context has room for: prompt "
+                                 f"{prompt_len} tokens, max_seq_len {engine.max_seq_len} (at most {room})")
+            if n < 1:
+                raise ValueError(f"the prompt ({prompt_len} tokens) fills the context "
+                                 f"(max_seq_len {engine.max_seq_len})")
+            return SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=n,
+                                  stop_ids=() if eos is None else (eos,), stop=body.stop_strings(),
+                                  seed=body.seed)
+        return make
+
+    def _check_model(body):
+        if body.model is not None and body.model != model_name:
+            return _error(404, f"model {body.model!r} is not served here; this server serves "
+                               f"{model_name!r} (GET /v1/models)", "model", "not_found_error")
+        return None
+
+    async def _start(prompt, body, max_new):
+        """Submit; returns (submission, prompt_tokens) or an error response."""
+        sub = Submission(prompt, _params(body, max_new), asyncio.get_running_loop())
+        loop_.submit(sub)
+        event = await sub.events.get()
+        if event[0] == "rejected":
+            sub.finished = True
+            status, message = event[1], event[2]
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            return None, _error(status, message, kind=kind)
+        return sub, event[1]
+
+    def _close(sub: Submission):
+        if not sub.finished:           # the client went away (or the handler failed): abort
+            sub.finished = True
+            loop_.abort(sub)
+
+    async def _collect(request: Request, sub: Submission):
+        """Text, finish reason, error and token count of a finished request, or None if the
+        client disconnected first (the request is then aborted)."""
+        parts, last_check = [], time.monotonic()
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(sub.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    event = None
+                if event is not None and event[0] == "text":
+                    parts.append(event[1])
+                elif event is not None and event[0] == "finished":
+                    sub.finished = True
+                    return "".join(parts), event[1], event[2], event[3]
+                if time.monotonic() - last_check >= DISCONNECT_POLL_S:
+                    last_check = time.monotonic()
+                    if await request.is_disconnected():
+                        return None
+        finally:
+            _close(sub)
+
+    async def _events(sub: Submission):
+        """(text delta, finish reason, error, completion tokens) until the request finishes."""
+        while True:
+            event = await sub.events.get()
+            if event[0] == "text":
+                yield event[1], None, None, None
+            elif event[0] == "finished":
+                sub.finished = True
+                yield "", event[1], event[2], event[3]
+                return
+
+    def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def _sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def _finish_reason(reason: str) -> str:
+        return reason if reason in ("stop", "length") else "stop"
+
+    async def _respond(request, body, prompt, max_new, chat: bool):
+        bad = _check_model(body)
+        if bad is not None:
+            return bad
+        sub, started = await _start(prompt, body, max_new)
+        if sub is None:
+            return started
+        prompt_tokens = started
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        obj = "chat.completion" if chat else "text_completion"
+        now = int(time.time())
+
+        def choice(text, reason, delta: bool):
+            if chat and delta:     # OpenAI's closing chunk has an empty delta
+                return {"index": 0, "delta": {"content": text} if text or reason is None else {},
+                        "logprobs": None, "finish_reason": reason}
+            if chat:
+                return {"index": 0, "message": {"role": "assistant", "content": text},
+                        "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+        if not body.stream:
+            got = await _collect(request, sub)
+            if got is None:
+                return _error(499, "client disconnected")
+            text, reason, err, n = got
+            if reason == "error":
+                return _error(500, f"generation failed: {err}", kind="server_error")
+            return {"id": rid, "object": obj, "created": now, "model": model_name,
+                    "choices": [choice(text, _finish_reason(reason), False)],
+                    "usage": _usage(prompt_tokens, n)}
+
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        async def stream():
+            head = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": now,
+                    "model": model_name}
+            if chat:   # OpenAI's first chunk carries the role
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+            async for text, reason, err, n in _events(sub):
+                if reason == "error":
+                    yield _sse({"error": {"message": f"generation failed: {err}", "type": "server_error",
+                                          "param": None, "code": 500}})
+                    break
+                if text or reason is not None:
+                    yield _sse({**head, "choices": [choice(text, None if reason is None else
+                                                           _finish_reason(reason), True)]})
+                if reason is not None and include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, n)})
+            yield "data: [DONE]\n\n"
+
+        return _EngineStreamingResponse(stream(), on_close=lambda: _close(sub), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        return await _respond(request, body, body.prompt, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return await _respond(request, body, messages, body.max_new_tokens(), chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "v41graph", "max_model_len": engine.max_seq_len}]}
+
+    @app.get("/health")
+    async def health():
+        snap = loop_.snapshot()
+        status = "ok" if loop_.error is None else "degraded"
+        return {"status": status, "model": model_name, "error": loop_.error, **snap}
+
+    return app
+
+
+# ------------------------------------------------------------------------------------ command line
+def build_server(args):
+    """(uvicorn.Server, app) for parsed `serve` arguments (options.add_serve_arguments): the
+    checkpoint loaded, its Engine and app built; `server.run()` serves until stopped."""
+    import uvicorn
+
+    from v41graph.weights.load import from_pretrained
+
+    model = from_pretrained(args.checkpoint, numerics=args.numerics, device=args.device)
+    engine = Engine(model, args.max_batch_size, args.max_seq_len, block_size=args.block_size,
+                    num_blocks=args.num_blocks)
+    name = args.served_model_name or Path(args.checkpoint).resolve().name
+    app = build_app(engine, name)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    return uvicorn.Server(config), app
+
+
+def serve_main(args) -> int:
+    server, _ = build_server(args)
+    try:
+        server.run()
+    except KeyboardInterrupt:   # uvicorn shuts down on Ctrl-C, then raises it again
+        pass
+    return 0
