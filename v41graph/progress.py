@@ -41,6 +41,19 @@ def bar(iterable=None, *, desc: str, total=None, unit: str = "it", show: bool | 
                 file=sys.stderr, dynamic_ncols=True, **kwargs)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record, not as it was when the handler was made
+    (a test harness or a redirecting caller swaps it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def configure_logging(quiet: bool = False) -> None:
     """For the command lines: v41graph's INFO lines on stderr as `[v41graph] message`, none
     with quiet (warnings still). Does nothing if the application configured logging itself."""
@@ -51,6 +64,6 @@ def configure_logging(quiet: bool = False) -> None:
     if passes.level == logging.NOTSET:
         passes.setLevel(logging.WARNING)
     if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[v41graph] %(message)s"))
         log.addHandler(handler)

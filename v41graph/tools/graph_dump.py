@@ -676,12 +676,28 @@ def to_dot(dump: Dump, graph: int = 0, layer: int | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _dot_program() -> str | None:
+    """Graphviz's `dot`: a system Graphviz on PATH first, else the `graphviz-pure` program the
+    [viz] extra installs (beside this interpreter when its environment is not activated)."""
+    import shutil
+    import sysconfig
+    for name in ("dot", "graphviz-pure"):
+        found = shutil.which(name) or shutil.which(name, path=sysconfig.get_path("scripts"))
+        if found:
+            return found
+    return None
+
+
 def write_svg(dump: Dump, out, graph: int = 0, layer: int | None = None) -> str:
-    """Graphviz SVG through pydot (and the Graphviz `dot` program)."""
+    """Graphviz SVG through pydot and a `dot` program (see _dot_program)."""
     pydot = _require("pydot", "the Graphviz picture")
+    prog = _dot_program()
+    if prog is None:
+        raise MissingDependency("the Graphviz picture needs a Graphviz `dot` program: pip install "
+                                "'v41graph[viz]' (brings graphviz-pure) or install Graphviz")
     graphs = pydot.graph_from_dot_data(to_dot(dump, graph, layer))
     try:
-        graphs[0].write_svg(str(out))
-    except FileNotFoundError as e:
-        raise MissingDependency(f"the Graphviz picture needs the Graphviz `dot` program ({e})") from None
+        graphs[0].write_svg(str(out), prog=prog)
+    except (FileNotFoundError, OSError) as e:
+        raise MissingDependency(f"the Graphviz picture: {prog} failed ({e})") from None
     return str(out)
