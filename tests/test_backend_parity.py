@@ -4,7 +4,6 @@ v41graph.compile's type check, progress bars and logs, and the packaging bits (p
 dumps/ ignored)."""
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys

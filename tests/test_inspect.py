@@ -295,9 +295,10 @@ def test_missing_matplotlib_is_a_clear_error(dump, tmp_path, monkeypatch):
 
 
 def test_cli_help_explains_every_option(capsys):
-    expected = {"dump": {"--config", "--out", "--disable", "--seed", "--prompt-len"},
+    expected = {"dump": {"--config", "--out", "--disable", "--seed", "--prompt-len", "--quiet"},
                 "inspect": {"--graph", "--pass", "--diff", "--stage", "--streams", "--summary", "--fused",
-                            "--timeline", "--layer", "--dot", "--svg"}}
+                            "--timeline", "--layer", "--dot", "--svg", "--profile", "--device",
+                            "--profile-steps", "--quiet"}}
     sub = next(a for a in cli._parser()._actions if a.dest == "command")
     for command, options in expected.items():
         actions = {o: a for a in sub.choices[command]._actions for o in a.option_strings}
@@ -365,7 +366,7 @@ def test_missing_or_corrupt_dump_is_a_clear_error(dumps, tmp_path, capsys):
 
     d = copy("bad_streams")
     (d / "graph1" / "streams.json").write_text(json.dumps({"nodes": []}))
-    with pytest.raises(DumpError, match=r"graph1/streams.json: expected an object with keys"):
+    with pytest.raises(DumpError, match=r"graph1/streams.json: lacks 'streams' \(expected an object with keys"):
         load_dump(d)
 
     d = copy("bad_record")
@@ -373,14 +374,19 @@ def test_missing_or_corrupt_dump_is_a_clear_error(dumps, tmp_path, capsys):
     records = json.loads(p.read_text())
     del records[2]["matched_count"]
     p.write_text(json.dumps(records))
-    with pytest.raises(DumpError, match=rf"record 2 \({resolve_passes()[2]}\) lacks matched_count"):
+    with pytest.raises(DumpError, match=rf"record 2 \({resolve_passes()[2]}\): lacks 'matched_count'"):
         load_dump(d)
 
     d = copy("bad_stage_line")
     f = d / "graph0" / "01_fuse_wkv_rmsnorm.after.txt"
-    f.write_text(f.read_text() + "garbage\n")
+    text = f.read_text()
+    f.write_text(text + "garbage\n")           # one line more than the record counts
+    with pytest.raises(DumpError, match=re.escape(str(f)) + r": truncated or damaged: \d+ complete node lines"):
+        load_dump(d).stage_nodes("P1", 0)
+    lines = text.splitlines(keepends=True)
+    f.write_text("".join(lines[:4] + ["garbage\n"] + lines[5:]))
     dd = load_dump(d)
-    with pytest.raises(DumpError, match=re.escape(str(f)) + r":\d+: cannot parse"):
+    with pytest.raises(DumpError, match=re.escape(str(f)) + r":5: cannot parse"):
         dd.stage_nodes("P1", 0)
     with pytest.raises(ValueError, match="unknown stage 'P7'"):
         dd.stage("P7", 0)
@@ -679,13 +685,19 @@ def test_timeline_title_fits_and_every_bar_carries_its_node_name(dump):
     order = {n.name: i for i, n in enumerate(final)}
     assert set(in_layer) <= set(info["labels"]) and len(info["labels"]) == info["nodes"]
     assert [order[n] for n in info["labels"]] == sorted(order[n] for n in info["labels"])
-    texts = [t.get_text() for t in ax.texts]
+    from matplotlib.text import Annotation
+    names = [t for t in ax.texts if not isinstance(t, Annotation)]      # not the event arrows
+    texts = [t.get_text() for t in names]
     shown = [n if len(n) <= 26 else n[:25] + "\u2026" for n in info["labels"]]
     assert texts == shown
     # the names do not overlap: the rotated names are narrower than one node's width
-    widths = [t.get_window_extent(renderer).width for t in ax.texts]
+    widths = [t.get_window_extent(renderer).width for t in names]
     x0, x1 = ax.transData.transform([(0, 0), (1, 0)])[:, 0]
     assert max(widths) < (x1 - x0)
+    # the whole graph names its custom and stream/event ops (all nodes: --layer)
+    _, whole = timeline_figure(dump, graph=1)
+    wanted = [n.name for n in final if n.target.startswith("v41graph.")]
+    assert whole["labels"] == wanted and len(wanted) > 100
 
 
 def test_svg_with_the_viz_extra(dump, tmp_path):

@@ -220,6 +220,7 @@ class Dump:
         self.graphs: list[int] = sorted(self._dirs)
         self._records = {g: self._load_records(g) for g in self.graphs}
         self._streams = {g: self._load_streams(g) for g in self.graphs}
+        self._timings = {g: self._load_timings(g) for g in self.graphs}
         self._texts: dict = {}
         self._nodes: dict = {}
 
@@ -455,14 +456,17 @@ class Dump:
                 for r in self.passes(graph) for f in r.get("fused", ())]
 
     # ------------------------------------------------------------------ reports
-    def timings(self, graph: int = 0) -> dict:
-        """Seconds per pass ({} when the dump has no timings.json)."""
-        path = self._dirs[self._graph(graph)] / TIMINGS_FILE
+    def _load_timings(self, g: int) -> dict:
+        path = self._dirs[g] / TIMINGS_FILE
         if not path.exists():
             return {}
         data = _read_json(path)
         check_entry(data, TIMINGS_SCHEMA, str(path))
         return data
+
+    def timings(self, graph: int = 0) -> dict:
+        """Seconds per pass ({} when the dump has no timings.json)."""
+        return self._timings[self._graph(graph)]
 
     def graph_name(self, graph: int) -> str:
         """What the graph is ("prefill", "decode", ...: the manifest's name for it), or ""."""
@@ -576,6 +580,7 @@ def _kind(n: NodeInfo) -> str:
 _INCH_PER_NODE = 0.1
 _MAX_WIDTH_IN = 600.0          # 60 000 px at 100 dpi (Agg draws at most 2^16 px a side)
 _NAME_CHARS = 26
+_ALL_NAMES_UP_TO = 600
 
 
 def timeline_figure(dump: Dump, graph: int = 0, layer: int | None = None):
@@ -583,7 +588,8 @@ def timeline_figure(dump: Dump, graph: int = 0, layer: int | None = None):
     one lane per stream (main on top), each node a bar with its name written in it, an arrow
     from each event record to its wait. Returns (figure, info) with info {"lanes" (the lane
     labels as drawn on the y axis), "nodes", "arrows", "labels" (the names written in the bars,
-    in order)}."""
+    in order: every node's for a layer or a graph of up to 600 nodes, else the custom and
+    stream/event ops')}."""
     _require("matplotlib", "the stream timeline")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -605,10 +611,13 @@ def timeline_figure(dump: Dump, graph: int = 0, layer: int | None = None):
             if bars:
                 h = 0.7 if kind in ("compute", "custom", "other") else 0.9
                 ax.broken_barh(bars, (lane_y[s] - h / 2, h), facecolors=color, linewidth=0)
-    # each bar's name, bottom to top inside its lane (the lane is ~1.7 in high: 26 characters)
+    # each bar's name, bottom to top inside its lane (the lane is ~1.7 in high: 26 characters);
+    # a whole graph of more than _ALL_NAMES_UP_TO nodes names its custom ops and stream/event
+    # ops only (thousands of texts take long to draw): --layer names every node
     labels = []
     font = max(3.0, min(6.0, 72 * width / max(len(nodes), 1) * 0.8))
-    for n in nodes:
+    named = nodes if len(nodes) <= _ALL_NAMES_UP_TO else [n for n in nodes if _kind(n) not in ("compute", "other")]
+    for n in named:
         text = n.name if len(n.name) <= _NAME_CHARS else n.name[:_NAME_CHARS - 1] + "\u2026"
         ax.text(x_of[n.name] + 0.45, lane_y[n.stream] - 0.33, text, rotation=90, ha="center", va="bottom",
                 fontsize=font, color="black", clip_on=True)
@@ -630,7 +639,7 @@ def timeline_figure(dump: Dump, graph: int = 0, layer: int | None = None):
     scope = f"layer {layer}" if layer is not None else "whole graph"
     ax.set_title(f"{dump.path.name or dump.path}: graph {graph}{f' ({name})' if name else ''}, {scope}\n"
                  f"{len(nodes)} nodes on {len(lanes)} streams, {arrows} event arrows (green: fork, orange: join)",
-                 loc="left", fontsize=11)
+                 fontsize=11)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in _KIND_COLORS.items()], loc="upper left",
               bbox_to_anchor=(0.0, -0.12), fontsize="small", ncol=len(_KIND_COLORS), frameon=False)
     fig.tight_layout()
