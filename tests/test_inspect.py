@@ -703,7 +703,7 @@ def test_timeline_title_fits_and_every_bar_carries_its_node_name(dump):
 def test_svg_with_the_viz_extra(dump, tmp_path):
     """[viz] lists what --svg needs (pydot, and graphviz-pure's `dot` when Graphviz is not
     installed); with them installed the SVG is drawn."""
-    import tomllib
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+")
     viz = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["viz"]
     assert {"matplotlib", "pydot", "graphviz-pure"} <= set(viz)
     pytest.importorskip("pydot", reason="pip install 'v41graph[viz]' for --svg")
@@ -714,13 +714,20 @@ def test_svg_with_the_viz_extra(dump, tmp_path):
     assert "<svg" in svg and svg.count("<g id=\"node") == len(dump.layer_nodes(0, 1))
 
 
-def test_inspect_profile_writes_a_chrome_trace_of_decode_steps(dumps, dump, tmp_path, capsys):
+def test_inspect_profile_writes_a_chrome_trace_of_decode_steps(dumps, dump, tmp_path, capsys, caplog):
     """On CPU: the dumped model built again, its decode graph uncaptured, 2 steps profiled. The
-    trace holds as many fused_wkv_rmsnorm calls per step as the dump's decode graph has."""
+    trace holds as many fused_wkv_rmsnorm calls per step as the dump's decode graph has. The
+    tracing is logged (how long, which graph)."""
+    import logging
     out = tmp_path / "trace.json"
-    assert cli.main(["inspect", str(dumps[0]), "--profile", str(out), "--profile-steps", "2",
-                     "--device", "cpu", "--quiet"]) == 0
+    with caplog.at_level(logging.INFO, logger="v41graph"):
+        assert cli.main(["inspect", str(dumps[0]), "--profile", str(out), "--profile-steps", "2",
+                         "--device", "cpu"]) == 0
     assert f"profile: {out} (2 decode steps on cpu, uncaptured" in capsys.readouterr().out
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("traced the decode graph in ") for m in logged) == 1, logged
+    assert not any(m.startswith("traced the prefill graph") for m in logged)     # compile_prefill=False
+    assert any(m.startswith("profiling 2 decode steps of the tiny model on cpu") for m in logged)
     events = json.loads(out.read_text())["traceEvents"]
     names = [e.get("name", "") for e in events if e.get("ph") == "X"]
     assert names.count("v41graph.step0") == names.count("v41graph.step1") == 1
