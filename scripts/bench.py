@@ -23,7 +23,9 @@ expected number of distinct experts B tokens pick, E*(1-(1-k/E)^B) per layer; em
 Engram tables: only the rows read) plus each sequence's cache reads (window rows, top-k global
 rows, every index key a Full layer scores, the candidate pool of a Reindex layer).
 
-Writes bench.json (every row, the profile) to --out and prints a short table last.
+Writes bench.json (every row, the profile) to --out and prints a short table last; with the
+profile (default on CUDA) also a Chrome/Perfetto trace of the captured steps of the largest batch
+and context per variant (trace_<variant>_b<B>_ctx<C>.json, open in ui.perfetto.dev).
 scripts/plot_bench.py turns bench.json into the PNG of docs/BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ from v41graph.compiler.compiled_model import CompiledModel
 from v41graph.model.layer_plan import build_layer_plan
 from v41graph.model.layers import default_dtype
 from v41graph.model.model import V41Model, init_random_weights_
+from v41graph.tools.profiling import profile_steps
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
             "v41graph-noP6", "v41graph-noRMS", "v41graph-inductor", "v41graph-bf16cache",
@@ -258,15 +261,11 @@ _KERNEL_CLASSES = (   # (class, regex on the kernel name), first match wins
 )
 
 
-def profile_step(fn, device: str, steps: int = 3) -> dict:
-    """Kernel time of `steps` calls grouped by kernel class and by stream (ms per call)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    _sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        _sync(device)
+def profile_step(fn, device: str, steps: int = 3, trace: Path | None = None) -> dict:
+    """Kernel time of `steps` calls grouped by kernel class and by stream (ms per call; CUDA
+    kernels only), and with `trace` their Chrome/Perfetto trace (v41graph/tools/profiling.py:
+    on CUDA the captured replays' kernels per stream, on CPU the ops of the uncaptured steps)."""
+    prof = profile_steps(fn, device, steps, trace=trace)
     by_class, by_stream, by_name, n_kernels = {}, {}, {}, 0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -285,7 +284,8 @@ def profile_step(fn, device: str, steps: int = 3) -> dict:
     return {"by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
             "by_stream_ms": by_stream, "kernels_per_step": n_kernels / steps,
             "top_kernels": [{"name": k, "ms_per_step": round(v[0], 4), "calls_per_step": v[1] / steps}
-                            for k, v in top]}
+                            for k, v in top],
+            "chrome_trace": str(trace) if trace is not None else None}
 
 
 # ----------------------------------------------------------------------------- main
@@ -329,9 +329,11 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
                 _sync(device)
                 compile_s = (time.perf_counter() - t0) if first and variant != "eager" else 0.0
                 ms = time_calls(step, args.steps, device)
-                profile = (profile_step(step, device)
-                           if device == "cuda" and args.profile and batch == max(batches)
-                           and context == max(contexts) else None)
+                trace = (Path(args.out) / f"trace_{variant}_b{batch}_ctx{context}.json"
+                         if args.out else None)
+                profile = (profile_step(step, device, trace=trace)
+                           if (device == "cuda" or args.profile_cpu) and args.profile
+                           and batch == max(batches) and context == max(contexts) else None)
             first = False
             med = statistics.median(ms)
             fb = floor_bytes(model, batch, context)
@@ -383,7 +385,11 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="no profile of the largest batch and context (by default on CUDA: kernel classes "
+                         "in bench.json and a Chrome trace per variant, --out/trace_<variant>_b<B>_ctx<C>.json)")
+    ap.add_argument("--profile-cpu", action="store_true",
+                    help="profile on the CPU too (the op-by-op trace of uncaptured steps)")
     ap.add_argument("--no-shared-decode-graph", dest="shared", action="store_false",
                     help="v41graph: trace each decode bucket separately")
     ap.add_argument("--share-bucket-1", dest="shared", action="store_const", const="all",

@@ -26,7 +26,7 @@ def bench_json(tmp_path_factory):
     bench = _load("bench")
     assert bench.main(["--config", "tiny", "--device", "cpu", "--batches", "1,2", "--contexts", "40",
                        "--prefill", "16", "--variants", "eager", "--steps", "1", "--warmup", "1",
-                       "--out", str(out)]) == 0
+                       "--profile-cpu", "--out", str(out)]) == 0
     return out / "bench.json"
 
 
@@ -34,6 +34,17 @@ def test_bench_smoke_run(bench_json):
     rows = json.loads(bench_json.read_text())["rows"]
     assert [(r["kind"], r["batch"]) for r in rows] == [("decode", 1), ("decode", 2), ("prefill", 1)]
     assert all(r["step_ms"] > 0 for r in rows)
+
+
+def test_bench_writes_a_chrome_trace_of_the_largest_step(bench_json):
+    rows = json.loads(bench_json.read_text())["rows"]
+    assert [r["profile"] is not None for r in rows if r["kind"] == "decode"] == [False, True]
+    trace = Path(rows[1]["profile"]["chrome_trace"])
+    assert trace == bench_json.parent / "trace_eager_b2_ctx40.json"
+    names = [e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert [names.count(f"v41graph.step{i}") for i in range(4)] == [1, 1, 1, 0]     # 3 profiled steps
+    # one sparse attention per layer and step (the eager model's custom op)
+    assert names.count("v41graph::sparse_attention") == 3 * v41graph.V41Config.tiny().num_hidden_layers
 
 
 def test_plot_bench_draws_the_run(bench_json, tmp_path):

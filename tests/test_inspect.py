@@ -193,7 +193,8 @@ def test_p4_puts_every_engram_gather_before_block0s_first_mm(dump):
 
 def test_two_dumps_of_the_same_graph_are_byte_identical(dumps):
     a, b = dumps
-    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    # model.json: what `v41graph dump` built (for --profile); the twin is no CLI run
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file() and p.name != "model.json")
     files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
     n_passes = len(resolve_passes())
     assert files_a == files_b and len(files_a) == 1 + 2 * (2 * n_passes + 3)
@@ -281,9 +282,9 @@ def test_svg_needs_pydot(dump, tmp_path):
             from v41graph.tools.graph_dump import write_svg
             write_svg(dump, tmp_path / "g.svg", graph=1, layer=0)
         return
-    if shutil.which("dot") is None:
-        pytest.skip("Graphviz dot not installed")
-    from v41graph.tools.graph_dump import write_svg
+    from v41graph.tools.graph_dump import _dot_program, write_svg
+    if _dot_program() is None:
+        pytest.skip("no Graphviz dot and no graphviz-pure (pip install 'v41graph[viz]')")
     assert Path(write_svg(dump, tmp_path / "g.svg", graph=1, layer=0)).read_text().lstrip().startswith("<")
 
 
@@ -294,9 +295,10 @@ def test_missing_matplotlib_is_a_clear_error(dump, tmp_path, monkeypatch):
 
 
 def test_cli_help_explains_every_option(capsys):
-    expected = {"dump": {"--config", "--out", "--disable", "--seed", "--prompt-len"},
+    expected = {"dump": {"--config", "--out", "--disable", "--seed", "--prompt-len", "--quiet"},
                 "inspect": {"--graph", "--pass", "--diff", "--stage", "--streams", "--summary", "--fused",
-                            "--timeline", "--layer", "--dot", "--svg"}}
+                            "--timeline", "--layer", "--dot", "--svg", "--profile", "--device",
+                            "--profile-steps", "--quiet"}}
     sub = next(a for a in cli._parser()._actions if a.dest == "command")
     for command, options in expected.items():
         actions = {o: a for a in sub.choices[command]._actions for o in a.option_strings}
@@ -364,7 +366,7 @@ def test_missing_or_corrupt_dump_is_a_clear_error(dumps, tmp_path, capsys):
 
     d = copy("bad_streams")
     (d / "graph1" / "streams.json").write_text(json.dumps({"nodes": []}))
-    with pytest.raises(DumpError, match=r"graph1/streams.json: expected an object with keys"):
+    with pytest.raises(DumpError, match=r"graph1/streams.json: lacks 'streams' \(expected an object with keys"):
         load_dump(d)
 
     d = copy("bad_record")
@@ -372,14 +374,19 @@ def test_missing_or_corrupt_dump_is_a_clear_error(dumps, tmp_path, capsys):
     records = json.loads(p.read_text())
     del records[2]["matched_count"]
     p.write_text(json.dumps(records))
-    with pytest.raises(DumpError, match=rf"record 2 \({resolve_passes()[2]}\) lacks matched_count"):
+    with pytest.raises(DumpError, match=rf"record 2 \({resolve_passes()[2]}\): lacks 'matched_count'"):
         load_dump(d)
 
     d = copy("bad_stage_line")
     f = d / "graph0" / "01_fuse_wkv_rmsnorm.after.txt"
-    f.write_text(f.read_text() + "garbage\n")
+    text = f.read_text()
+    f.write_text(text + "garbage\n")           # one line more than the record counts
+    with pytest.raises(DumpError, match=re.escape(str(f)) + r": truncated or damaged: \d+ complete node lines"):
+        load_dump(d).stage_nodes("P1", 0)
+    lines = text.splitlines(keepends=True)
+    f.write_text("".join(lines[:4] + ["garbage\n"] + lines[5:]))
     dd = load_dump(d)
-    with pytest.raises(DumpError, match=re.escape(str(f)) + r":\d+: cannot parse"):
+    with pytest.raises(DumpError, match=re.escape(str(f)) + r":5: cannot parse"):
         dd.stage_nodes("P1", 0)
     with pytest.raises(ValueError, match="unknown stage 'P7'"):
         dd.stage("P7", 0)
@@ -460,3 +467,276 @@ def test_passes_reach_torch_logging_and_structured_trace():
     cleanup = next(r for r in traced.records if r.metadata.get("artifact", {}).get("name") == "v41graph_graph0_00_cleanup")
     record = json.loads(cleanup.payload)
     assert record["pass"] == "cleanup" and record["num_nodes_before"] == 6   # x, w, matmul, relu, add, output
+
+
+# ---------------------------------------------------------------------------- issue 22/23: names, summary, diff
+def test_graphs_are_named_prefill_and_decode_in_the_manifest_and_the_summary(dumps, capsys):
+    a = dumps[0]
+    manifest = json.loads((a / "manifest.json").read_text())
+    assert manifest["names"] == {"graph0": "prefill", "graph1": "decode"}
+    d = load_dump(a)
+    assert [d.graph_name(g) for g in d.graphs] == ["prefill", "decode"]
+    assert cli.main(["inspect", str(a), "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^## graph .*$", out, re.M) == ["## graph 0 (prefill)", "## graph 1 (decode)"]
+    # --summary respects --graph: only that graph's table
+    assert cli.main(["inspect", str(a), "--summary", "--graph", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^## graph .*$", out, re.M) == ["## graph 1 (decode)"]
+    assert len(re.findall(r"^\| \d+ \| ", out, re.M)) == len(resolve_passes())
+    assert cli.main(["inspect", str(a), "--summary", "--graph", "7"]) == 1
+    assert "no graph 7" in capsys.readouterr().err
+
+
+def _diff_names(diff: str, sign: str) -> set:
+    return {m.group(1) for m in re.finditer(rf"^\{sign}\[[^\]]*\] (\S+) ", diff, re.M)}
+
+
+def test_diff_input_final_shows_what_changed_not_every_stream_label(dump, capsys, dumps):
+    g = 1
+    before = {n.name: n for n in dump.stage_nodes("input", g)}
+    after = {n.name: n for n in dump.stage_nodes("final", g)}
+    # the reference, from the parsed stages: a node is unchanged when its call, shape and module
+    # are the same and its stream is main in the final graph (input nodes are all unlabelled)
+    assert {n.stream for n in before.values()} == {"-"}
+    same = {k for k in before.keys() & after.keys()
+            if (before[k].target, before[k].args, before[k].shape, before[k].module)
+            == (after[k].target, after[k].args, after[k].shape, after[k].module) and after[k].stream == "main"}
+    moved = {k for k in before.keys() & after.keys() if after[k].stream != "main"}
+    assert len(same) > 1000 and moved
+    assert cli.main(["inspect", str(dumps[0]), "--graph", "1", "--diff", "input", "final"]) == 0
+    diff = capsys.readouterr().out
+    removed, added = _diff_names(diff, "-"), _diff_names(diff, "+")
+    context = {m.group(1) for m in re.finditer(r"^ \[[^\]]*\] (\S+) ", diff, re.M)}
+    assert context, "no unchanged line at all"
+    assert removed >= before.keys() - after.keys() and added >= after.keys() - before.keys()
+    assert removed >= moved and added >= moved          # a move to a side stream is a change
+    # an unchanged node never shows as changed, unless difflib had to realign around it
+    realigned = (removed | added) & same
+    assert len(realigned) < 0.05 * len(same), sorted(realigned)[:10]
+    # the lines print as the stage files have them (labels included)
+    assert re.search(r"^\+\[\s*aux:select\] ", diff, re.M) and re.search(r"^ \[\s*-\] ", diff, re.M)
+
+
+# ---------------------------------------------------------------------------- issue 23: damaged dumps
+_INSPECT_RUNS = (["--summary"], ["--graph", "1", "--pass", "P1"], ["--graph", "1", "--streams", "--fused"],
+                 ["--graph", "1", "--diff", "input", "final"], ["--graph", "1", "--stage", "P4"])
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _set(obj, keys, value):
+    for k in keys[:-1]:
+        obj = obj[k]
+    obj[keys[-1]] = value
+
+
+def _delete(obj, keys):
+    for k in keys[:-1]:
+        obj = obj[k]
+    del obj[keys[-1]]
+
+
+def _wrong(value):
+    """A value of another JSON type than `value`."""
+    if isinstance(value, bool) or isinstance(value, (int, float)):
+        return "7"
+    if isinstance(value, str):
+        return 5
+    if isinstance(value, list):
+        return {"a": 1}
+    return [1]
+
+
+def test_damaged_dumps_fail_with_one_line_naming_file_and_entry(dumps, tmp_path, capsys):
+    """Every key the reader relies on, missing or of the wrong type, in passes.json records and
+    streams.json entries; bad JSON, missing files, truncated stage files: `v41graph inspect`
+    exits 1 with one line naming the file and the entry, and never a traceback."""
+    d = tmp_path / "d"
+    shutil.copytree(dumps[0], d)
+    passes, streams = d / "graph1" / "passes.json", d / "graph1" / "streams.json"
+    records, smap = json.loads(passes.read_text()), json.loads(streams.read_text())
+    r2 = records[2]["pass"]
+    first_fused = next(i for i, r in enumerate(records) if r["fused"])
+    cases = []       # (file, edit, words the error must contain)
+    for key in ("pass", "matched_count", "nodes_before", "nodes_after"):
+        cases.append((passes, lambda x, k=key: _delete(x, [2, k]), ["record 2", repr(key)]))
+    for key in ("pass", "matched_count", "nodes_before", "nodes_after", "index", "uuid", "num_nodes_before",
+                "num_nodes_after", "added", "removed", "moved_to_stream", "fused"):
+        where = "record 2" if key == "pass" else f"record 2 ({r2})"
+        cases.append((passes, lambda x, k=key: _set(x, [2, k], _wrong(x[2][k])), [where, repr(key)]))
+    cases += [
+        (passes, lambda x: _set(x, [2, "nodes_before", "aten.mm.default"], "3"), [f"record 2 ({r2})", "'nodes_before'"]),
+        (passes, lambda x: _set(x, [first_fused, "fused", 0, "replaced"], "mm_1"), [f"record {first_fused}", "'replaced'"]),
+        (passes, lambda x: _delete(x, [first_fused, "fused", 0, "node"]), [f"record {first_fused}", "'fused'[0]", "'node'"]),
+        (passes, lambda x: _set(x, [3], "cleanup"), ["record 3", "expected an object"]),
+        (passes, lambda x: _set(x, [2, "matched_count"], True), [f"record 2 ({r2})", "'matched_count'", "integer"]),
+    ]
+    node7, ev0 = smap["nodes"][7]["name"], smap["events"][0]["tag"]
+    for key in ("name", "stream"):
+        cases.append((streams, lambda x, k=key: _delete(x["nodes"][7], [k]), ["nodes[7]", repr(key)]))
+        cases.append((streams, lambda x, k=key: _set(x["nodes"][7], [k], 3), ["nodes[7]", repr(key)]))
+    for key in ("tag", "record", "record_stream", "wait", "wait_stream"):
+        cases.append((streams, lambda x, k=key: _delete(x["events"][0], [k]), ["events[0]", repr(key)]))
+    cases += [
+        (streams, lambda x: _set(x["nodes"][7], ["stream"], "aux:nowhere"), ["nodes[7]", repr(node7), "'aux:nowhere'"]),
+        (streams, lambda x: _set(x["events"][0], ["wait"], "no_such_node"), ["events[0]", repr(ev0), "'no_such_node'"]),
+        (streams, lambda x: _set(x["regions"][1], ["nodes"], "abc"), ["regions[1]", "'nodes'"]),
+        (streams, lambda x: _set(x["regions"][1], ["join_waits", 0, "stream"], 1), ["regions[1]", "'join_waits'[0]"]),
+        (streams, lambda x: _set(x, ["streams"], "main"), ["'streams'", "must be a list"]),
+        (streams, lambda x: _delete(x, ["regions"]), ["lacks 'regions'"]),
+        (d / "graph1" / "timings.json", lambda x: _set(x, ["cleanup"], "fast"), ["timings.json", "'cleanup'"]),
+        (d / "manifest.json", lambda x: _set(x, ["names"], ["prefill"]), ["manifest.json", "'names'"]),
+        (d / "manifest.json", lambda x: _set(x, ["graphs"], ["graph0", "graph9"]), ["graph9", "missing"]),
+    ]
+    checked = 0
+
+    def expect_error(path, words, runs=_INSPECT_RUNS):
+        nonlocal checked
+        for run in runs:
+            assert cli.main(["inspect", str(d), *run]) == 1, (path, words, run)
+            captured = capsys.readouterr()
+            err = captured.err.strip()
+            assert "\n" not in err and "Traceback" not in err, err
+            assert err.startswith("v41graph inspect: error: ") and str(path) in err, err
+            for w in words:
+                assert w in err, (w, err)
+            checked += 1
+
+    for path, edit, words in cases:
+        original = path.read_bytes()
+        _edit_json(path, edit)
+        expect_error(path, words)
+        path.write_bytes(original)
+    # bad JSON, a missing file, a truncated stage file (cut mid-line, and cut at a line end)
+    for path, damage, words in [
+            (passes, lambda p: p.write_text(p.read_text()[:300]), ["not valid JSON"]),
+            (streams, lambda p: p.unlink(), ["missing"]),
+            (d / "graph1" / f"{_stage('hoist_engram')}.after.txt", lambda p: p.unlink(), ["missing"])]:
+        original = path.read_bytes()
+        damage(path)
+        expect_error(path, words)
+        path.write_bytes(original)
+    stage = d / "graph1" / f"{_stage('hoist_engram')}.after.txt"
+    original = stage.read_bytes()
+    n_lines = original.count(b"\n")
+    for cut in (len(original) // 2, original.rindex(b"\n", 0, len(original) // 2) + 1):
+        stage.write_bytes(original[:cut])
+        expect_error(stage, ["truncated", f"record {_stage('hoist_engram')[:2].lstrip('0') or '0'}",
+                             "hoist_engram"], runs=(["--graph", "1", "--stage", "P4"],
+                                                    ["--graph", "1", "--diff", "P4", "final"]))
+        assert cli.main(["inspect", str(d), "--graph", "1", "--stage", "P6"]) == 0   # other stages still read
+        capsys.readouterr()
+    stage.write_bytes(original)
+    assert n_lines == load_dump(d).pass_record("P4", 1)["num_nodes_after"]
+    assert checked >= 5 * len(cases)
+    # after all that the copy is whole again
+    for run in _INSPECT_RUNS:
+        assert cli.main(["inspect", str(d), *run]) == 0
+    capsys.readouterr()
+
+
+def test_optional_record_keys_may_be_missing(dumps, tmp_path, capsys):
+    """What the writer adds beyond the required keys (counts, added/removed lists, fused ops,
+    module paths...) may be absent, as in an older dump: every inspect option still works."""
+    from v41graph.compiler.dump import EVENT_PAIR, PASS_RECORD, REGION, STREAM_NODE
+    d = tmp_path / "d"
+    shutil.copytree(dumps[0], d)
+    for g in (0, 1):
+        _edit_json(d / f"graph{g}" / "passes.json",
+                   lambda rs: [r.pop(k, None) for r in rs for k in PASS_RECORD.optional])
+        _edit_json(d / f"graph{g}" / "streams.json",
+                   lambda m: [[e.pop(k, None) for e in m[key] for k in spec.optional]
+                              for key, spec in (("nodes", STREAM_NODE), ("events", EVENT_PAIR), ("regions", REGION))])
+    assert not EVENT_PAIR.optional and PASS_RECORD.optional and REGION.optional
+    for run in (*_INSPECT_RUNS, ["--graph", "1", "--dot", str(tmp_path / "x.dot")], ["--graph", "0", "--fused"]):
+        assert cli.main(["inspect", str(d), *run]) == 0, run
+        assert capsys.readouterr().err == ""
+
+
+def test_damaged_dump_in_a_subprocess_prints_no_traceback(dumps, tmp_path):
+    d = tmp_path / "d"
+    shutil.copytree(dumps[0], d)
+    _edit_json(d / "graph1" / "streams.json", lambda m: _delete(m["nodes"][3], ["stream"]))
+    r = subprocess.run([sys.executable, "-m", "v41graph.tools.cli", "inspect", str(d), "--graph", "1", "--streams"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert str(d / "graph1" / "streams.json") in r.stderr and "nodes[3]" in r.stderr and "'stream'" in r.stderr
+
+
+# ---------------------------------------------------------------------------- issue 22: pictures and profile
+def test_timeline_title_fits_and_every_bar_carries_its_node_name(dump):
+    pytest.importorskip("matplotlib")
+    from v41graph.tools.graph_dump import timeline_figure
+    fig, info = timeline_figure(dump, graph=1, layer=6)
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    box, title = fig.bbox, ax.title.get_window_extent(renderer)
+    assert ax.title.get_text().startswith(f"{dump.path.name}: graph 1 (decode), layer 6\n")
+    assert box.x0 <= title.x0 and title.x1 <= box.x1 and title.y1 <= box.y1, (title, box)
+    # the names written in the bars: exactly the drawn nodes, in the final graph's order
+    final = [n for n in dump.stage_nodes("final", 1) if n.op not in ("placeholder", "output", "get_attr")]
+    in_layer = [n.name for n in final if n.module == "layers.6" or n.module.startswith("layers.6.")]
+    order = {n.name: i for i, n in enumerate(final)}
+    assert set(in_layer) <= set(info["labels"]) and len(info["labels"]) == info["nodes"]
+    assert [order[n] for n in info["labels"]] == sorted(order[n] for n in info["labels"])
+    from matplotlib.text import Annotation
+    names = [t for t in ax.texts if not isinstance(t, Annotation)]      # not the event arrows
+    texts = [t.get_text() for t in names]
+    shown = [n if len(n) <= 26 else n[:25] + "\u2026" for n in info["labels"]]
+    assert texts == shown
+    # the names do not overlap: the rotated names are narrower than one node's width
+    widths = [t.get_window_extent(renderer).width for t in names]
+    x0, x1 = ax.transData.transform([(0, 0), (1, 0)])[:, 0]
+    assert max(widths) < (x1 - x0)
+    # the whole graph names its custom and stream/event ops (all nodes: --layer)
+    _, whole = timeline_figure(dump, graph=1)
+    wanted = [n.name for n in final if n.target.startswith("v41graph.")]
+    assert whole["labels"] == wanted and len(wanted) > 100
+
+
+def test_svg_with_the_viz_extra(dump, tmp_path):
+    """[viz] lists what --svg needs (pydot, and graphviz-pure's `dot` when Graphviz is not
+    installed); with them installed the SVG is drawn."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+")
+    viz = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["viz"]
+    assert {"matplotlib", "pydot", "graphviz-pure"} <= set(viz)
+    pytest.importorskip("pydot", reason="pip install 'v41graph[viz]' for --svg")
+    from v41graph.tools.graph_dump import _dot_program, write_svg
+    if _dot_program() is None:
+        pytest.skip("no Graphviz dot and no graphviz-pure")
+    svg = Path(write_svg(dump, tmp_path / "g.svg", graph=1, layer=0)).read_text()
+    assert "<svg" in svg and svg.count("<g id=\"node") == len(dump.layer_nodes(0, 1))
+
+
+def test_inspect_profile_writes_a_chrome_trace_of_decode_steps(dumps, dump, tmp_path, capsys, caplog):
+    """On CPU: the dumped model built again, its decode graph uncaptured, 2 steps profiled. The
+    trace holds as many fused_wkv_rmsnorm calls per step as the dump's decode graph has. The
+    tracing is logged (how long, which graph)."""
+    import logging
+    out = tmp_path / "trace.json"
+    with caplog.at_level(logging.INFO, logger="v41graph"):
+        assert cli.main(["inspect", str(dumps[0]), "--profile", str(out), "--profile-steps", "2",
+                         "--device", "cpu"]) == 0
+    assert f"profile: {out} (2 decode steps on cpu, uncaptured" in capsys.readouterr().out
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("traced the decode graph in ") for m in logged) == 1, logged
+    assert not any(m.startswith("traced the prefill graph") for m in logged)     # compile_prefill=False
+    assert any(m.startswith("profiling 2 decode steps of the tiny model on cpu") for m in logged)
+    events = json.loads(out.read_text())["traceEvents"]
+    names = [e.get("name", "") for e in events if e.get("ph") == "X"]
+    assert names.count("v41graph.step0") == names.count("v41graph.step1") == 1
+    fused = sum(1 for n in dump.nodes(1) if n.target == "v41graph.fused_wkv_rmsnorm.default")
+    assert fused == 24 and names.count("v41graph::fused_wkv_rmsnorm") == 2 * fused
+    # a dump without model.json (written by compile(dump_dir=...)) says why it cannot
+    d = tmp_path / "d"
+    shutil.copytree(dumps[0], d)
+    (d / "model.json").unlink()
+    assert cli.main(["inspect", str(d), "--profile", str(tmp_path / "t2.json")]) == 1
+    err = capsys.readouterr().err
+    assert str(d / "model.json") in err and "missing" in err and err.count("\n") == 1

@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -289,9 +290,14 @@ def test_progress_callback_and_stderr_line(tiny_dir, capsys):
     from_pretrained(tiny_dir, progress=lambda done, total, name: seen.append((done, total, name)))
     assert len(seen) > 100 and seen[-1][0] == seen[-1][1]
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
-    from_pretrained(tiny_dir, progress=True)
+    capsys.readouterr()
+    from_pretrained(tiny_dir, progress=True)            # a tqdm bar over the bytes, finished
     err = capsys.readouterr().err
-    assert "[v41graph] loading:" in err and "(100%)" in err
+    assert "Loading checkpoint" in err and "100%" in err
+    assert re.search(r"Loading checkpoint: +0%", err)
+    from_pretrained(tiny_dir)                           # progress=None: stderr is no terminal here
+    from_pretrained(tiny_dir, progress=False)
+    assert capsys.readouterr().err == ""
 
 
 # ----------------------------------------------------------------------------- sharding hooks

@@ -1,6 +1,13 @@
 """The v41graph torch.compile backend.
 
     torch.compile(model, backend="v41graph")        # registered; v41graph.compile builds on it
+    torch.compile(model, backend="v41graph", options={"disable": ["P6"], "dump_dir": "dumps/"})
+
+The name resolves without `import v41graph`: the package declares it as a
+`torch_dynamo_backends` entry point (pyproject.toml), which torch loads on first lookup.
+`options` (see BACKEND_OPTIONS): passes, disable, dump_dir (default $V41GRAPH_DUMP),
+platform, inductor_segments. `mode`: "default" only; the others ask for Inductor's autotuning
+or CUDA graphs, which this backend does not do on its own (see `check_mode`).
 
 Flow (DESIGN.md): Dynamo graph -> aot_autograd(DECOMPOSITIONS,
 keep_inference_input_mutations=True) -> our pass manager (cleanup, P1, defunctionalize, P4,
@@ -95,13 +102,67 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
     return backend, manager
 
 
-def _registered_backend(gm, example_inputs, **kwargs):
-    kwargs.setdefault("dump_dir", os.environ.get("V41GRAPH_DUMP") or None)
-    backend, _ = make_backend(**kwargs)
+# torch.compile(backend="v41graph", options={...}): the keys make_backend takes from a user.
+BACKEND_OPTIONS = ("passes", "disable", "dump_dir", "platform", "inductor_segments")
+BACKEND_NAME = "v41graph"
+
+
+def check_mode(mode: str | None) -> None:
+    """torch.compile's `mode` for this backend. "reduce-overhead" means CUDA graphs: a graph
+    of V41Model writes its caches in place, which torch's CUDA-graph trees refuse, so the capture
+    lives in v41graph.compile (persistent buffers per decode bucket); the max-autotune modes are
+    Inductor's autotuning, which this backend does not run."""
+    if mode in (None, "default"):
+        return
+    if mode == "reduce-overhead":
+        raise ValueError('torch.compile(backend="v41graph", mode="reduce-overhead"): CUDA-graph capture '
+                         "of a V41Model runs through v41graph.compile(model, capture=True) (decode buckets "
+                         "over persistent buffers); with torch.compile, leave mode unset")
+    if mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        raise ValueError(f'torch.compile(backend="v41graph", mode={mode!r}): autotuning is Inductor\'s; '
+                         "this backend lowers through our executor (opt in to Inductor for stream-free "
+                         "segments with options={\"inductor_segments\": True}); leave mode unset")
+    raise ValueError(f'torch.compile(backend="v41graph"): unknown mode {mode!r}; use "default" (or leave it unset)')
+
+
+def v41graph_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
+    """The backend torch.compile(backend="v41graph", mode=..., options=...) calls for each graph
+    Dynamo captures. Each graph is dumped under the next number of its dump directory in this
+    process (a graph break or recompile never overwrites graph0)."""
+    check_mode(mode)
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(BACKEND_OPTIONS))
+    if unknown:
+        raise ValueError(f'torch.compile(backend="v41graph"): unknown option(s) {", ".join(map(repr, unknown))}; '
+                         f"options are {', '.join(BACKEND_OPTIONS)}")
+    inductor_segments = bool(options.pop("inductor_segments", False))
+    options.setdefault("dump_dir", os.environ.get("V41GRAPH_DUMP") or None)
+    if inductor_segments:
+        from .inductor_segments import lower_inductor_segments
+        options["lower"] = lower_inductor_segments
+    backend, manager = make_backend(**options)
+    if manager.dump_dir is not None:
+        from .dump import next_graph_index
+        manager.graph_index = next_graph_index(manager.dump_dir)
     return backend(gm, example_inputs)
 
 
-torch._dynamo.register_backend(name="v41graph")(_registered_backend)
+def _register() -> None:
+    """Register the backend name at import. When torch is resolving the name through our entry
+    point right now (it imports this module, then registers what the entry point names), leave
+    the registering to torch: a second registration of one name is an error there."""
+    try:
+        from torch._dynamo.backends import registry
+        found_by_entry_point = (registry._BACKENDS.get(BACKEND_NAME) is not None
+                                and BACKEND_NAME not in registry._COMPILER_FNS)
+        if BACKEND_NAME in registry._COMPILER_FNS or found_by_entry_point:
+            return
+    except (ImportError, AttributeError):   # a torch without these private names
+        pass
+    torch._dynamo.register_backend(name=BACKEND_NAME)(v41graph_backend)
+
+
+_register()
 
 
 def resolve_platform(backend: str, device: torch.device) -> str:
@@ -142,4 +203,4 @@ def raise_dynamo_recompile_limit(at_least: int) -> None:
 
 
 __all__ = ["make_backend", "copy_graph_module", "TracedGraph", "DECOMPOSITIONS", "resolve_platform",
-           "raise_dynamo_recompile_limit"]
+           "raise_dynamo_recompile_limit", "v41graph_backend", "check_mode", "BACKEND_OPTIONS"]

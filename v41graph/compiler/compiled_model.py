@@ -14,8 +14,8 @@ so they write nothing any real sequence reads.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
-import sys
 import time
 from collections import defaultdict
 
@@ -24,7 +24,11 @@ import torch
 from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.metadata import AttentionMetadata
 from v41graph.model.model import check_step_inputs
+from v41graph.progress import bar
 from .backend import TracedGraph, make_backend, raise_dynamo_recompile_limit, resolve_platform
+from .dump import graph_name
+
+_log = logging.getLogger(__name__)
 
 
 class CompiledModel:
@@ -33,6 +37,13 @@ class CompiledModel:
     def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
                  batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
                  inductor_segments=False, compile_prefill=True):
+        from v41graph.model.model import V41Model
+        if not isinstance(model, V41Model):
+            # decode buckets, caches and capture follow V41Model's step contract; any other
+            # module compiles with the plain backend
+            raise TypeError(f"v41graph.compile expects a V41Model, got {type(model).__name__}; for any "
+                            f"other module use torch.compile(module, backend=\"v41graph\") (same passes, "
+                            f"options={{\"disable\": [...], \"dump_dir\": ...}}, no decode buckets or capture)")
         self.model = model.eval().requires_grad_(False)
         if share_decode_graph not in (True, False, "all"):
             raise ValueError(f"share_decode_graph must be True, False or \"all\", got {share_decode_graph!r}")
@@ -56,6 +67,8 @@ class CompiledModel:
         # capture (second warm-up + graph capture: "capture_s").
         self.timings: dict[str, float] = defaultdict(float)
         self._graph_ready_at = 0.0       # when the backend last handed a graph over
+        self._step_started = 0.0         # when the step that may trace began (for the log)
+        self._tracing = ""               # which graph that step traces, if it does
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
                                                        on_compiled=self._graph_compiled)
@@ -94,6 +107,15 @@ class CompiledModel:
         self.timings["passes_s"] += passes_s
         self.timings["lower_s"] += lower_s
         self._graph_ready_at = time.perf_counter()
+        _log.info("traced the %s graph in %.1f s (Dynamo + AOT + our passes %.2f s%s)", self._tracing or "step",
+                  self._graph_ready_at - self._step_started, passes_s,
+                  f" + lowering {lower_s:.1f} s" if lower_s >= 0.05 else "")
+
+    def _traces(self, name: str):
+        """The step about to run may trace (the first of its kind, a recompile): its graphs are
+        named `name` in the dump, and the log says how long tracing took."""
+        self._step_started, self._tracing = time.perf_counter(), name
+        return graph_name(name)
 
     def _lower(self, gm) -> None:
         """Platform lowering of a final graph (after the passes): Inductor segments if asked for."""
@@ -159,7 +181,8 @@ class CompiledModel:
                                   **extra)
             if return_streams and self.compile_prefill:
                 _mark_batch_dims_dynamic(input_ids, positions, metadata)
-            return self._prefill_fn(input_ids, positions, caches, metadata, all_logits, **extra)
+            with self._traces("verify" if return_streams else "prefill"):
+                return self._prefill_fn(input_ids, positions, caches, metadata, all_logits, **extra)
 
     # ------------------------------------------------------------------ decode buckets
     def bucket_for(self, n: int) -> int:
@@ -193,13 +216,16 @@ class CompiledModel:
                 graph.prepare()
         return graph
 
-    def warmup(self, caches: ModelCaches, max_blocks: int, show_progress: bool = True) -> None:
-        """Compile (and on CUDA capture) every decode bucket up front, showing progress."""
-        for i, b in enumerate(self.batch_sizes):
-            if show_progress:
-                print(f"[v41graph] decode bucket {b}: compile + capture ({i + 1}/{len(self.batch_sizes)})",
-                      file=sys.stderr, flush=True)
+    def warmup(self, caches: ModelCaches, max_blocks: int, show_progress: bool | None = None) -> None:
+        """Compile (and on CUDA capture) every decode bucket up front: each bucket logged, and a
+        bar on a terminal (show_progress=None; True/False: always / never a bar)."""
+        captures = self.platform == "cuda" and self.capture
+        what = "Capturing CUDA graphs" if captures else "Compiling decode buckets"
+        t0 = time.perf_counter()
+        for b in bar(self.batch_sizes, desc=what, unit="bucket", show=show_progress):
+            _log.info("decode bucket %d: %s", b, "compile + capture" if captures else "compile")
             self._graph_for(b, caches, max_blocks, prepare=True)
+        _log.info("%s: %d buckets in %.1f s", what, len(self.batch_sizes), time.perf_counter() - t0)
 
 
 def _mark_batch_dims_dynamic(input_ids, positions, metadata: AttentionMetadata) -> None:
@@ -258,7 +284,7 @@ class DecodeGraph:
         # no_grad here too, not only in CompiledModel.__call__: warm-up (warmup(), prepare())
         # calls this directly, and a graph traced with grad mode on fails Dynamo's grad-mode
         # guard at every later no_grad step, which then traces the model again.
-        with torch.no_grad():
+        with torch.no_grad(), self.compiled._traces("decode"):
             return fn(self.input_ids, self.positions, self.caches, self.meta)
 
     def prepare(self) -> None:
@@ -323,7 +349,8 @@ class DecodeGraph:
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
             batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = True,
             inductor_segments: bool = False, compile_prefill: bool = True) -> CompiledModel:
-    """Compile a V41Model with the v41graph backend. See the module docstring.
+    """Compile a V41Model with the v41graph backend (a TypeError for any other module: compile
+    those with torch.compile(module, backend="v41graph")). See the module docstring.
     capture=False runs the same decode buckets (padding, persistent buffers, graphs) without
     CUDA-graph capture: for debugging a capture, everything else stays the same.
     share_decode_graph=False traces every decode bucket on its own (static shapes throughout);

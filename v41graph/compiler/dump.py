@@ -3,7 +3,8 @@ key the reader (`v41graph.tools.graph_dump`, behind `v41graph inspect`) relies o
 
 With a dump directory, each graph the pass manager passes gets a folder:
 
-    manifest.json                  format version, pass list, uuid, the graph folders written
+    manifest.json                  format version, pass list, uuid, the graph folders written and
+                                   what each graph is ("names": graph0 -> "prefill", ...)
     graph<i>/NN_<pass>.before.txt  readable graph before / after the pass: one line per node with
     graph<i>/NN_<pass>.after.txt     its stream label, dtype/shape, call and `# module.path`
     graph<i>/passes.json           one record per pass: name, uuid, matched_count, node counts by
@@ -15,6 +16,12 @@ With a dump directory, each graph the pass manager passes gets a folder:
                                    record/wait pairs, fork/join regions
     graph<i>/timings.json          seconds per pass (the only file that differs between runs)
 
+Graphs are numbered per process and dump directory: each graph compiled into a directory in
+this process gets the next number (a graph break or a recompile adds graph<i+1>, never
+overwrites graph0); one `v41graph.compile` numbers its own graphs from 0 (its first graph is
+the first prefill or decode step traced) and `set_passes` writes them again under the same
+numbers.
+
 Everything but timings.json is deterministic: the same model and config give byte-identical
 files. Each stage is also logged for PyTorch's tools: through
 `torch._dynamo.utils.lazy_format_graph_code` on the `v41graph_passes` logging artifact (enable with
@@ -25,10 +32,13 @@ records are still built: the pass manager keeps them).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import re
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.fx as fx
@@ -63,11 +73,41 @@ STAGE_NAME = re.compile(r"(?:\d\d_)?(.+?)(?:\.(before|after))?(?:\.txt)?")
 ALIASES = {"P1": ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_ratio2_state_write"), "P4": ("hoist_engram",),
            "P6": ("dual_stream",)}
 
-# Keys a pass record must have (the writer adds the others listed in the layout above);
 # SECONDS_KEY is kept in memory and in timings.json, never in passes.json.
-REQUIRED_RECORD_KEYS = ("pass", "matched_count", "nodes_before", "nodes_after")
 SECONDS_KEY = "seconds"
-STREAM_MAP_KEYS = ("streams", "nodes", "events", "regions")
+
+
+# ---------------------------------------------------------------------------- the files' schemas
+# The keys and types the reader relies on, checked when a dump is opened (graph_dump.check_entry),
+# so a damaged file is one error naming the file, the entry and the key. A spec is a type, a
+# tuple of types (`None` for JSON null), `[spec]` (a list of those), `{str: spec}` (an object
+# with any keys) or an `Entry` (an object with these keys).
+@dataclass(frozen=True)
+class Entry:
+    required: dict
+    optional: dict = field(default_factory=dict)
+
+
+NUMBER = (int, float)
+FUSED_ENTRY = Entry({"node": str}, {"target": str, "kind": str, "replaced": [str]})
+PASS_RECORD = Entry(
+    {"pass": str, "matched_count": int, "nodes_before": {str: int}, "nodes_after": {str: int}},
+    {"index": int, "uuid": str, "num_nodes_before": int, "num_nodes_after": int, "added": [str],
+     "removed": [str], "moved_to_stream": {str: [str]}, "fused": [FUSED_ENTRY], "refused": int})
+REQUIRED_RECORD_KEYS = tuple(PASS_RECORD.required)
+STREAM_NODE = Entry({"name": str, "stream": str},
+                    {"op": str, "target": str, "module": str, "side_tag": str, "event": str, "enter": str})
+EVENT_PAIR = Entry({"tag": str, "record": (str, None), "record_stream": (str, None), "wait": str,
+                    "wait_stream": str})
+REGION = Entry({"tag": str}, {"stream": (str, None), "fork_record": (str, None), "join_record": (str, None),
+                              "nodes": [str], "join_waits": [Entry({"node": str, "stream": str})],
+                              "overlap_count": int})
+STREAMS_SCHEMA = Entry({"streams": [str], "nodes": [STREAM_NODE], "events": [EVENT_PAIR], "regions": [REGION]},
+                       {"graph": int})
+STREAM_MAP_KEYS = tuple(STREAMS_SCHEMA.required)
+TIMINGS_SCHEMA = {str: NUMBER}
+MANIFEST_SCHEMA = Entry({"graphs": [str]}, {"format": str, "version": int, "passes": [str], "uuid": str,
+                                            "names": {str: str}})
 
 # The stream / event ops as the dumps spell their targets -> their short names.
 # (`v41graph.event_record.default` -> `event_record`)
@@ -309,9 +349,38 @@ def _prepare_graph_dir(out: Path) -> None:
 
 
 def write_manifest(dump_dir: Path, passes: list, uuid: str, num_graphs: int) -> None:
-    manifest = {"format": DUMP_FORMAT, "version": DUMP_VERSION, "passes": passes,
-                "uuid": uuid, "graphs": [graph_dir_name(i) for i in range(num_graphs)]}
+    graphs = [graph_dir_name(i) for i in range(num_graphs)]
+    named = _written(dump_dir)
+    manifest = {"format": DUMP_FORMAT, "version": DUMP_VERSION, "passes": passes, "uuid": uuid,
+                "graphs": graphs, "names": {g: named[i] for i, g in enumerate(graphs) if named.get(i)}}
     (dump_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------------------- numbering and names
+# What this process wrote into each dump directory: graph index -> its name (or None).
+_WRITTEN: dict[Path, dict[int, str | None]] = {}
+_GRAPH_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("v41graph_graph_name", default=None)
+
+
+def _written(dump_dir: Path) -> dict:
+    return _WRITTEN.setdefault(Path(dump_dir).resolve(), {})
+
+
+def next_graph_index(dump_dir) -> int:
+    """The number the next graph dumped into `dump_dir` gets in this process: one past the
+    highest written so far (0 for a directory this process has not written)."""
+    return max(_written(dump_dir), default=-1) + 1
+
+
+@contextlib.contextmanager
+def graph_name(name: str | None):
+    """Graphs the pass manager dumps inside this block are named `name` in the manifest and
+    the reader's summary ("prefill", "decode"...): the compiled model says which step it traces."""
+    token = _GRAPH_NAME.set(name)
+    try:
+        yield
+    finally:
+        _GRAPH_NAME.reset(token)
 
 
 # ---------------------------------------------------------------------------- torch logging
@@ -370,8 +439,10 @@ class GraphDump:
         self.index = index
         self.dump_dir = Path(dump_dir) if dump_dir else None
         self.out = self.dump_dir / graph_dir_name(index) if self.dump_dir else None
+        self.name = _GRAPH_NAME.get()
         if self.out:
             _prepare_graph_dir(self.out)
+            _written(self.dump_dir)[index] = self.name
         self.records: list[dict] = []
         self._pending = None
 

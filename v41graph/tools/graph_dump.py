@@ -25,13 +25,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from v41graph.compiler.dump import (ALIASES, GRAPH_DIR, MANIFEST_FILE, PASSES_FILE, READABLE_LINE,
-                                    REQUIRED_RECORD_KEYS, STAGE_FILE, STAGE_NAME, STREAM_MAP_KEYS,
-                                    STREAM_OP_TARGETS, STREAMS_FILE, TIMINGS_FILE, expand_aliases,
-                                    graph_dir_name, stage_file_name)
+from v41graph.compiler.dump import (ALIASES, GRAPH_DIR, MANIFEST_FILE, MANIFEST_SCHEMA, PASS_RECORD,
+                                    PASSES_FILE, READABLE_LINE, STAGE_FILE, STAGE_NAME, STREAM_OP_TARGETS,
+                                    STREAMS_FILE, STREAMS_SCHEMA, TIMINGS_FILE, TIMINGS_SCHEMA, Entry,
+                                    expand_aliases, graph_dir_name, stage_file_name)
 
 __all__ = ["DumpError", "MissingDependency", "Dump", "NodeInfo", "EventChain", "FusedOp",
-           "load_dump", "draw_timeline", "to_dot", "write_svg"]
+           "load_dump", "check_entry", "draw_timeline", "timeline_figure", "to_dot", "write_svg"]
 
 
 class DumpError(Exception):
@@ -99,6 +99,91 @@ def _read_json(path: Path):
         raise DumpError(f"{path}: cannot be read ({e})") from None
 
 
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", type(None): "null", bool: "true/false"}
+
+
+def _type_name(spec) -> str:
+    if isinstance(spec, tuple):
+        return " or ".join(dict.fromkeys(_type_name(s) for s in spec))
+    if isinstance(spec, list):
+        return "a list"
+    if isinstance(spec, (dict, Entry)):
+        return "an object"
+    return _TYPE_NAMES.get(spec, spec.__name__)
+
+
+def _is(value, t) -> bool:
+    t = type(None) if t is None else t
+    if t in (int, float) and isinstance(value, bool):     # JSON true is no count
+        return False
+    return isinstance(value, t)
+
+
+def check_entry(value, spec, where: str) -> None:
+    """Raise DumpError("<where>: <what is wrong>") unless `value` (read from JSON) has the shape
+    `spec` describes (see the schemas in v41graph/compiler/dump.py). `where` names the file and
+    the entry, e.g. "graph1/passes.json: record 2 (fuse_pool_rmsnorm)"."""
+    if isinstance(spec, Entry):
+        if not isinstance(value, dict):
+            raise DumpError(f"{where}: expected an object, got {_show(value)}")
+        missing = [k for k in spec.required if k not in value]
+        if missing:
+            raise DumpError(f"{where}: lacks {', '.join(repr(k) for k in missing)}")
+        for k, sub in (*spec.required.items(), *spec.optional.items()):
+            if k in value:
+                check_entry(value[k], sub, f"{where}: {k!r}")
+    elif isinstance(spec, list):
+        if not isinstance(value, list):
+            raise DumpError(f"{where} must be a list, got {_show(value)}")
+        for i, v in enumerate(value):
+            check_entry(v, spec[0], f"{where}[{i}]")
+    elif isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise DumpError(f"{where} must be an object, got {_show(value)}")
+        (_, sub), = spec.items()
+        for k, v in value.items():
+            check_entry(v, sub, f"{where}[{k!r}]")
+    elif not any(_is(value, t) for t in (spec if isinstance(spec, tuple) else (spec,))):
+        raise DumpError(f"{where} must be {_type_name(spec)}, got {_show(value)}")
+
+
+def _show(value) -> str:
+    text = json.dumps(value)
+    return f"{_type_name(type(value)) if type(value) in _TYPE_NAMES else type(value).__name__} " \
+           f"{text if len(text) <= 40 else text[:37] + '...'}"
+
+
+_LABEL = re.compile(r"^\[\s*([^\]]*)\]")
+
+
+def _stream_key(line: str) -> str:
+    """A stage line as diff compares it: the label `-` (unlabelled) read as `main`."""
+    m = _LABEL.match(line)
+    if not m:
+        return line
+    return ("main" if m.group(1) == "-" else m.group(1)) + line[m.end():]
+
+
+def _unified_diff(a: list[str], b: list[str], key, fromfile: str, tofile: str, n: int) -> str:
+    """difflib.unified_diff's output for `a` and `b` compared by `key(line)` (difflib compares
+    whole lines only), printing the lines themselves."""
+    def span(start, stop):       # unified-diff hunk range, as difflib writes it
+        length = stop - start
+        return f"{start + 1}" if length == 1 else f"{start if not length else start + 1},{length}"
+    out = []
+    matcher = difflib.SequenceMatcher(None, [key(x) for x in a], [key(x) for x in b])
+    for group in matcher.get_grouped_opcodes(n):
+        if not out:
+            out += [f"--- {fromfile}\n", f"+++ {tofile}\n"]
+        out.append(f"@@ -{span(group[0][1], group[-1][2])} +{span(group[0][3], group[-1][4])} @@\n")
+        for tag, i1, i2, j1, j2 in group:
+            if tag == "equal":
+                out += [" " + x for x in a[i1:i2]]
+                continue
+            out += ["-" + x for x in a[i1:i2]] + ["+" + x for x in b[j1:j2]]
+    return "".join(out)
+
+
 def load_dump(path) -> "Dump":
     """Open a dump directory; raises DumpError if it is missing or damaged."""
     return Dump(path)
@@ -116,8 +201,7 @@ class Dump:
         manifest = self.path / MANIFEST_FILE
         if manifest.exists():
             self.manifest = _read_json(manifest)
-            if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("graphs"), list):
-                raise DumpError(f"{manifest}: expected an object with a 'graphs' list")
+            check_entry(self.manifest, MANIFEST_SCHEMA, str(manifest))
             names = self.manifest["graphs"]
         else:
             names = sorted((p.name for p in self.path.iterdir() if p.is_dir() and GRAPH_DIR.match(p.name)),
@@ -136,6 +220,7 @@ class Dump:
         self.graphs: list[int] = sorted(self._dirs)
         self._records = {g: self._load_records(g) for g in self.graphs}
         self._streams = {g: self._load_streams(g) for g in self.graphs}
+        self._timings = {g: self._load_timings(g) for g in self.graphs}
         self._texts: dict = {}
         self._nodes: dict = {}
 
@@ -156,11 +241,8 @@ class Dump:
         if not isinstance(records, list) or not records:
             raise DumpError(f"{path}: expected a non-empty list of pass records")
         for i, r in enumerate(records):
-            if not isinstance(r, dict):
-                raise DumpError(f"{path}: record {i} is not an object")
-            missing = [k for k in REQUIRED_RECORD_KEYS if k not in r]
-            if missing:
-                raise DumpError(f"{path}: record {i} ({r.get('pass', '?')}) lacks {', '.join(missing)}")
+            name = r.get("pass") if isinstance(r, dict) else None
+            check_entry(r, PASS_RECORD, f"{path}: record {i}" + (f" ({name})" if isinstance(name, str) else ""))
             r.setdefault("index", i)
             for when in ("before", "after"):
                 f = d / stage_file_name(r["index"], r["pass"], when)
@@ -171,11 +253,45 @@ class Dump:
     def _load_streams(self, g: int) -> dict:
         path = self._dirs[g] / STREAMS_FILE
         data = _read_json(path)
-        if not isinstance(data, dict) or any(k not in data for k in STREAM_MAP_KEYS):
-            raise DumpError(f"{path}: expected an object with keys {', '.join(STREAM_MAP_KEYS)}")
+        if not isinstance(data, dict):
+            raise DumpError(f"{path}: expected an object with keys {', '.join(STREAMS_SCHEMA.required)}")
+        for key, spec in STREAMS_SCHEMA.required.items():     # an entry's error names the entry
+            if key not in data:
+                raise DumpError(f"{path}: lacks {key!r} (expected an object with keys "
+                                f"{', '.join(STREAMS_SCHEMA.required)})")
+            if not isinstance(data[key], list):
+                raise DumpError(f"{path}: {key!r} must be a list, got {_show(data[key])}")
+            for i, entry in enumerate(data[key]):
+                label = entry.get("name", entry.get("tag")) if isinstance(entry, dict) else None
+                check_entry(entry, spec[0], f"{path}: {key}[{i}]" + (f" ({label!r})" if isinstance(label, str) else ""))
+        check_entry(data, STREAMS_SCHEMA, str(path))
+        # every name an entry refers to is a node of the map, every stream one of its streams
+        names, streams = {n["name"] for n in data["nodes"]}, set(data["streams"])
+
+        def refer(i, key, entry, field, known, what):
+            value = entry.get(field)
+            if value is not None and value not in known:
+                label = entry.get("name", entry.get("tag"))
+                label = f" ({label!r})" if isinstance(label, str) else ""
+                raise DumpError(f"{path}: {key}[{i}]{label}: {field!r} names {value!r}, which is not "
+                                f"{what} of this map")
         for i, n in enumerate(data["nodes"]):
-            if not isinstance(n, dict) or "name" not in n or "stream" not in n:
-                raise DumpError(f"{path}: node entry {i} lacks 'name' or 'stream'")
+            refer(i, "nodes", n, "stream", streams, "a stream")
+        for i, e in enumerate(data["events"]):
+            for f in ("record", "wait"):
+                refer(i, "events", e, f, names, "a node")
+            for f in ("record_stream", "wait_stream"):
+                refer(i, "events", e, f, streams, "a stream")
+        for i, r in enumerate(data["regions"]):
+            for f in ("fork_record", "join_record"):
+                refer(i, "regions", r, f, names, "a node")
+            refer(i, "regions", r, "stream", streams, "a stream")
+            for j, n in enumerate(r.get("nodes", ())):
+                if n not in names:
+                    raise DumpError(f"{path}: regions[{i}] ({r['tag']!r}): 'nodes'[{j}] names {n!r}, "
+                                    f"which is not a node of this map")
+            for j, w in enumerate(r.get("join_waits", ())):
+                refer(j, f"regions[{i}] ({r['tag']!r}): 'join_waits'", w, "node", names, "a node")
         return data
 
     # ------------------------------------------------------------------ passes and stages
@@ -202,15 +318,20 @@ class Dump:
         return ["input"] + [r["pass"] for r in self.passes(graph)]
 
     def _stage_file(self, stage, graph: int) -> tuple[str, Path]:
+        label, path, _ = self._stage_entry(stage, graph)
+        return label, path
+
+    def _stage_entry(self, stage, graph: int) -> tuple[str, Path, dict | None]:
+        """(label, file, (record, "before"|"after")) of a stage."""
         g = self._graph(graph)
         records, names = self._records[g], self.stages(g)
 
-        def file(idx: int) -> tuple[str, Path]:
+        def file(idx: int):
             if idx == 0:
                 r = records[0]
-                return "input", self._dirs[g] / stage_file_name(r["index"], r["pass"], "before")
+                return "input", self._dirs[g] / stage_file_name(r["index"], r["pass"], "before"), (r, "before")
             r = records[idx - 1]
-            return r["pass"], self._dirs[g] / stage_file_name(r["index"], r["pass"], "after")
+            return r["pass"], self._dirs[g] / stage_file_name(r["index"], r["pass"], "after"), (r, "after")
 
         if isinstance(stage, str) and re.fullmatch(r"-?\d+", stage):
             stage = int(stage)
@@ -228,7 +349,7 @@ class Dump:
         for r in records:
             if r["pass"] == base:
                 return (f"{base}.{when}" if when == "before" else base,
-                        self._dirs[g] / stage_file_name(r["index"], r["pass"], when))
+                        self._dirs[g] / stage_file_name(r["index"], r["pass"], when), (r, when))
         raise ValueError(f"unknown stage {stage!r}; stages: {self._stage_help(g)}")
 
     def _stage_help(self, g: int) -> str:
@@ -238,12 +359,22 @@ class Dump:
     def stage(self, name_or_index, graph: int = 0) -> str:
         """The readable text of a stage: an index into `stages()`, "input", "final", a pass
         name or alias (the graph after it) or "<pass>.before"."""
-        _, path = self._stage_file(name_or_index, graph)
+        _, path, (record, when) = self._stage_entry(name_or_index, graph)
         if path not in self._texts:
             try:
-                self._texts[path] = path.read_text()
+                text = path.read_text()
             except (OSError, UnicodeDecodeError) as e:
                 raise DumpError(f"{path}: cannot be read ({e})") from None
+            # the writer ends every node line with a newline and records the node count: a
+            # file cut short (a full disk, a killed copy) shows as fewer or unfinished lines
+            expected = record.get(f"num_nodes_{when}", sum(record[f"nodes_{when}"].values()))
+            lines = text.count("\n")
+            if lines != expected or (text and not text.endswith("\n")):
+                raise DumpError(f"{path}: truncated or damaged: {lines} complete node lines"
+                                f"{' and an unfinished last line' if text and not text.endswith(chr(10)) else ''}, "
+                                f"but {PASSES_FILE} record {record['index']} ({record['pass']}) counts "
+                                f"{expected} nodes {when} the pass")
+            self._texts[path] = text
         return self._texts[path]
 
     def stage_nodes(self, name_or_index, graph: int = 0) -> list[NodeInfo]:
@@ -266,14 +397,16 @@ class Dump:
         return out
 
     def diff(self, a, b, graph: int = 0, context: int = 3) -> str:
-        """Unified diff between two stages (names or indices as in `stage`)."""
+        """Unified diff between two stages (names or indices as in `stage`). Lines are compared
+        with an unlabelled node (`[-]`: no pass has given it a stream yet) counted as on the
+        main stream, where it runs: the stream-label column then differs only for nodes moved
+        to a side stream, and `diff("input", "final")` shows what the passes changed, not the
+        labels stream_check wrote on every line. The lines print as the stage files have them."""
         la, _ = self._stage_file(a, graph)
         lb, _ = self._stage_file(b, graph)
-        lines = difflib.unified_diff(self.stage(a, graph).splitlines(keepends=True),
-                                     self.stage(b, graph).splitlines(keepends=True),
-                                     fromfile=f"{graph_dir_name(graph)}/{la}", tofile=f"{graph_dir_name(graph)}/{lb}",
-                                     n=context)
-        return "".join(lines)
+        return _unified_diff(self.stage(a, graph).splitlines(keepends=True),
+                             self.stage(b, graph).splitlines(keepends=True), _stream_key,
+                             f"{graph_dir_name(graph)}/{la}", f"{graph_dir_name(graph)}/{lb}", context)
 
     # ------------------------------------------------------------------ streams
     def streams(self, graph: int = 0) -> list[str]:
@@ -323,19 +456,33 @@ class Dump:
                 for r in self.passes(graph) for f in r.get("fused", ())]
 
     # ------------------------------------------------------------------ reports
-    def timings(self, graph: int = 0) -> dict:
-        path = self._dirs[self._graph(graph)] / TIMINGS_FILE
-        return _read_json(path) if path.exists() else {}
+    def _load_timings(self, g: int) -> dict:
+        path = self._dirs[g] / TIMINGS_FILE
+        if not path.exists():
+            return {}
+        data = _read_json(path)
+        check_entry(data, TIMINGS_SCHEMA, str(path))
+        return data
 
-    def summary_markdown(self) -> str:
-        """Per-pass Markdown table for every graph."""
+    def timings(self, graph: int = 0) -> dict:
+        """Seconds per pass ({} when the dump has no timings.json)."""
+        return self._timings[self._graph(graph)]
+
+    def graph_name(self, graph: int) -> str:
+        """What the graph is ("prefill", "decode", ...: the manifest's name for it), or ""."""
+        names = (self.manifest or {}).get("names", {})
+        return names.get(graph_dir_name(self._graph(graph)), "")
+
+    def summary_markdown(self, graphs=None) -> str:
+        """Per-pass Markdown table for every graph (or for the graphs listed)."""
         out = [f"# v41graph dump `{self.path}`", ""]
         if self.manifest:
             out += [f"passes: {', '.join(self.manifest.get('passes', []))}  ", f"uuid: `{self.manifest.get('uuid', '')}`", ""]
-        for g in self.graphs:
+        for g in (self.graphs if graphs is None else [self._graph(g) for g in graphs]):
             t = self.timings(g)
             streams = self._streams[g]
-            out += [f"## graph {g}", "",
+            name = self.graph_name(g)
+            out += [f"## graph {g}" + (f" ({name})" if name else ""), "",
                     "| # | pass | matched | nodes before | nodes after | added | removed | moved to side streams | fused | ms |",
                     "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
             for r in self.passes(g):
@@ -428,10 +575,21 @@ def _kind(n: NodeInfo) -> str:
     return "other"
 
 
-def draw_timeline(dump: Dump, out, graph: int = 0, layer: int | None = None) -> dict:
-    """Stream timeline PNG: the final graph's nodes in execution order, one lane per stream,
-    an arrow from each event record to its wait. Returns {"path", "lanes", "nodes", "arrows"};
-    "lanes" are the lane labels as drawn on the figure's y axis."""
+# Node names are written into their bars (rotated): each node gets this much width, so the
+# names do not overlap; the figure grows with the node count up to what a PNG can hold.
+_INCH_PER_NODE = 0.1
+_MAX_WIDTH_IN = 600.0          # 60 000 px at 100 dpi (Agg draws at most 2^16 px a side)
+_NAME_CHARS = 26
+_ALL_NAMES_UP_TO = 600
+
+
+def timeline_figure(dump: Dump, graph: int = 0, layer: int | None = None):
+    """The stream timeline as a matplotlib Figure: the final graph's nodes in execution order,
+    one lane per stream (main on top), each node a bar with its name written in it, an arrow
+    from each event record to its wait. Returns (figure, info) with info {"lanes" (the lane
+    labels as drawn on the y axis), "nodes", "arrows", "labels" (the names written in the bars,
+    in order: every node's for a layer or a graph of up to 600 nodes, else the custom and
+    stream/event ops')}."""
     _require("matplotlib", "the stream timeline")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -443,8 +601,8 @@ def draw_timeline(dump: Dump, out, graph: int = 0, layer: int | None = None) -> 
     lanes = [s for s in dump.streams(graph) if s in present]
     lane_y = {s: len(lanes) - 1 - i for i, s in enumerate(lanes)}        # main on top
     x_of = {n.name: i for i, n in enumerate(nodes)}
-    width = min(60.0, max(8.0, 4 + len(nodes) / 120))
-    fig = Figure(figsize=(width, 1.4 + 0.9 * len(lanes)), dpi=100)
+    width = min(_MAX_WIDTH_IN, max(10.0, 1.5 + _INCH_PER_NODE * len(nodes)))
+    fig = Figure(figsize=(width, 2.2 + 2.0 * len(lanes)), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for s in lanes:
@@ -453,6 +611,17 @@ def draw_timeline(dump: Dump, out, graph: int = 0, layer: int | None = None) -> 
             if bars:
                 h = 0.7 if kind in ("compute", "custom", "other") else 0.9
                 ax.broken_barh(bars, (lane_y[s] - h / 2, h), facecolors=color, linewidth=0)
+    # each bar's name, bottom to top inside its lane (the lane is ~1.7 in high: 26 characters);
+    # a whole graph of more than _ALL_NAMES_UP_TO nodes names its custom ops and stream/event
+    # ops only (thousands of texts take long to draw): --layer names every node
+    labels = []
+    font = max(3.0, min(6.0, 72 * width / max(len(nodes), 1) * 0.8))
+    named = nodes if len(nodes) <= _ALL_NAMES_UP_TO else [n for n in nodes if _kind(n) not in ("compute", "other")]
+    for n in named:
+        text = n.name if len(n.name) <= _NAME_CHARS else n.name[:_NAME_CHARS - 1] + "\u2026"
+        ax.text(x_of[n.name] + 0.45, lane_y[n.stream] - 0.33, text, rotation=90, ha="center", va="bottom",
+                fontsize=font, color="black", clip_on=True)
+        labels.append(n.name)
     arrows = 0
     for e in dump.events(graph):
         if e["record"] in x_of and e["wait"] in x_of:
@@ -463,19 +632,28 @@ def draw_timeline(dump: Dump, out, graph: int = 0, layer: int | None = None) -> 
                         arrowprops=dict(arrowstyle="->", color=color, lw=1.0, shrinkA=0, shrinkB=0))
             arrows += 1
     ax.set_yticks([lane_y[s] for s in lanes], labels=lanes)
-    ax.set_ylim(-0.8, len(lanes) - 0.2)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
     ax.set_xlim(-1, max(len(nodes), 1) + 1)
     ax.set_xlabel("execution order (node index)")
+    name = dump.graph_name(graph)
     scope = f"layer {layer}" if layer is not None else "whole graph"
-    ax.set_title(f"{dump.path.name or dump.path} graph {graph}, {scope}: {len(nodes)} nodes on "
-                 f"{len(lanes)} streams, {arrows} event arrows (green fork, orange join)")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in _KIND_COLORS.items()], loc="upper right",
-              fontsize="small", ncol=len(_KIND_COLORS))
+    ax.set_title(f"{dump.path.name or dump.path}: graph {graph}{f' ({name})' if name else ''}, {scope}\n"
+                 f"{len(nodes)} nodes on {len(lanes)} streams, {arrows} event arrows (green: fork, orange: join)",
+                 fontsize=11)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _KIND_COLORS.items()], loc="upper left",
+              bbox_to_anchor=(0.0, -0.12), fontsize="small", ncol=len(_KIND_COLORS), frameon=False)
     fig.tight_layout()
-    fig.savefig(str(out))
     drawn = [t.get_text() for t in ax.get_yticklabels()]
     drawn_lanes = [lab for _, lab in sorted(zip(ax.get_yticks(), drawn), reverse=True)]
-    return {"path": str(out), "lanes": drawn_lanes, "nodes": len(nodes), "arrows": arrows}
+    return fig, {"lanes": drawn_lanes, "nodes": len(nodes), "arrows": arrows, "labels": labels}
+
+
+def draw_timeline(dump: Dump, out, graph: int = 0, layer: int | None = None) -> dict:
+    """Stream timeline PNG (see `timeline_figure`). Returns {"path", "lanes", "nodes",
+    "arrows", "labels"}; "lanes" are the lane labels as drawn on the figure's y axis."""
+    fig, info = timeline_figure(dump, graph, layer)
+    fig.savefig(str(out), bbox_inches="tight")       # title, legend and names inside the picture
+    return {"path": str(out), **info}
 
 
 def to_dot(dump: Dump, graph: int = 0, layer: int | None = None) -> str:
@@ -507,12 +685,28 @@ def to_dot(dump: Dump, graph: int = 0, layer: int | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _dot_program() -> str | None:
+    """Graphviz's `dot`: a system Graphviz on PATH first, else the `graphviz-pure` program the
+    [viz] extra installs (beside this interpreter when its environment is not activated)."""
+    import shutil
+    import sysconfig
+    for name in ("dot", "graphviz-pure"):
+        found = shutil.which(name) or shutil.which(name, path=sysconfig.get_path("scripts"))
+        if found:
+            return found
+    return None
+
+
 def write_svg(dump: Dump, out, graph: int = 0, layer: int | None = None) -> str:
-    """Graphviz SVG through pydot (and the Graphviz `dot` program)."""
+    """Graphviz SVG through pydot and a `dot` program (see _dot_program)."""
     pydot = _require("pydot", "the Graphviz picture")
+    prog = _dot_program()
+    if prog is None:
+        raise MissingDependency("the Graphviz picture needs a Graphviz `dot` program: pip install "
+                                "'v41graph[viz]' (brings graphviz-pure) or install Graphviz")
     graphs = pydot.graph_from_dot_data(to_dot(dump, graph, layer))
     try:
-        graphs[0].write_svg(str(out))
-    except FileNotFoundError as e:
-        raise MissingDependency(f"the Graphviz picture needs the Graphviz `dot` program ({e})") from None
+        graphs[0].write_svg(str(out), prog=prog)
+    except (FileNotFoundError, OSError) as e:
+        raise MissingDependency(f"the Graphviz picture: {prog} failed ({e})") from None
     return str(out)

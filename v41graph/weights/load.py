@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
@@ -30,11 +32,15 @@ from v41graph.model.engram_hash import build_compressed_token_map, tokenizer_tok
 from v41graph.model.layers import default_dtype
 from v41graph.model.model import V41Model
 
-from .checkpoint import ST_DTYPES, TORCH_TO_ST, Checkpoint, CheckpointError, Progress, progress_default
+from v41graph.progress import bar
+
+from .checkpoint import ST_DTYPES, TORCH_TO_ST, Checkpoint, CheckpointError
 from .names import TensorSpec, compute_dtype, official_tensor_specs, official_to_module_name
 
 if TYPE_CHECKING:
     from .sharding import ShardSpec
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "validate_checkpoint", "open_validated", "from_pretrained",
            "load_official_state_dict", "place_model"]
@@ -222,7 +228,11 @@ def _load_into_model(model: V41Model, ckpt: Checkpoint, specs: Mapping[str, Tens
         pin = False
     targets = _model_targets(model, specs, dequantize)
     total = sum(ckpt.info(n).nbytes for n in targets)
-    bar = Progress("loading", total, progress_default(progress, total))
+    callback = progress if callable(progress) else None
+    _log.info("loading %s: %d tensors, %.2f GiB", ckpt.root, len(targets), total / 2 ** 30)
+    t0, done = time.perf_counter(), 0
+    pbar = bar(desc="Loading checkpoint", total=total, unit="B", unit_scale=True, unit_divisor=1024,
+               show=progress if isinstance(progress, bool) else (False if callback else None))
     for name in ckpt.names_in_file_order():
         target = targets.get(name)
         if target is None:
@@ -241,8 +251,13 @@ def _load_into_model(model: V41Model, ckpt: Checkpoint, specs: Mapping[str, Tens
                     ckpt.read_into(name, p.data)
                 else:                                   # e.g. BF16 norm -> fp32 parameter
                     p.copy_(ckpt.read(name).to(p.dtype))
-        bar.update(info.nbytes, name)
-    bar.close()
+        done += info.nbytes
+        pbar.update(info.nbytes)
+        if callback is not None:
+            callback(done, total, name)
+    pbar.close()
+    seconds = time.perf_counter() - t0
+    _log.info("loaded %.2f GiB in %.1f s (%.2f GiB/s)", total / 2 ** 30, seconds, total / 2 ** 30 / max(seconds, 1e-9))
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"parameters not loaded: {left}")
@@ -284,8 +299,9 @@ def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize
     engram_device: move the tables too.
     shard: a ShardSpec; only world_size=1 (the identity) builds a V41Model — for more ranks use
     load_sharded_state_dict until the distributed runtime exists.
-    progress: None (a stderr line for >= 1 GiB on a terminal), True/False, or
-    callback(done_bytes, total_bytes, name).
+    progress: None (a tqdm bar on a terminal, none under `--quiet`: v41graph/progress.py),
+    True/False (always / never a bar), or callback(done_bytes, total_bytes, name); the start
+    and the end are logged (logger v41graph.weights.load, INFO) in every case.
     overrides: config fields to change (e.g. fake_quant=False).
     Raises CheckpointError (a ValueError) naming the file for any layout problem.
     """

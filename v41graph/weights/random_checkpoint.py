@@ -178,6 +178,9 @@ def write_random_checkpoint(config: V41Config, out: str | Path, seed: int = 0, *
 
         tok_file = write_random_tokenizer(out, config.vocab_size, config.max_position_embeddings)
         texts, raw = tokenizer_token_texts(Tokenizer.from_file(str(tok_file)), config.vocab_size)
-        config = dataclasses.replace(config, engram_compressed_vocab_size=build_compressed_token_map(texts, raw)[1])
+        # ids 0 / 1 are the tokenizer's BOS / EOS (random_tokenizer.SPECIAL_TOKENS), named in
+        # config.json as a released checkpoint names them
+        config = dataclasses.replace(config, engram_compressed_vocab_size=build_compressed_token_map(texts, raw)[1],
+                                     extra={**config.extra, "bos_token_id": 0, "eos_token_id": 1})
     config.save_pretrained(out)
     return files
