@@ -10,7 +10,11 @@ One engine step with speculation (`SpeculativeDecoder.step`), ONE target call pe
              from the anchor = the pending (last committed, not yet cached) token at position
              p = num_cached, using the context of positions < p in its per-slot window rings.
              Greedy requests take the head's greedy drafts; sampled requests draw each draft
-             from q_j = probs_from_logits(draft logits_j, T, top_p) with the request's generator.
+             from q_j = params_probs(draft logits_j, params) (temperature, min_p, top_k, top_p)
+             with the request's generator; the verification's p is the same transform of the
+             target logits, so it stays lossless. Penalties and logprobs are refused with
+             speculation (`SpeculativeDecoder.check`): a penalty at draft position j depends on
+             drafts 1..j-1, which the per-position transform does not model.
   2. schedule  verify lengths k_r <= num_draft (and <= max_tokens - len(output) - 1, so the
              chunk never leaves the blocks the request was given at admission) within the
              step's token budget; `schedule="confidence"` picks them from the survival products
@@ -65,7 +69,7 @@ import torch
 
 from v41graph.model.kv_cache import COMPRESSOR_RING
 from .batch import eager_model
-from .sampling import _draw, probs_from_logits, verify_greedy, verify_rejection
+from .sampling import _draw, params_probs, verify_greedy, verify_rejection
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,17 @@ class SpeculativeDecoder:
         # streams entering each target layer t = leaving layer t - 1 (block_out.layer{t-1})
         self.targets = tuple(t - 1 for t in cfg.dspark_target_layer_ids)
 
+    @staticmethod
+    def check(params) -> None:
+        """Refuse what speculative decoding does not support (raised at add_request)."""
+        if params.penalized:
+            raise ValueError("repetition / presence / frequency penalties are not supported with "
+                             "speculative decoding (a draft position's penalties depend on the drafts "
+                             "before it); use an engine without speculative=")
+        if params.logprobs is not None:
+            raise ValueError("logprobs are not supported with speculative decoding yet; use an "
+                             "engine without speculative=")
+
     # ------------------------------------------------------------------ metrics
     @property
     def acceptance_length(self) -> float:
@@ -118,11 +133,10 @@ class SpeculativeDecoder:
     def _draft(self, req, anchor: int, pos: int):
         """(draft ids [block], draft probs q [block, V] or None (greedy), confidence logits)."""
         p = req.params
-        choose = None if p.greedy else (
-            lambda lj: _draw(probs_from_logits(lj, p.temperature, p.top_p), req.generator))
+        choose = None if p.greedy else (lambda lj: _draw(params_probs(lj, p), req.generator))
         ids, logits, conf = self.head.draft(self.state, req.slot, anchor, pos, self.model.embed,
                                             self.model.head, choose=choose)
-        q = None if p.greedy else probs_from_logits(logits, p.temperature, p.top_p)
+        q = None if p.greedy else params_probs(logits, p)
         return ids[1:].tolist(), q, conf
 
     def _verify_lengths(self, kmax: list, conf: list, budget: int) -> list:
@@ -242,7 +256,7 @@ class SpeculativeDecoder:
             if req.params.greedy:
                 committed = verify_greedy(d, rows)
             else:
-                p = probs_from_logits(rows, req.params.temperature, req.params.top_p)
+                p = params_probs(rows, req.params)
                 q = qs[i][:k] if k else torch.empty(0, rows.shape[-1])
                 committed = verify_rejection(d, q, p, req.generator)
             m = len(committed) - 1
@@ -279,8 +293,7 @@ class SpeculativeDecoder:
             if req.num_cached == len(req.tokens):
                 row = logits[r1 - 1]
                 p = req.params
-                tok = int(row.argmax()) if p.greedy else _draw(
-                    probs_from_logits(row, p.temperature, p.top_p), req.generator)
+                tok = int(row.argmax()) if p.greedy else _draw(params_probs(row, p), req.generator)
                 events.append(eng._emit(req, [tok], now))
         return events
 
