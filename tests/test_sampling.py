@@ -203,6 +203,33 @@ def test_distribution_chi_square():
     assert _chi2_pvalue(torch.bincount(ids, minlength=6), torch.softmax(logits, -1)) > 1e-3
 
 
+def test_neighbouring_seeds_draw_independently():
+    """n samples run with seeds seed + i: two neighbouring seeds at the same positions must draw
+    independently (joint counts follow p x p); the same seed twice gives the diagonal only."""
+    logits = torch.tensor([0.9, 0.1, -0.4, 0.5])
+    p = torch.softmax(logits, -1)
+    n = 4000
+    s = _sampler(4, slots=2)
+    for seeds, independent in (((7, 8), True), ((7, 7), False)):
+        params = [SamplingParams(temperature=1.0, seed=sd) for sd in seeds]
+        joint = torch.zeros(4, 4)
+        ids = torch.stack([sample_logits(logits.expand(n, 4), _tensors(s, [pr] * n, steps=list(range(n)),
+                                                                       slots=[0] * n, prompts=[[]] * n)).ids
+                           for pr in params], 1)
+        joint.index_put_((ids[:, 0], ids[:, 1]), torch.ones(n), accumulate=True)
+        if independent:
+            assert _chi2_pvalue(joint, torch.outer(p, p)) > 1e-3
+        else:
+            assert torch.equal(ids[:, 0], ids[:, 1])
+    # nor is seed + 1 the same stream shifted by a position: agreement at the chance rate
+    a = sample_logits(logits.expand(n, 4), _tensors(s, [SamplingParams(temperature=1.0, seed=7)] * n,
+                                                    steps=list(range(1, n + 1)), slots=[0] * n, prompts=[[]] * n)).ids
+    b = sample_logits(logits.expand(n, 4), _tensors(s, [SamplingParams(temperature=1.0, seed=8)] * n,
+                                                    steps=list(range(n)), slots=[0] * n, prompts=[[]] * n)).ids
+    chance = float((p * p).sum())
+    assert abs(float((a == b).double().mean()) - chance) < 5 * math.sqrt(chance * (1 - chance) / n)
+
+
 def test_noise_uniform_and_row_local():
     keys = torch.tensor([[1, 2], [3, 4], [1, 2], [5, 6]])
     u = uniform_noise(keys, 5000)

@@ -57,7 +57,9 @@ Not done yet: batched drafting (drafts are one head call per request), a compile
 draft head (the DSpark head runs eagerly), CUDA-graph capture of verify steps (they run the
 compiled graph uncaptured; tested on CPU only, not yet on a GPU), compiled steps with a
 decoder-replay prefill chunk (eager, see above), persistent verify metadata (the verify chunks'
-lengths change every step; their metadata is rebuilt). Shared draft/target top-k buffers (the
+lengths change every step; their metadata is rebuilt), penalties and logprobs with speculation
+(refused at add_request), batched seeded draws (speculation draws with per-request generators,
+not the plain engine's batched sampler). Shared draft/target top-k buffers (the
 seed's P5) do not apply: the draft's attention is window-only (dspark.py).
 """
 from __future__ import annotations
