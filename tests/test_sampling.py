@@ -388,11 +388,32 @@ def test_engine_refusals(tiny_model):
     spec = _engine(tiny_model, speculative=SpecConfig(num_draft=3), draft_head=head)
     with pytest.raises(RequestError, match="penalties are not supported with speculative decoding"):
         spec.add_request(PROMPTS[0], SamplingParams(presence_penalty=0.5))
-    with pytest.raises(RequestError, match="logprobs are not supported with speculative decoding"):
-        spec.add_request(PROMPTS[0], SamplingParams(logprobs=1))
     assert not eng.requests and not spec.requests
     # top_k / min_p with speculation: drafts and verification share the transform; reproducible
     p = SamplingParams(temperature=1.0, top_k=8, min_p=0.05, max_tokens=6, seed=11)
     runs = [[o.token_ids for o in _engine(tiny_model, speculative=SpecConfig(num_draft=3), draft_head=head)
              .generate(PROMPTS[:2], p)] for _ in range(2)]
     assert runs[0] == runs[1] and all(len(t) == 6 for t in runs[0])
+
+
+def test_speculative_logprobs_equal_plain_engine(tiny_model):
+    """With speculation the committed tokens' logprobs come from the verify rows that scored
+    them: an oracle drafting the plain engine's own continuation (every draft accepted, so
+    steps commit several tokens) gives the plain engine's tokens and logprobs."""
+    params = SamplingParams(max_tokens=8, logprobs=2)
+    plain = _engine(tiny_model).generate(PROMPTS[:2], params)
+    head = init_random_dspark_(DSparkHead(tiny_model.config), seed=1).eval()
+    eng = _engine(tiny_model, speculative=SpecConfig(num_draft=3), draft_head=head)
+    full = {tuple(o.prompt_token_ids): o.prompt_token_ids + o.token_ids for o in plain}
+
+    def oracle(req, anchor, pos):
+        d = list(full[tuple(req.prompt)][pos + 1: pos + 4])
+        return d + [0] * (3 - len(d)), None, torch.zeros(3)
+    eng.spec._draft = oracle
+    outs = eng.generate(PROMPTS[:2], params)
+    assert eng.stats["spec_accepted"] > 0
+    for o, ref in zip(outs, plain):
+        assert o.token_ids == ref.token_ids and len(o.logprobs) == len(ref.logprobs) == 8
+        for lp, rlp in zip(o.logprobs, ref.logprobs):
+            assert list(lp)[0] == list(rlp)[0] and set(lp) == set(rlp)
+            assert all(lp[t] == pytest.approx(rlp[t], abs=1e-4) for t in lp)

@@ -48,7 +48,8 @@ Both return the committed tokens (accepted drafts + one correction or bonus toke
 verification commits between 1 and k + 1 tokens. The speculative decoder draws with per-request
 torch.Generators (`SamplingParams.make_generator`) from `probs_from_logits`, the same transform
 (temperature, min_p, top_k, top_p) the batched sampler applies; penalties and logprobs are not
-supported with speculation (the engine refuses them).
+supported with speculation (the engine refuses them); its logprobs come from `token_logprobs`
+over the verification's target rows.
 """
 from __future__ import annotations
 
@@ -338,6 +339,36 @@ class SampledToken:
     logprobs: dict | None = None       # {token id: logprob}: the sampled token first, then the top k
 
 
+def _logprob_dict(token: int, logprob: float, top_ids: Sequence, top_logprobs: Sequence, k: int) -> dict:
+    """{token id: logprob}: the chosen token first, then the k most likely (vLLM's layout)."""
+    out = {token: logprob}
+    for t, v in zip(top_ids[:k], top_logprobs[:k]):
+        out.setdefault(int(t), v)
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], params: SamplingParams,
+                   logprobs_mode: str = "raw_logprobs") -> list:
+    """One {token id: logprob} per row of logits [m, V] for the token chosen at that row, by the
+    rule `sample_logits` reports with (no penalties: speculation, which calls this for its
+    committed tokens, refuses them)."""
+    x = logits.float()
+    if logprobs_mode == "processed_logprobs":
+        m = x.shape[0]
+
+        def full(value, dtype=torch.float32):
+            return torch.full((m,), value, dtype=dtype, device=x.device)
+        x = filter_logits(x, full(float(params.temperature)), full(float(params.top_p)),
+                          full(max(params.top_k, 0), torch.int64), full(float(params.min_p)))
+    lp = torch.log_softmax(x, -1)
+    k = params.logprobs or 0
+    ids = torch.tensor(list(token_ids), dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    top_lp, top_ids = lp.topk(k, -1) if k else (lp[:, :0], lp[:, :0].long())
+    return [_logprob_dict(t, c, i, v, k) for t, c, i, v in
+            zip(token_ids, chosen, top_ids.tolist(), top_lp.tolist())]
+
+
 class PenaltyState:
     """Per cache slot, on the device: the tokens of the request's prompt (mask) and how often it
     generated each token (counts), kept across steps so a step uploads nothing for them.
@@ -429,10 +460,7 @@ class BatchSampler:
             if p.logprobs is None:
                 result.append(SampledToken(tok))
                 continue
-            lp = {tok: row[1]}
-            for j in range(p.logprobs):
-                lp.setdefault(int(row[2 + j]), row[2 + k + j])
-            result.append(SampledToken(tok, lp))
+            result.append(SampledToken(tok, _logprob_dict(tok, row[1], row[2:2 + k], row[2 + k:], p.logprobs)))
         return result
 
 
@@ -505,4 +533,4 @@ def verify_rejection(draft_ids: Sequence[int], draft_probs: torch.Tensor, target
 
 __all__ = ["BatchSampler", "LOGPROBS_MODES", "SampleOutput", "SampledToken", "SamplingParams", "SamplingTensors",
            "apply_penalties", "filter_logits", "params_probs", "probs_from_logits", "sample", "sample_logits",
-           "uniform_noise", "verify_greedy", "verify_rejection"]
+           "token_logprobs", "uniform_noise", "verify_greedy", "verify_rejection"]
