@@ -47,9 +47,9 @@ Speculative verification (MODEL.md §8), both lossless:
 Both return the committed tokens (accepted drafts + one correction or bonus token), so every
 verification commits between 1 and k + 1 tokens. The speculative decoder draws with per-request
 torch.Generators (`SamplingParams.make_generator`) from `probs_from_logits`, the same transform
-(temperature, min_p, top_k, top_p) the batched sampler applies; penalties and logprobs are not
-supported with speculation (the engine refuses them); its logprobs come from `token_logprobs`
-over the verification's target rows.
+(temperature, min_p, top_k, top_p) the batched sampler applies; penalties are not supported
+with speculation (the engine refuses them); its logprobs come from `token_logprobs` over the
+verification's target rows.
 """
 from __future__ import annotations
 
