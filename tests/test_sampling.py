@@ -231,7 +231,7 @@ def test_neighbouring_seeds_draw_independently():
 
 
 def test_noise_uniform_and_row_local():
-    keys = torch.tensor([[1, 2], [3, 4], [1, 2], [5, 6]])
+    keys = torch.tensor([1, 3, 1, 5])
     u = uniform_noise(keys, 5000)
     assert ((u > 0) & (u < 1)).all()
     assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
