@@ -34,9 +34,11 @@ of tokens the request generated so far), so its sample depends only on its own s
 position and its own logits -- not on which row it is, nor on what else is in the batch; an
 unseeded row's key is drawn on the device from the sampler's torch.Generator. The hash is a
 32-bit integer mixer (Wellons' "lowbias32": xor-shift / multiply rounds) written in int64 torch
-ops with every product kept below 2^63 (so it is exact on every backend; torch has no uint32
+ops with every product kept below 2^48 (so it is exact on every backend; torch has no uint32
 arithmetic for this), giving 24-bit uniforms. Written by hand because torch's generators are one
 stream per torch.Generator: per-row seeded draws with them need a Python loop over the rows.
+Cost: about 15 int64 elementwise passes over [B, V] when some row samples (greedy-only batches
+skip the noise); a fused kernel (Triton's counter-based RNG) would make it one pass: not done.
 
 Speculative verification (MODEL.md §8), both lossless:
   verify_greedy(draft, target_logits)                  accept while draft == argmax(target)
@@ -46,7 +48,7 @@ Speculative verification (MODEL.md §8), both lossless:
       from p_k. The output is distributed exactly as sampling from the target p token by token.
 Both return the committed tokens (accepted drafts + one correction or bonus token), so every
 verification commits between 1 and k + 1 tokens. The speculative decoder draws with per-request
-torch.Generators (`SamplingParams.make_generator`) from `probs_from_logits`, the same transform
+torch.Generators (`SamplingParams.make_generator`) from `params_probs`, the same transform
 (temperature, min_p, top_k, top_p) the batched sampler applies; penalties are not supported
 with speculation (the engine refuses them); its logprobs come from `token_logprobs` over the
 verification's target rows.
