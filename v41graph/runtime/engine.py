@@ -57,9 +57,15 @@ token for streaming callbacks: `Engine.text(request_id)`), and `SamplingParams.s
 request with finish reason "stop", its text cut just before the stop string. End-of-sequence is
 a token id like any other: pass `stop_ids=[tokenizer.eos_token_id]` to stop there.
 
-A request's tokens depend only on its own prompt, params and seed: sampling uses one
-torch.Generator per request, and the model computes each sequence independently (up to
-fp32 summation order in differently shaped batches, see tests/test_model_consistency.py).
+Sampling (v41graph.runtime.sampling.BatchSampler): one batched call per step for every row
+that produces a token, on the device, one host copy. A seeded request's tokens depend only on
+its own prompt, params and seed (its noise is a hash of (seed, position)), and the model
+computes each sequence independently (up to fp32 summation order in differently shaped
+batches, see tests/test_model_consistency.py); unseeded requests draw from the sampler's
+generator. `SamplingParams(n=k)` in generate() runs k requests (k prefills of the prompt: the
+engine has no prefix sharing) and returns them as one RequestOutput with k `outputs`;
+`logprobs=k` fills `RequestOutput.logprobs` ({token id: logprob} per generated token; which
+distribution: `Engine(..., logprobs_mode=...)`, vLLM's names and default).
 """
 from __future__ import annotations
 
@@ -75,7 +81,7 @@ import torch
 
 from v41graph.model.metadata import concat_metadata
 from .batch import CacheCapacityError, StepRunner, eager_model, token_ids_list
-from .sampling import SamplingParams, sample_batch
+from .sampling import BatchSampler, SamplingParams
 from .text import TextStream, Tokenizer, TokenizerError, has_tokenizer, is_chat
 
 
@@ -107,6 +113,7 @@ class Request:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list | None = None        # per generated token {token id: logprob} (params.logprobs)
 
     @property
     def tokens(self) -> list:
@@ -119,7 +126,20 @@ class Request:
 
 
 @dataclass
+class CompletionOutput:
+    """One of the n samples of a request."""
+    index: int
+    token_ids: list
+    finish_reason: str | None
+    logprobs: list | None = None
+    error: str | None = None
+    text: str | None = None             # the output text (None without a tokenizer)
+
+
+@dataclass
 class RequestOutput:
+    """token_ids / finish_reason / logprobs / error are the first sample's; `outputs` holds
+    all n (one for n=1)."""
     request_id: int
     prompt_token_ids: list
     token_ids: list
@@ -129,6 +149,8 @@ class RequestOutput:
     finish_time: float | None
     error: str | None = None
     text: str | None = None             # the output text (None without a tokenizer)
+    logprobs: list | None = None        # per generated token {token id: logprob}, sampled one first
+    outputs: list = field(default_factory=list)     # [CompletionOutput] * n
 
     @property
     def latency(self) -> float | None:
@@ -144,7 +166,7 @@ class Engine(StepRunner):
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  prefill_chunk_size: int | None = None, speculative=None, draft_head=None,
                  prefill_mode: str = "auto", persistent_metadata: bool = True,
-                 decode_width_buckets: bool = False, tokenizer=None):
+                 decode_width_buckets: bool = False, tokenizer=None, logprobs_mode: str = "raw_logprobs"):
         """model: a V41Model or a v41graph.compile()d CompiledModel (same call signature).
 
         speculative=SpecConfig(num_draft=k) with draft_head=DSparkHead: lossless DSpark
@@ -159,7 +181,9 @@ class Engine(StepRunner):
         same tokens). With a compiled model each width is one more capture of the shared
         decode trace, not a new trace.
         tokenizer: a runtime.text.Tokenizer, a folder with tokenizer.json, False for none, or
-        None (default): the tokenizer of the checkpoint folder the model was loaded from, if any."""
+        None (default): the tokenizer of the checkpoint folder the model was loaded from, if any.
+        logprobs_mode: "raw_logprobs" (vLLM's default: the model's distribution) or
+        "processed_logprobs" (after penalties, temperature, min_p, top_k, top_p)."""
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         sizes = getattr(model, "batch_sizes", None)
@@ -181,6 +205,7 @@ class Engine(StepRunner):
         self.prefill_mode = prefill_mode
         self.decode_width_buckets = decode_width_buckets
         self.tokenizer = _resolve_tokenizer(tokenizer, model)
+        self.sampler = BatchSampler(self.config.vocab_size, max_batch_size, self.device, logprobs_mode)
         self.spec = None
         if speculative is not None:
             from .speculative import SpeculativeDecoder
@@ -225,6 +250,13 @@ class Engine(StepRunner):
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} outside the vocabulary 0..{cfg.vocab_size - 1}")
+        if params.logprobs is not None and params.logprobs > cfg.vocab_size:
+            raise RequestError(f"SamplingParams.logprobs {params.logprobs} > the vocabulary size {cfg.vocab_size}")
+        if self.spec is not None:
+            try:
+                self.spec.check(params)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         ctx = len(prompt) + params.max_tokens - 1
         if ctx > self.max_seq_len:
             raise RequestError(f"request too long: prompt {len(prompt)} + max_tokens {params.max_tokens} "
@@ -242,10 +274,14 @@ class Engine(StepRunner):
         request produces tokens (streaming; its text so far is `text(request_id)`)."""
         params = params if params is not None else SamplingParams()
         prompt = self.validate(token_ids, params)
+        if params.n != 1:
+            raise RequestError(f"SamplingParams.n = {params.n}: add_request queues one sample; use "
+                               f"generate(), or add one request per params.samples() entry")
         rid = next(self._ids)
-        gen = None if params.greedy else params.make_generator(self.device)
+        gen = None if params.greedy or self.spec is None else params.make_generator(self.device)  # speculation's draws
         text = None if self.tokenizer is None else self.tokenizer.text_stream(params.stop)
-        req = Request(rid, prompt, params, gen, callback, text, arrival_time=time.perf_counter())
+        req = Request(rid, prompt, params, gen, callback, text, arrival_time=time.perf_counter(),
+                      logprobs=None if params.logprobs is None else [])
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
@@ -272,9 +308,12 @@ class Engine(StepRunner):
 
     def output(self, request_id: int) -> RequestOutput:
         r = self._request(request_id)
+        logprobs = None if r.logprobs is None else list(r.logprobs)
         return RequestOutput(r.request_id, list(r.prompt), list(r.output), r.finish_reason,
                              r.arrival_time, r.first_token_time, r.finish_time, r.error,
-                             self.text(request_id))
+                             text=self.text(request_id), logprobs=logprobs,
+                             outputs=[CompletionOutput(0, list(r.output), r.finish_reason, logprobs, r.error,
+                                                       self.text(request_id))])
 
     def text(self, request_id: int) -> str | None:
         """The request's output text so far (None without a tokenizer): only text no later token
@@ -363,10 +402,14 @@ class Engine(StepRunner):
             else:
                 rows = torch.tensor([i for i, _ in done], device=logits.device)
                 chosen = logits.index_select(0, rows)
-            toks = sample_batch(chosen, [r.params for _, r in done], [r.generator for _, r in done])
+            reqs = [r for _, r in done]
+            sampled = self.sampler.sample(chosen, [r.params for r in reqs], [r.slot for r in reqs],
+                                          [r.prompt for r in reqs], [len(r.output) for r in reqs])
             now = time.perf_counter()
-            for (_, req), tok in zip(done, toks):
-                events.append(self._emit(req, [tok], now))
+            for req, s in zip(reqs, sampled):
+                if req.logprobs is not None:
+                    req.logprobs.append(s.logprobs)
+                events.append(self._emit(req, [s.token_id], now))
         return events
 
     # ------------------------------------------------------------------ one model call
@@ -492,7 +535,9 @@ class Engine(StepRunner):
                  ) -> list:
         """Run these prompts (token ids, strings or chat message lists) to completion, together
         with whatever else is queued. Every request is validated before any is queued. Returns
-        one RequestOutput per prompt (with `.text` when the engine has a tokenizer)."""
+        one RequestOutput per prompt (with `.text` when the engine has a tokenizer); with
+        params.n > 1 each of the n samples runs as its own request (`SamplingParams.samples()`),
+        gathered into that prompt's RequestOutput.outputs."""
         if isinstance(prompts, str) or is_chat(prompts):
             raise TypeError("generate takes a list of prompts; put a single string or chat "
                             "(a list of messages) in a list: generate([prompt])")
@@ -501,10 +546,23 @@ class Engine(StepRunner):
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         ids = [self.validate(p, sp) for p, sp in zip(prompts, plist)]
-        rids = [self.add_request(p, sp) for p, sp in zip(ids, plist)]
-        while any(self.requests[r].status != "finished" for r in rids):
+        groups = [[self.add_request(p, child) for child in sp.samples()] for p, sp in zip(ids, plist)]
+        while any(self.requests[r].status != "finished" for g in groups for r in g):
             self.step()
-        return [self.release(r) for r in rids]
+        return [self._gather([self.release(r) for r in g]) for g in groups]
+
+    @staticmethod
+    def _gather(samples: list) -> RequestOutput:
+        """One RequestOutput of a prompt's n sample outputs (the first one's id and fields)."""
+        if len(samples) == 1:
+            return samples[0]
+        first = samples[0]
+        times = [o.first_token_time for o in samples if o.first_token_time is not None]
+        ends = [o.finish_time for o in samples if o.finish_time is not None]
+        return dataclasses.replace(
+            first, arrival_time=min(o.arrival_time for o in samples),
+            first_token_time=min(times) if times else None, finish_time=max(ends) if ends else None,
+            outputs=[dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(samples)])
 
     def stream(self, token_ids, params: SamplingParams | None = None) -> Iterator[list]:
         """Add a request and yield its new tokens as they are generated (drives step(); other
@@ -540,4 +598,4 @@ def _resolve_tokenizer(tokenizer, model) -> Tokenizer | None:
     return Tokenizer.from_pretrained(tokenizer)
 
 
-__all__ = ["Engine", "Request", "RequestError", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "Engine", "Request", "RequestError", "RequestOutput", "SamplingParams"]

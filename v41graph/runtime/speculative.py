@@ -10,7 +10,12 @@ One engine step with speculation (`SpeculativeDecoder.step`), ONE target call pe
              from the anchor = the pending (last committed, not yet cached) token at position
              p = num_cached, using the context of positions < p in its per-slot window rings.
              Greedy requests take the head's greedy drafts; sampled requests draw each draft
-             from q_j = probs_from_logits(draft logits_j, T, top_p) with the request's generator.
+             from q_j = params_probs(draft logits_j, params) (temperature, min_p, top_k, top_p)
+             with the request's generator; the verification's p is the same transform of the
+             target logits, so it stays lossless. Penalties are refused with speculation
+             (`SpeculativeDecoder.check`): a penalty at draft position j depends on drafts
+             1..j-1, which the per-position transform does not model. Logprobs of the committed
+             tokens come from the target rows that scored them (`token_logprobs`).
   2. schedule  verify lengths k_r <= num_draft (and <= max_tokens - len(output) - 1, so the
              chunk never leaves the blocks the request was given at admission) within the
              step's token budget; `schedule="confidence"` picks them from the survival products
@@ -53,7 +58,9 @@ Not done yet: batched drafting (drafts are one head call per request), a compile
 draft head (the DSpark head runs eagerly), CUDA-graph capture of verify steps (they run the
 compiled graph uncaptured; tested on CPU only, not yet on a GPU), compiled steps with a
 decoder-replay prefill chunk (eager, see above), persistent verify metadata (the verify chunks'
-lengths change every step; their metadata is rebuilt). Shared draft/target top-k buffers (the
+lengths change every step; their metadata is rebuilt), penalties with speculation
+(refused at add_request), batched seeded draws (speculation draws with per-request generators,
+not the plain engine's batched sampler). Shared draft/target top-k buffers (the
 seed's P5) do not apply: the draft's attention is window-only (dspark.py).
 """
 from __future__ import annotations
@@ -65,7 +72,7 @@ import torch
 
 from v41graph.model.kv_cache import COMPRESSOR_RING
 from .batch import eager_model
-from .sampling import _draw, probs_from_logits, verify_greedy, verify_rejection
+from .sampling import _draw, params_probs, token_logprobs, verify_greedy, verify_rejection
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,14 @@ class SpeculativeDecoder:
         # streams entering each target layer t = leaving layer t - 1 (block_out.layer{t-1})
         self.targets = tuple(t - 1 for t in cfg.dspark_target_layer_ids)
 
+    @staticmethod
+    def check(params) -> None:
+        """Refuse what speculative decoding does not support (raised at add_request)."""
+        if params.penalized:
+            raise ValueError("repetition / presence / frequency penalties are not supported with "
+                             "speculative decoding (a draft position's penalties depend on the drafts "
+                             "before it); use an engine without speculative=")
+
     # ------------------------------------------------------------------ metrics
     @property
     def acceptance_length(self) -> float:
@@ -118,11 +133,10 @@ class SpeculativeDecoder:
     def _draft(self, req, anchor: int, pos: int):
         """(draft ids [block], draft probs q [block, V] or None (greedy), confidence logits)."""
         p = req.params
-        choose = None if p.greedy else (
-            lambda lj: _draw(probs_from_logits(lj, p.temperature, p.top_p), req.generator))
+        choose = None if p.greedy else (lambda lj: _draw(params_probs(lj, p), req.generator))
         ids, logits, conf = self.head.draft(self.state, req.slot, anchor, pos, self.model.embed,
                                             self.model.head, choose=choose)
-        q = None if p.greedy else probs_from_logits(logits, p.temperature, p.top_p)
+        q = None if p.greedy else params_probs(logits, p)
         return ids[1:].tolist(), q, conf
 
     def _verify_lengths(self, kmax: list, conf: list, budget: int) -> list:
@@ -234,7 +248,7 @@ class SpeculativeDecoder:
         events = []
         now = time.perf_counter()
         accepted = []                                     # m per decoding request
-        commits = []
+        commits, target_rows = [], []
         for i, req in enumerate(decodes):
             k = ks[i]
             rows = logits[qstart[i]: qstart[i] + k + 1]
@@ -242,12 +256,13 @@ class SpeculativeDecoder:
             if req.params.greedy:
                 committed = verify_greedy(d, rows)
             else:
-                p = probs_from_logits(rows, req.params.temperature, req.params.top_p)
+                p = params_probs(rows, req.params)
                 q = qs[i][:k] if k else torch.empty(0, rows.shape[-1])
                 committed = verify_rejection(d, q, p, req.generator)
             m = len(committed) - 1
             accepted.append(m)
             commits.append(committed)
+            target_rows.append(rows)          # rows[j] scored committed[j]
             if k > 0:
                 eng.stats["spec_verifies"] += 1
                 eng.stats["spec_drafted"] += k
@@ -267,7 +282,7 @@ class SpeculativeDecoder:
                 self._roll_back_history(req, committed)
             r0 = qstart[i]
             head.append_context(self.state, req.slot, positions[r0: r0 + m + 1], main_x[r0: r0 + m + 1])
-            events.append(eng._emit(req, committed, now))
+            events.append(self._emit(req, committed, target_rows[i], now))
         for i in range(nd, len(batch)):                       # prefill chunks
             req, chunk = batch[i]
             r0, r1 = qstart[i], qstart[i + 1]
@@ -279,10 +294,17 @@ class SpeculativeDecoder:
             if req.num_cached == len(req.tokens):
                 row = logits[r1 - 1]
                 p = req.params
-                tok = int(row.argmax()) if p.greedy else _draw(
-                    probs_from_logits(row, p.temperature, p.top_p), req.generator)
-                events.append(eng._emit(req, [tok], now))
+                tok = int(row.argmax()) if p.greedy else _draw(params_probs(row, p), req.generator)
+                events.append(self._emit(req, [tok], row[None], now))
         return events
+
+    def _emit(self, req, tokens: list, rows, now: float) -> tuple:
+        """The engine's emit, plus the logprobs of the tokens it kept (rows[j] scored tokens[j])."""
+        event = self.engine._emit(req, tokens, now)
+        if req.logprobs is not None and event[1]:
+            req.logprobs.extend(token_logprobs(rows[:len(event[1])], event[1], req.params,
+                                               self.engine.sampler.logprobs_mode))
+        return event
 
     # ------------------------------------------------------------------ rollback
     def _roll_back_rings(self, snap, accepted: list, slots, wrows, crows, K: int) -> None:
