@@ -235,7 +235,7 @@ def test_decode_graph_skips_reloading_unchanged_block_tables():
         return torch.zeros(4, 2)
     stub = SimpleNamespace(device=torch.device("cpu"), platform="cpu", _fn=step, _shared_decode_fn=step,
                            share_decode_graph=True, timings=collections.defaultdict(float),
-                           _graph_ready_at=0.0)
+                           _graph_ready_at=0.0, _traces=lambda name: contextlib.nullcontext())
     graph = DecodeGraph(stub, 4, SimpleNamespace(num_slots=5, scratch_slot=4), 3)
     dec = DecodeBatch(4, 3)
     dec.insert(0, 0, 0, 5, [1])

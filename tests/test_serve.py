@@ -265,6 +265,16 @@ def test_completions_greedy_stop_strings_and_models(server, hf, reference):
             c = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]
             text, reason = c["text"], c["finish_reason"]
         assert text == full[:i] and reason == "stop", (stream, stop)
+    # the sampling fields reach the engine: top_k=1 samples the argmax at any temperature, and a
+    # stop token id ends the output right after it (its text left out, as vLLM does by default)
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 1.5, "top_k": 1, "seed": 3,
+            "presence_penalty": 0.0, "min_p": 0.0}
+    assert httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == full
+    j = want.index(want[3])
+    c = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                   "stop_token_ids": [want[3]]}, timeout=120).json()
+    assert c["usage"]["completion_tokens"] == j + 1 and c["choices"][0]["finish_reason"] == "stop"
+    assert c["choices"][0]["text"] == hf.decode(want[:j], skip_special_tokens=True)
     models = httpx.get(f"{base}/v1/models", timeout=10).json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [NAME]
     assert models["data"][0]["object"] == "model"
@@ -285,6 +295,10 @@ def test_request_validation(server):
         (chat, {"messages": hi, "max_tokens": 0}, 400, "max_tokens"),
         (chat, {"messages": hi, "temperature": -1}, 400, "temperature"),
         (chat, {"messages": hi, "n": 2}, 400, "n"),
+        (chat, {"messages": hi, "presence_penalty": 3}, 400, "presence_penalty"),
+        (chat, {"messages": hi, "top_k": -2}, 400, "top_k"),
+        (chat, {"messages": hi, "repetition_penalty": 0}, 400, "repetition_penalty"),
+        (chat, {"messages": hi, "logprobs": True}, 400, "logprobs"),
         (chat, {"messages": hi, "stop": [""]}, 400, "non-empty strings"),
         (chat, {"messages": hi, "model": "gpt-4"}, 404, "'gpt-4' is not served"),
     ]

@@ -2,8 +2,10 @@
 wrong types are refused (HTTP 400 naming the field), never ignored or coerced.
 
 Served fields: model, prompt / messages, max_tokens (chat also max_completion_tokens),
-temperature, top_p, stop, seed, stream, stream_options.include_usage, n (1 only), user. Other
-OpenAI fields (logprobs, penalties, ...) are refused as unknown until the engine has them.
+temperature, top_p, presence_penalty, frequency_penalty, stop, seed, stream,
+stream_options.include_usage, n (1 only), user, and vLLM's extra sampling fields top_k, min_p,
+repetition_penalty, stop_token_ids (runtime/sampling.py's semantics). logprobs and n > 1, which
+the Engine has but these responses do not carry yet, are refused (unknown field / n <= 1).
 """
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request (n > 1 is not served yet)")
     user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's extra sampling fields
+    top_k: int = Field(0, ge=-1)                       # 0 or -1: every token
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop_token_ids: list[int] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

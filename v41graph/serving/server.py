@@ -110,9 +110,13 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             if n < 1:
                 raise ValueError(f"the prompt ({prompt_len} tokens) fills the context "
                                  f"(max_seq_len {engine.max_seq_len})")
+            stop_ids = (() if eos is None else (eos,)) + tuple(body.stop_token_ids or ())
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, max_tokens=n,
-                                  stop_ids=() if eos is None else (eos,), stop=body.stop_strings(),
-                                  seed=body.seed)
+                                  stop_token_ids=stop_ids, stop=body.stop_strings(), seed=body.seed,
+                                  top_k=body.top_k, min_p=body.min_p,
+                                  repetition_penalty=body.repetition_penalty,
+                                  presence_penalty=body.presence_penalty,
+                                  frequency_penalty=body.frequency_penalty)
         return make
 
     def _check_model(body):
