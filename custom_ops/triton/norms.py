@@ -180,7 +180,7 @@ def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Ten
         y = torch.nn.functional.linear(x2, w)
         br = 4
         _rmsnorm_rows_kernel[(triton.cdiv(m, br),)](y, norm_weight, out, m, n, float(eps),
-                                                   BR=br, NP2=np2, num_warps=4)
+                                                   BR=br, NP2=np2, CAST_BEFORE_WEIGHT=False, num_warps=4)
         return out
     bm, bn, bk, np2, split, nbn, warps, stages = wkv_config(m, k, n, x.dtype, x.device, split,
                                                             block_n)
