@@ -17,6 +17,8 @@ from v41graph.runtime.batch import CacheCapacityError
 from v41graph.runtime.engine import Engine, RequestError
 from v41graph.runtime.sampling import (SamplingParams, probs_from_logits, sample, verify_greedy, verify_rejection)
 
+from stats import chi2_pvalue
+
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 BLOCK = 16
@@ -143,16 +145,6 @@ def test_top_p_and_greedy_units():
         SamplingParams(max_tokens=0)
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    expected = probs * counts.sum()
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "samples where the target has no mass"
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-
-
 def _resample_from_target(draft_ids, draft_probs, target_probs, generator):
     """A deliberately wrong verifier: on rejection it resamples from p instead of the residual."""
     out = []
@@ -191,9 +183,9 @@ def test_rejection_sampling_preserves_target_distribution():
                       [0.30, 0.05, 0.20, 0.25, 0.10, 0.10]], dtype=torch.float64)
     joint = torch.outer(p[0], p[1])
     n = 12000
-    good = _chi2_pvalue(_joint_counts(verify_rejection, p, q, n, seed=1234), joint)
-    bad = _chi2_pvalue(_joint_counts(_resample_from_target, p, q, n, seed=1234), joint)
-    accept_all = _chi2_pvalue(_joint_counts(lambda d, qq, pp, g: list(d), p, q, n, seed=1234), joint)
+    good = chi2_pvalue(_joint_counts(verify_rejection, p, q, n, seed=1234), joint)
+    bad = chi2_pvalue(_joint_counts(_resample_from_target, p, q, n, seed=1234), joint)
+    accept_all = chi2_pvalue(_joint_counts(lambda d, qq, pp, g: list(d), p, q, n, seed=1234), joint)
     assert good > 1e-3, f"rejection sampling changed the distribution (p = {good:.3g})"
     assert bad < 1e-3 and accept_all < 1e-3, f"the test cannot tell wrong verifiers apart ({bad:.3g}, {accept_all:.3g})"
 

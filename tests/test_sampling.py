@@ -21,6 +21,8 @@ from v41graph.runtime.sampling import (BatchSampler, SamplingParams, apply_penal
                                        params_probs, sample_logits, uniform_noise)
 from v41graph.runtime.speculative import SpecConfig, init_random_dspark_
 
+from stats import chi2_pvalue
+
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 BLOCK = 16
@@ -62,16 +64,6 @@ def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0):
         keep = kept
     mass = sum(p[i] for i in range(len(p)) if keep[i])
     return [p[i] / mass if keep[i] else 0.0 for i in range(len(p))]
-
-
-def _chi2_pvalue(counts, probs) -> float:
-    counts, probs = torch.as_tensor(counts).double(), torch.as_tensor(probs).double()
-    expected = probs * counts.sum()
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "samples where the target has no mass"
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 def _sampler(vocab, slots=8, mode="raw_logprobs"):
@@ -191,16 +183,16 @@ def test_distribution_chi_square():
         ids = sample_logits(logits.expand(n, 6), _tensors(s, params, slots=[0] * n, prompts=[[]] * n)).ids
         counts = torch.bincount(ids, minlength=6)
         ref = ref_probs(logits.tolist(), base.temperature, base.top_p, base.top_k, base.min_p)
-        assert _chi2_pvalue(counts, ref) > 1e-3, (base, counts.tolist(), ref)
-        assert _chi2_pvalue(counts, torch.softmax(logits, -1)) < 1e-3, base    # the test can tell
+        assert chi2_pvalue(counts, ref) > 1e-3, (base, counts.tolist(), ref)
+        assert chi2_pvalue(counts, torch.softmax(logits, -1)) < 1e-3, base    # the test can tell
     # one seed over many steps (the position is part of the key), and unseeded rows
     params = [SamplingParams(temperature=1.0, seed=42)] * n
     ids = sample_logits(logits.expand(n, 6), _tensors(s, params, steps=list(range(n)), slots=[0] * n,
                                                       prompts=[[]] * n)).ids
-    assert _chi2_pvalue(torch.bincount(ids, minlength=6), torch.softmax(logits, -1)) > 1e-3
+    assert chi2_pvalue(torch.bincount(ids, minlength=6), torch.softmax(logits, -1)) > 1e-3
     params = [SamplingParams(temperature=1.0)] * n
     ids = sample_logits(logits.expand(n, 6), _tensors(s, params, slots=[0] * n, prompts=[[]] * n)).ids
-    assert _chi2_pvalue(torch.bincount(ids, minlength=6), torch.softmax(logits, -1)) > 1e-3
+    assert chi2_pvalue(torch.bincount(ids, minlength=6), torch.softmax(logits, -1)) > 1e-3
 
 
 def test_neighbouring_seeds_draw_independently():
@@ -218,7 +210,7 @@ def test_neighbouring_seeds_draw_independently():
                            for pr in params], 1)
         joint.index_put_((ids[:, 0], ids[:, 1]), torch.ones(n), accumulate=True)
         if independent:
-            assert _chi2_pvalue(joint, torch.outer(p, p)) > 1e-3
+            assert chi2_pvalue(joint, torch.outer(p, p)) > 1e-3
         else:
             assert torch.equal(ids[:, 0], ids[:, 1])
     # nor is seed + 1 the same stream shifted by a position: agreement at the chance rate
@@ -237,7 +229,7 @@ def test_noise_uniform_and_row_local():
     assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
     assert torch.equal(uniform_noise(keys[[3, 1]], 5000), u[[3, 1]])
     counts = torch.histc(u[:2].flatten(), bins=10, min=0, max=1)
-    assert _chi2_pvalue(counts, torch.full((10,), 0.1)) > 1e-3
+    assert chi2_pvalue(counts, torch.full((10,), 0.1)) > 1e-3
 
 
 def test_seeded_row_independent_of_its_batch():
