@@ -289,6 +289,20 @@ def test_one_host_copy_per_batch(monkeypatch):
     assert dict(calls) == {"tolist": 1}, calls
 
 
+def test_all_greedy_batch_skips_the_upload_and_picks_the_argmax(monkeypatch):
+    """A batch of greedy rows only (no logprobs, no penalties) takes BatchSampler's short path:
+    the same ids as sample_logits on the rows' tensors, without building (uploading) them."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(4))
+    logits[2, 17] = logits[2, 40] = logits[2].max() + 1          # a tie: the first index wins
+    s = _sampler(300)
+    params = [SamplingParams()] * 6
+    full = sample_logits(logits, _tensors(s, params)).ids.tolist()
+    uploads = collections.Counter()
+    monkeypatch.setattr(s, "tensors", lambda *a, **k: uploads.update(["tensors"]))
+    got = [t.token_id for t in s.sample(logits, params, list(range(6)), [[0]] * 6, [0] * 6)]
+    assert got == full == logits.argmax(-1).tolist() and got[2] == 17
+    assert not uploads
+
 # =============================================================================== through the engine
 def _prompts(lengths, seed=1, vocab=256):
     g = torch.Generator().manual_seed(seed)
