@@ -280,6 +280,46 @@ def test_completions_greedy_stop_strings_and_models(server, hf, reference):
     assert models["data"][0]["object"] == "model"
 
 
+def test_logprobs_in_completions_and_chat_streams(server, hf, reference, tiny_checkpoint):
+    """logprobs reach the client in OpenAI's two layouts: the engine's values (an engine alone,
+    same prompt, greedy), the top alternatives sorted, at most the number asked for, and for
+    greedy tokens the sampled one on top."""
+    base, _ = server
+    prompt = "Hello, how are"
+    ids = hf(prompt)["input_ids"]
+    eng = Engine(v41graph.from_pretrained(tiny_checkpoint), 1, MAX_SEQ, block_size=16, tokenizer=False)
+    out = eng.generate([ids], SamplingParams(max_tokens=5, stop_ids=[hf.eos_token_id], logprobs=2))[0]
+    assert out.token_ids == reference(ids, 5)
+    token_text = [hf.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                  for t in out.token_ids]
+    r = httpx.post(f"{base}/v1/completions", timeout=120,
+                   json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == token_text
+    assert lp["token_logprobs"] == pytest.approx([d[t] for t, d in zip(out.token_ids, out.logprobs)], abs=1e-6)
+    assert lp["text_offset"] == [sum(len(t) for t in token_text[:i]) for i in range(len(token_text))]
+    for t, d, top in zip(out.token_ids, out.logprobs, lp["top_logprobs"]):
+        assert len(top) == 2 and list(top.values()) == sorted(top.values(), reverse=True)
+        assert max(top.values()) == pytest.approx(d[t], abs=1e-6)
+    assert httpx.post(f"{base}/v1/completions", timeout=120, json={"prompt": prompt, "max_tokens": 2}
+                      ).json()["choices"][0]["logprobs"] is None
+    # chat, streaming: each chunk carries its new tokens' entries
+    msgs = [{"role": "user", "content": "Hi there"}]
+    want = reference(_chat_ids(hf, msgs), 4)
+    body = {"messages": msgs, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 1,
+            "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as resp:
+        events = _sse_events(list(resp.iter_lines()))
+    content = [c for e in events if e["choices"] and e["choices"][0]["logprobs"]
+               for c in e["choices"][0]["logprobs"]["content"]]
+    assert [c["token"] for c in content] == [
+        hf.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False) for t in want]
+    for c in content:
+        assert c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 1
+        assert c["top_logprobs"][0]["logprob"] == c["logprob"] <= 0
+    assert _wait_idle(base)["free_blocks"] == _health(base)["total_blocks"]
+
+
 def test_request_validation(server):
     base, _ = server
     chat = f"{base}/v1/chat/completions"
@@ -298,7 +338,8 @@ def test_request_validation(server):
         (chat, {"messages": hi, "presence_penalty": 3}, 400, "presence_penalty"),
         (chat, {"messages": hi, "top_k": -2}, 400, "top_k"),
         (chat, {"messages": hi, "repetition_penalty": 0}, 400, "repetition_penalty"),
-        (chat, {"messages": hi, "logprobs": True}, 400, "logprobs"),
+        (chat, {"messages": hi, "top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
+        (f"{base}/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs"),
         (chat, {"messages": hi, "stop": [""]}, 400, "non-empty strings"),
         (chat, {"messages": hi, "model": "gpt-4"}, 404, "'gpt-4' is not served"),
     ]

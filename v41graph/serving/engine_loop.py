@@ -4,7 +4,8 @@ events back on their own asyncio.Queue (`call_soon_threadsafe`):
 
     ("accepted", prompt_tokens)                   the request passed validation and is queued
     ("rejected", status, message)                 refused (400: a bad request; 500: a bug)
-    ("text", text_delta, new_tokens)              output text that may be shown now
+    ("text", text_delta, new_ids, new_logprobs)   output text that may be shown now, the new
+                                                  token ids, their {id: logprob} (or None)
     ("finished", finish_reason, error, tokens)    stop | length | abort | error
 
 Between steps the thread applies every pending command, so a new request joins the running
@@ -134,10 +135,11 @@ class EngineLoop:
         """The engine's stream callback (inside step / abort, on this thread)."""
         text = self.engine.text(sub.request_id) or ""
         delta, sub.sent_chars = text[sub.sent_chars:], len(text)
+        req = self.engine.requests[sub.request_id]
         if delta or new:
-            sub._put(("text", delta, len(new)))
+            logprobs = None if req.logprobs is None or not new else req.logprobs[-len(new):]
+            sub._put(("text", delta, list(new), logprobs))
         if finished:
-            req = self.engine.requests[sub.request_id]
             sub._put(("finished", req.finish_reason, req.error, len(req.output)))
 
     def _release_finished(self) -> None:

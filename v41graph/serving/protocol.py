@@ -3,9 +3,10 @@ wrong types are refused (HTTP 400 naming the field), never ignored or coerced.
 
 Served fields: model, prompt / messages, max_tokens (chat also max_completion_tokens),
 temperature, top_p, presence_penalty, frequency_penalty, stop, seed, stream,
-stream_options.include_usage, n (1 only), user, and vLLM's extra sampling fields top_k, min_p,
-repetition_penalty, stop_token_ids (runtime/sampling.py's semantics). logprobs and n > 1, which
-the Engine has but these responses do not carry yet, are refused (unknown field / n <= 1).
+stream_options.include_usage, n (1 only), user, logprobs (completions: the number of top
+alternatives; chat: a bool, with top_logprobs), and vLLM's extra sampling fields top_k, min_p,
+repetition_penalty, stop_token_ids (runtime/sampling.py's semantics). n > 1, which the Engine
+has (Engine.generate) but these responses do not carry yet, is refused.
 """
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1)          # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)   # the sampled token's + this many alternatives
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Body):
@@ -72,6 +77,11 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)        # None: up to the end of the context
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -116,7 +116,7 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                                   top_k=body.top_k, min_p=body.min_p,
                                   repetition_penalty=body.repetition_penalty,
                                   presence_penalty=body.presence_penalty,
-                                  frequency_penalty=body.frequency_penalty)
+                                  frequency_penalty=body.frequency_penalty, logprobs=body.num_logprobs())
         return make
 
     def _check_model(body):
@@ -143,9 +143,10 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             loop_.abort(sub)
 
     async def _collect(request: Request, sub: Submission):
-        """Text, finish reason, error and token count of a finished request, or None if the
-        client disconnected first (the request is then aborted)."""
-        parts, last_check = [], time.monotonic()
+        """Text, finish reason, error, token count and [(token id, {id: logprob})] (with logprobs)
+        of a finished request, or None if the client disconnected first (the request is then
+        aborted)."""
+        parts, scored, last_check = [], [], time.monotonic()
         try:
             while True:
                 try:
@@ -154,9 +155,10 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                     event = None
                 if event is not None and event[0] == "text":
                     parts.append(event[1])
+                    scored += _scored(event)
                 elif event is not None and event[0] == "finished":
                     sub.finished = True
-                    return "".join(parts), event[1], event[2], event[3]
+                    return "".join(parts), event[1], event[2], event[3], scored
                 if time.monotonic() - last_check >= DISCONNECT_POLL_S:
                     last_check = time.monotonic()
                     if await request.is_disconnected():
@@ -165,15 +167,46 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             _close(sub)
 
     async def _events(sub: Submission):
-        """(text delta, finish reason, error, completion tokens) until the request finishes."""
+        """(text delta, finish reason, error, completion tokens, scored tokens) until the request
+        finishes."""
         while True:
             event = await sub.events.get()
             if event[0] == "text":
-                yield event[1], None, None, None
+                yield event[1], None, None, None, _scored(event)
             elif event[0] == "finished":
                 sub.finished = True
-                yield "", event[1], event[2], event[3]
+                yield "", event[1], event[2], event[3], []
                 return
+
+    def _scored(event) -> list:
+        """[(token id, {id: logprob})] of a text event, empty without logprobs."""
+        _, _, ids, logprobs = event
+        return [] if logprobs is None else list(zip(ids, logprobs))
+
+    def _token_text(token_id: int) -> str:
+        return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(scored: list, k: int | None, chat: bool, offset: int = 0):
+        """OpenAI's logprobs object of these tokens (None when not asked for): chat's
+        {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens,
+        token_logprobs, top_logprobs, text_offset}. The engine's dicts hold the sampled token
+        first, then the k most likely."""
+        if k is None:
+            return None
+        entries = []
+        for tok, lps in scored:
+            top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+            entries.append((_token_text(tok), lps[tok], [(_token_text(t), v) for t, v in top]))
+        if chat:
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                                 "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode())}
+                                                  for a, v in top]} for t, lp, top in entries]}
+        offsets, at = [], offset
+        for t, _, _ in entries:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
 
     def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -197,24 +230,26 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         obj = "chat.completion" if chat else "text_completion"
         now = int(time.time())
 
-        def choice(text, reason, delta: bool):
+        k = body.num_logprobs()
+
+        def choice(text, reason, delta: bool, logprobs=None):
             if chat and delta:     # OpenAI's closing chunk has an empty delta
                 return {"index": 0, "delta": {"content": text} if text or reason is None else {},
-                        "logprobs": None, "finish_reason": reason}
+                        "logprobs": logprobs, "finish_reason": reason}
             if chat:
                 return {"index": 0, "message": {"role": "assistant", "content": text},
-                        "logprobs": None, "finish_reason": reason}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                        "logprobs": logprobs, "finish_reason": reason}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         if not body.stream:
             got = await _collect(request, sub)
             if got is None:
                 return _error(499, "client disconnected")
-            text, reason, err, n = got
+            text, reason, err, n, scored = got
             if reason == "error":
                 return _error(500, f"generation failed: {err}", kind="server_error")
             return {"id": rid, "object": obj, "created": now, "model": model_name,
-                    "choices": [choice(text, _finish_reason(reason), False)],
+                    "choices": [choice(text, _finish_reason(reason), False, _logprobs(scored, k, chat))],
                     "usage": _usage(prompt_tokens, n)}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -225,14 +260,17 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             if chat:   # OpenAI's first chunk carries the role
                 yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
-            async for text, reason, err, n in _events(sub):
+            offset = 0
+            async for text, reason, err, n, scored in _events(sub):
                 if reason == "error":
                     yield _sse({"error": {"message": f"generation failed: {err}", "type": "server_error",
                                           "param": None, "code": 500}})
                     break
-                if text or reason is not None:
+                if text or reason is not None or scored:
+                    lp = _logprobs(scored, k, chat, offset) if scored else None
+                    offset += sum(len(_token_text(t)) for t, _ in scored)
                     yield _sse({**head, "choices": [choice(text, None if reason is None else
-                                                           _finish_reason(reason), True)]})
+                                                           _finish_reason(reason), True, lp)]})
                 if reason is not None and include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, n)})
             yield "data: [DONE]\n\n"
