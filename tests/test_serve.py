@@ -320,6 +320,36 @@ def test_logprobs_in_completions_and_chat_streams(server, hf, reference, tiny_ch
     assert _wait_idle(base)["free_blocks"] == _health(base)["total_blocks"]
 
 
+def test_n_choices_streaming_and_not(server, hf, tiny_checkpoint):
+    """n choices: one engine request each with seed + index (what Engine.generate does with
+    SamplingParams.n), so a seeded request's choices are an engine's samples of the prompt alone;
+    streamed, each choice's chunks carry its index and add up to the same texts."""
+    base, _ = server
+    prompt = "Once upon a time"
+    ids = hf(prompt)["input_ids"]
+    eng = Engine(v41graph.from_pretrained(tiny_checkpoint), 3, MAX_SEQ, block_size=16, tokenizer=False)
+    alone = eng.generate([ids], SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=6,
+                                               stop_ids=[hf.eos_token_id]))[0].outputs
+    want = [hf.decode(o.token_ids, skip_special_tokens=True) for o in alone]
+    assert len(set(want)) > 1                     # the seeds differ: the choices do too
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 3}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in r["choices"]] == want
+    assert r["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in alone)
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as resp:
+        events = _sse_events(list(resp.iter_lines()))
+    texts, reasons = ["", "", ""], [None] * 3
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+            reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+    assert texts == want and all(reasons)
+    assert [e["usage"]["completion_tokens"] for e in events if not e["choices"]] == [r["usage"]["completion_tokens"]]
+    assert _wait_idle(base)["free_blocks"] == _health(base)["total_blocks"]
+
+
 def test_request_validation(server):
     base, _ = server
     chat = f"{base}/v1/chat/completions"
@@ -334,7 +364,8 @@ def test_request_validation(server):
         (chat, {"messages": hi, "max_tokens": "5"}, 400, "max_tokens"),
         (chat, {"messages": hi, "max_tokens": 0}, 400, "max_tokens"),
         (chat, {"messages": hi, "temperature": -1}, 400, "temperature"),
-        (chat, {"messages": hi, "n": 2}, 400, "n"),
+        (chat, {"messages": hi, "n": 17}, 400, "n"),
+        (chat, {"messages": hi, "n": 0}, 400, "n"),
         (chat, {"messages": hi, "presence_penalty": 3}, 400, "presence_penalty"),
         (chat, {"messages": hi, "top_k": -2}, 400, "top_k"),
         (chat, {"messages": hi, "repetition_penalty": 0}, 400, "repetition_penalty"),

@@ -3,10 +3,9 @@ wrong types are refused (HTTP 400 naming the field), never ignored or coerced.
 
 Served fields: model, prompt / messages, max_tokens (chat also max_completion_tokens),
 temperature, top_p, presence_penalty, frequency_penalty, stop, seed, stream,
-stream_options.include_usage, n (1 only), user, logprobs (completions: the number of top
-alternatives; chat: a bool, with top_logprobs), and vLLM's extra sampling fields top_k, min_p,
-repetition_penalty, stop_token_ids (runtime/sampling.py's semantics). n > 1, which the Engine
-has (Engine.generate) but these responses do not carry yet, is refused.
+stream_options.include_usage, n (up to MAX_CHOICES), user, logprobs (completions: the number of
+top alternatives; chat: a bool, with top_logprobs), and vLLM's extra sampling fields top_k,
+min_p, repetition_penalty, stop_token_ids (runtime/sampling.py's semantics).
 """
 from __future__ import annotations
 
@@ -15,6 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage"]
+
+MAX_CHOICES = 16       # n per request: each choice holds an engine slot and its cache blocks
 
 
 class _Body(BaseModel):
@@ -34,7 +35,7 @@ class _Sampling(_Body):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request (n > 1 is not served yet)")
+    n: int = Field(1, ge=1, le=MAX_CHOICES)            # choices (one engine request each; seed + index)
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -100,7 +100,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
             params.append(loc)
         return _error(400, "; ".join(problems) or "invalid request", next(filter(None, params), None))
 
-    def _params(body, max_new: int | None):
+    def _params(body, max_new: int | None, index: int = 0):
+        """prompt length -> the SamplingParams of choice `index` (of body.n: seed + index)."""
         def make(prompt_len: int) -> SamplingParams:
             room = engine.max_seq_len - prompt_len + 1      # tokens the context has room for
             n = max_new if max_new is not None else room
@@ -116,7 +117,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                                   top_k=body.top_k, min_p=body.min_p,
                                   repetition_penalty=body.repetition_penalty,
                                   presence_penalty=body.presence_penalty,
-                                  frequency_penalty=body.frequency_penalty, logprobs=body.num_logprobs())
+                                  frequency_penalty=body.frequency_penalty, logprobs=body.num_logprobs(),
+                                  n=body.n).samples()[index]
         return make
 
     def _check_model(body):
@@ -126,16 +128,24 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         return None
 
     async def _start(prompt, body, max_new):
-        """Submit; returns (submission, prompt_tokens) or an error response."""
-        sub = Submission(prompt, _params(body, max_new), asyncio.get_running_loop())
-        loop_.submit(sub)
-        event = await sub.events.get()
-        if event[0] == "rejected":
-            sub.finished = True
-            status, message = event[1], event[2]
+        """Submit the body's n choices (one engine request each: the Engine batches them like
+        any others); returns ([submission] * n, prompt_tokens) or (None, an error response)."""
+        subs = [Submission(prompt, _params(body, max_new, i), asyncio.get_running_loop())
+                for i in range(body.n)]
+        for sub in subs:
+            loop_.submit(sub)
+        firsts = [await sub.events.get() for sub in subs]
+        for sub, event in zip(subs, firsts):
+            if event[0] == "rejected":
+                sub.finished = True
+        rejected = [e for e in firsts if e[0] == "rejected"]
+        if rejected:
+            for sub in subs:
+                _close(sub)
+            status, message = rejected[0][1], rejected[0][2]
             kind = "invalid_request_error" if status < 500 else "server_error"
             return None, _error(status, message, kind=kind)
-        return sub, event[1]
+        return subs, firsts[0][1]
 
     def _close(sub: Submission):
         if not sub.finished:           # the client went away (or the handler failed): abort
@@ -222,8 +232,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
         bad = _check_model(body)
         if bad is not None:
             return bad
-        sub, started = await _start(prompt, body, max_new)
-        if sub is None:
+        subs, started = await _start(prompt, body, max_new)
+        if subs is None:
             return started
         prompt_tokens = started
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -232,50 +242,82 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
 
         k = body.num_logprobs()
 
-        def choice(text, reason, delta: bool, logprobs=None):
+        def choice(index, text, reason, delta: bool, logprobs=None):
             if chat and delta:     # OpenAI's closing chunk has an empty delta
-                return {"index": 0, "delta": {"content": text} if text or reason is None else {},
+                return {"index": index, "delta": {"content": text} if text or reason is None else {},
                         "logprobs": logprobs, "finish_reason": reason}
             if chat:
-                return {"index": 0, "message": {"role": "assistant", "content": text},
+                return {"index": index, "message": {"role": "assistant", "content": text},
                         "logprobs": logprobs, "finish_reason": reason}
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         if not body.stream:
-            got = await _collect(request, sub)
-            if got is None:
+            try:
+                got = await asyncio.gather(*(_collect(request, sub) for sub in subs))
+            finally:
+                for sub in subs:
+                    _close(sub)
+            if any(g is None for g in got):
                 return _error(499, "client disconnected")
-            text, reason, err, n, scored = got
-            if reason == "error":
-                return _error(500, f"generation failed: {err}", kind="server_error")
+            failed = [err for _, reason, err, _, _ in got if reason == "error"]
+            if failed:
+                return _error(500, f"generation failed: {failed[0]}", kind="server_error")
             return {"id": rid, "object": obj, "created": now, "model": model_name,
-                    "choices": [choice(text, _finish_reason(reason), False, _logprobs(scored, k, chat))],
-                    "usage": _usage(prompt_tokens, n)}
+                    "choices": [choice(i, text, _finish_reason(reason), False, _logprobs(scored, k, chat))
+                                for i, (text, reason, _, _, scored) in enumerate(got)],
+                    "usage": _usage(prompt_tokens, sum(g[3] for g in got))}
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        async def merged():
+            """(choice index, event tuple of _events) of all n choices, as they come."""
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, sub):
+                async for item in _events(sub):
+                    await queue.put((i, item))
+
+            tasks = [asyncio.create_task(pump(i, sub)) for i, sub in enumerate(subs)]
+            try:
+                for _ in range(len(subs)):     # each choice ends with one event carrying its reason
+                    while True:
+                        i, item = await queue.get()
+                        yield i, item
+                        if item[1] is not None:
+                            break
+            finally:
+                for t in tasks:
+                    t.cancel()
 
         async def stream():
             head = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": now,
                     "model": model_name}
-            if chat:   # OpenAI's first chunk carries the role
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-            offset = 0
-            async for text, reason, err, n, scored in _events(sub):
+            if chat:   # OpenAI's first chunk of each choice carries the role
+                for i in range(len(subs)):
+                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]})
+            offsets, completion_tokens = [0] * len(subs), 0
+            async for i, (text, reason, err, n, scored) in merged():
                 if reason == "error":
                     yield _sse({"error": {"message": f"generation failed: {err}", "type": "server_error",
                                           "param": None, "code": 500}})
                     break
                 if text or reason is not None or scored:
-                    lp = _logprobs(scored, k, chat, offset) if scored else None
-                    offset += sum(len(_token_text(t)) for t, _ in scored)
-                    yield _sse({**head, "choices": [choice(text, None if reason is None else
+                    lp = _logprobs(scored, k, chat, offsets[i]) if scored else None
+                    offsets[i] += sum(len(_token_text(t)) for t, _ in scored)
+                    yield _sse({**head, "choices": [choice(i, text, None if reason is None else
                                                            _finish_reason(reason), True, lp)]})
-                if reason is not None and include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, n)})
+                completion_tokens += n or 0
+            else:
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
             yield "data: [DONE]\n\n"
 
-        return _EngineStreamingResponse(stream(), on_close=lambda: _close(sub), media_type="text/event-stream")
+        def close_all():
+            for sub in subs:
+                _close(sub)
+
+        return _EngineStreamingResponse(stream(), on_close=close_all, media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
