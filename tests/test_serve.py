@@ -480,3 +480,43 @@ def test_serve_command_starts_and_stops(tiny_checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_serve_compile_option_compiles_every_bucket_before_serving(tiny_checkpoint, monkeypatch):
+    """`serve --compile`: the model goes through v41graph.compile with decode buckets up to the
+    batch size (one shared trace) and every bucket is warmed up before the app exists; the
+    Engine runs the compiled model. (The compile itself is stood in for: tracing costs minutes
+    on CPU; tests/test_engine.py runs an Engine over a real compiled model.)"""
+    from v41graph.compiler.compiled_model import CompiledModel
+    from v41graph.serving.server import build_server, decode_buckets
+    from v41graph.tools.cli import _parser
+
+    assert decode_buckets(1) == (1,) and decode_buckets(6) == (1, 2, 4, 8) and decode_buckets(8) == (1, 2, 4, 8)
+    seen = {}
+
+    class FakeCompiled(CompiledModel):      # a CompiledModel to the Engine, running the eager model
+        capture = False
+
+        def __init__(self, model, **kw):        # not super().__init__: that would trace
+            self.model, self.batch_sizes = model, kw["batch_sizes"]
+            seen["compile"] = kw
+
+        def warmup(self, caches, max_blocks):
+            seen["warmup"] = (caches, max_blocks)
+
+        def __call__(self, *args, **kw):
+            return self.model(*args, **kw)
+
+        def decode(self, *args):
+            return self.model.decode(*args)
+
+    monkeypatch.setattr(v41graph, "compile", FakeCompiled)
+    args = _parser().parse_args(["serve", str(tiny_checkpoint), "--max-batch-size", "6", "--max-seq-len",
+                                 str(MAX_SEQ), "--compile"])
+    srv, app = build_server(args)
+    engine = app.state.engine_loop.engine
+    assert isinstance(engine.model, FakeCompiled)
+    assert seen["compile"] == {"batch_sizes": (1, 2, 4, 8), "share_decode_graph": "all", "compile_prefill": False}
+    assert seen["warmup"] == (engine.caches, engine.max_blocks)
+    with pytest.raises(ValueError, match="--compile-prefill only applies with --compile"):
+        build_server(_parser().parse_args(["serve", str(tiny_checkpoint), "--compile-prefill"]))

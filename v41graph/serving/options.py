@@ -20,5 +20,10 @@ def add_serve_arguments(p) -> None:
     p.add_argument("--numerics", default="fast", choices=("fast", "reference"),
                    help="weight arithmetic: fast (weights dequantized once) or reference "
                         "(DeepSeek's blockwise FP8 GEMMs); default fast")
+    p.add_argument("--compile", action="store_true",
+                   help="decode steps through v41graph.compile (captured CUDA graphs on a GPU), every "
+                        "bucket compiled before the server starts listening (slow start)")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="with --compile: prefill and mixed steps compiled too (default: eager)")
     p.add_argument("--log-level", default="info",
                    help="uvicorn's log level: critical, error, warning, info, debug (default info)")

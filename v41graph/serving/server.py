@@ -37,7 +37,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("v41graph.serving")
 
-__all__ = ["build_app", "build_server", "serve_main"]
+__all__ = ["build_app", "build_server", "compiled_for_serving", "decode_buckets", "serve_main"]
 
 # How often a non-streaming handler looks whether its client is still there.
 DISCONNECT_POLL_S = 0.1
@@ -343,6 +343,22 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
 
 
 # ------------------------------------------------------------------------------------ command line
+def decode_buckets(max_batch_size: int) -> tuple:
+    """Powers of two up to the first that holds max_batch_size sequences."""
+    buckets = [1]
+    while buckets[-1] < max_batch_size:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
+def compiled_for_serving(model, max_batch_size: int, compile_prefill: bool = False):
+    """The model through v41graph.compile for `serve --compile`: decode buckets up to the batch
+    size, one shared trace for all of them; prefill eager unless asked (its shapes vary)."""
+    import v41graph
+    return v41graph.compile(model, batch_sizes=decode_buckets(max_batch_size), share_decode_graph="all",
+                            compile_prefill=compile_prefill)
+
+
 def build_server(args):
     """(uvicorn.Server, app) for parsed `serve` arguments (options.add_serve_arguments): the
     checkpoint loaded, its Engine and app built; `server.run()` serves until stopped."""
@@ -351,8 +367,13 @@ def build_server(args):
     from v41graph.weights.load import from_pretrained
 
     model = from_pretrained(args.checkpoint, numerics=args.numerics, device=args.device)
-    engine = Engine(model, args.max_batch_size, args.max_seq_len, block_size=args.block_size,
+    if args.compile_prefill and not args.compile:
+        raise ValueError("--compile-prefill only applies with --compile")
+    runner = compiled_for_serving(model, args.max_batch_size, args.compile_prefill) if args.compile else model
+    engine = Engine(runner, args.max_batch_size, args.max_seq_len, block_size=args.block_size,
                     num_blocks=args.num_blocks)
+    if args.compile:     # compile (and capture) every decode bucket before the first request
+        runner.warmup(engine.caches, engine.max_blocks)
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     app = build_app(engine, name)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
