@@ -35,38 +35,38 @@ VARIANTS = {
 }
 
 
+def median_ms(call, device, warmup: int, reps: int) -> float:
+    """Median milliseconds of call(step) over `reps` steps after `warmup`, device synced around
+    each call."""
+    times = []
+    for step in range(warmup + reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def time_variant(device, vocab: int, batch: int, kw: dict, warmup: int, reps: int) -> float:
     """Median milliseconds of one BatchSampler.sample call over `batch` rows."""
     sampler = BatchSampler(vocab, batch, device, generator=torch.Generator(device).manual_seed(0))
     params = [SamplingParams(seed=i if kw else None, **kw) for i in range(batch)]
     prompts = [[1, 2, 3]] * batch
     logits = torch.randn(batch, vocab, device=device, generator=torch.Generator(device).manual_seed(1))
-    times = []
-    for step in range(warmup + reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        sampler.sample(logits, params, list(range(batch)), prompts, [step] * batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_ms(lambda step: sampler.sample(logits, params, list(range(batch)), prompts, [step] * batch),
+                     device, warmup, reps)
 
 
 def time_multinomial(device, vocab: int, batch: int, warmup: int, reps: int) -> float:
     """The plain torch baseline beside it: softmax(logits / T), torch.multinomial, one host copy
     (no seeds, no filters)."""
     logits = torch.randn(batch, vocab, device=device, generator=torch.Generator(device).manual_seed(1))
-    times = []
-    for step in range(warmup + reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        torch.multinomial(torch.softmax(logits / 0.8, -1), 1).view(-1).tolist()
-        if step >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_ms(lambda step: torch.multinomial(torch.softmax(logits / 0.8, -1), 1).view(-1).tolist(),
+                     device, warmup, reps)
 
 
 def main() -> None:

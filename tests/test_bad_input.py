@@ -286,8 +286,8 @@ def _contract_step(s: Session, n_tokens=3):
 
 
 @pytest.mark.parametrize("change, error, what", [
-    (lambda i, p, m: (i.float(), p, m), TypeError, r"input_ids must be an integer tensor, got torch\.float32"),
-    (lambda i, p, m: (i.bool(), p, m), TypeError, r"input_ids must be an integer tensor, got torch\.bool"),
+    (lambda i, p, m: (i.float(), p, m), TypeError, r"input_ids must be an integer tensor \(int32 or int64\), got torch\.float32"),
+    (lambda i, p, m: (i.bool(), p, m), TypeError, r"input_ids must be an integer tensor \(int32 or int64\), got torch\.bool"),
     (lambda i, p, m: (i[None], p, m), ValueError, r"input_ids must be 1-D \[N\].*\[1, 3\]"),
     (lambda i, p, m: (i, p.double(), m), TypeError, r"positions must be an integer tensor"),
     (lambda i, p, m: (i, torch.arange(4), m), ValueError, r"positions has 4 entries but input_ids 3"),

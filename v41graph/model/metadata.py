@@ -11,6 +11,18 @@ import torch
 from .kv_cache import ModelCaches
 
 
+INDEX_DTYPES = (torch.int32, torch.int64)     # token ids, positions and every metadata tensor
+
+
+def check_index_tensor(t, what: str) -> None:
+    """`what` must be a tensor of integers (int32 / int64): a TypeError naming it otherwise. The
+    one rule for the step's index tensors, at the model contract and the runtime's boundary."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{what} must be an integer tensor (int32 or int64), got {t.dtype}")
+
+
 def _meta_field(rows: str, decode, *, static: bool = False, offset: str | None = None,
                 optional: bool = False):
     """One field of AttentionMetadata and how it behaves, in one place:
@@ -99,10 +111,7 @@ class AttentionMetadata:
             t = getattr(self, f.name)
             if t is None:
                 continue
-            if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex \
-                    or t.dtype == torch.bool:
-                raise TypeError(f"{what}.{f.name} must be an integer tensor, got "
-                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            check_index_tensor(t, f"{what}.{f.name}")
             want = counts[f.metadata["rows"]]
             if t.dim() == 0 or (sizes and t.shape[0] != want):
                 raise ValueError(f"{what}.{f.name} has shape {list(t.shape)}; dim 0 must be its "

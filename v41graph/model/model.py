@@ -14,7 +14,7 @@ from torch import nn
 
 from .attention import Attention
 from .kv_cache import ModelCaches
-from .metadata import AttentionMetadata, StepContext, replay_metadata, state_or_fresh_rows
+from .metadata import AttentionMetadata, StepContext, check_index_tensor, replay_metadata, state_or_fresh_rows
 from .config import V41Config
 from .engram import Engram
 from .engram_hash import engram_hash_params
@@ -207,10 +207,7 @@ def check_step_inputs(input_ids, positions, metadata) -> None:
     dtypes and ranks are checked: comparing sizes there would guard on them, and a decode graph
     with an unbacked batch size cannot (CompiledModel runs every check before its graphs)."""
     for name, t in (("input_ids", input_ids), ("positions", positions)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+        check_index_tensor(t, name)
         if t.dim() != 1:
             raise ValueError(f"{name} must be 1-D [N] (the step's tokens, flattened), got shape {list(t.shape)}")
     if not isinstance(metadata, AttentionMetadata):

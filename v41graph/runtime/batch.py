@@ -13,7 +13,7 @@ import torch
 
 from v41graph.compiler.compiled_model import CompiledModel
 from v41graph.model.kv_cache import ModelCaches, slots_with_scratch
-from v41graph.model.metadata import AttentionMetadata, build_metadata, positions_of
+from v41graph.model.metadata import AttentionMetadata, build_metadata, check_index_tensor, positions_of
 
 
 class CacheCapacityError(RuntimeError):
@@ -221,8 +221,7 @@ class DecodeBatch:
 
 def check_ids_tensor(ids: torch.Tensor, what: str) -> None:
     """A tensor of token ids must be integer and have values (not on the meta device)."""
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{what}: expected an integer tensor, got {ids.dtype}")
+    check_index_tensor(ids, what)
     if ids.device.type == "meta":
         raise ValueError(f"{what} is a meta tensor: it has no values")
 

@@ -309,11 +309,11 @@ class Engine(StepRunner):
     def output(self, request_id: int) -> RequestOutput:
         r = self._request(request_id)
         logprobs = None if r.logprobs is None else list(r.logprobs)
+        text = self.text(request_id)
         return RequestOutput(r.request_id, list(r.prompt), list(r.output), r.finish_reason,
                              r.arrival_time, r.first_token_time, r.finish_time, r.error,
-                             text=self.text(request_id), logprobs=logprobs,
-                             outputs=[CompletionOutput(0, list(r.output), r.finish_reason, logprobs, r.error,
-                                                       self.text(request_id))])
+                             text=text, logprobs=logprobs,
+                             outputs=[CompletionOutput(0, list(r.output), r.finish_reason, logprobs, r.error, text)])
 
     def text(self, request_id: int) -> str | None:
         """The request's output text so far (None without a tokenizer): only text no later token

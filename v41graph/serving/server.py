@@ -304,7 +304,8 @@ def build_app(engine: Engine, model_name: str) -> FastAPI:
                     break
                 if text or reason is not None or scored:
                     lp = _logprobs(scored, k, chat, offsets[i]) if scored else None
-                    offsets[i] += sum(len(_token_text(t)) for t, _ in scored)
+                    if lp is not None and not chat:       # completions' text_offset runs on
+                        offsets[i] += sum(len(t) for t in lp["tokens"])
                     yield _sse({**head, "choices": [choice(i, text, None if reason is None else
                                                            _finish_reason(reason), True, lp)]})
                 completion_tokens += n or 0
