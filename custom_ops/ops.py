@@ -131,6 +131,53 @@ def _(q, weights, key_cache, key_scale, candidate_rows, candidate_positions, top
     return q.new_empty((q.shape[0], topk), dtype=torch.int64)
 
 
+# Tensor-parallel indexer (v41graph.parallel): each rank scores its share of the heads, the
+# partials are all-gathered, these finish the sum and select exactly as the ops above do.
+@custom_op(f"{_NS}::indexer_partial_scores", mutates_args=())
+def indexer_partial_scores(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
+                           key_scale: torch.Tensor, key_rows: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, C]: the pairwise head sum over the heads of q [N, Hi, Di] (this rank's), before
+    the cast and the mask (reference.indexer_head_partial)."""
+    keys = ref.gather_index_k(key_cache, key_scale, key_rows, q.dtype)
+    return ref.indexer_head_partial(q, weights, keys)
+
+
+@indexer_partial_scores.register_fake
+def _(q, weights, key_cache, key_scale, key_rows):
+    return q.new_empty(key_rows.shape, dtype=torch.float32)
+
+
+@custom_op(f"{_NS}::indexer_select_from_partials", mutates_args=())
+def indexer_select_from_partials(parts: torch.Tensor, visible: torch.Tensor, score_dtype: torch.dtype,
+                                 topk: int, candidate_block_size: int,
+                                 candidate_keep_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """indexer_topk's selection from the ranks' partials [N, tp, C] (rank order)."""
+    scores = ref.finish_indexer_scores(parts, visible, score_dtype)
+    return ref.select_from_scores(scores, visible, topk, candidate_block_size, candidate_keep_blocks)
+
+
+@indexer_select_from_partials.register_fake
+def _(parts, visible, score_dtype, topk, candidate_block_size, candidate_keep_blocks):
+    pool = ref.candidate_pool_size(visible.shape[-1], candidate_block_size, candidate_keep_blocks)
+    return (parts.new_empty((parts.shape[0], topk), dtype=torch.int64),
+            parts.new_empty((parts.shape[0], pool), dtype=torch.int64))
+
+
+@custom_op(f"{_NS}::indexer_select_candidates_from_partials", mutates_args=())
+def indexer_select_candidates_from_partials(parts: torch.Tensor, candidate_rows: torch.Tensor,
+                                            candidate_positions: torch.Tensor, score_dtype: torch.dtype,
+                                            topk: int) -> torch.Tensor:
+    """indexer_topk_candidates' selection from the ranks' partials [N, tp, P] (rank order)."""
+    scores = ref.finish_indexer_scores(parts, ref.listed_candidates(candidate_rows, candidate_positions),
+                                       score_dtype)
+    return ref.topk_over_candidates(scores, candidate_positions, topk)
+
+
+@indexer_select_candidates_from_partials.register_fake
+def _(parts, candidate_rows, candidate_positions, score_dtype, topk):
+    return parts.new_empty((parts.shape[0], topk), dtype=torch.int64)
+
+
 # ----------------------------------------------------------------------------- Engram
 @custom_op(f"{_NS}::engram_hash", mutates_args=())
 def engram_hash(compressed_ids: torch.Tensor, history: torch.Tensor, multipliers: torch.Tensor,

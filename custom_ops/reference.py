@@ -242,9 +242,21 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     fake_quant=False the queries are not FP4 and the fp32 GEMM may still round differently
     per width in the last bit.
     """
+    return finish_indexer_scores(indexer_head_partial(q, weights, keys).unsqueeze(1), visible, q.dtype)
+
+
+def indexer_head_partial(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The fp32 head sum of `indexer_scores` over the heads given [N, C], before its cast and
+    mask: the whole sum for all heads, or one tensor-parallel rank's share."""
     logits = torch.einsum("nhd,ncd->nhc", q, keys.to(q.dtype))
-    score = _head_sum(logits.relu() * weights.unsqueeze(-1)).to(q.dtype)
-    return score.masked_fill(~visible, float("-inf"))
+    return _head_sum(logits.relu() * weights.unsqueeze(-1))
+
+
+def finish_indexer_scores(parts: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scores from head partials [N, R, C] (R = 1: all heads; R = tp: rank r's sum over heads
+    r, r + tp, ..., which are the pairwise sum's partials at width R): the rest of the pairwise
+    sum, cast to the query dtype, -inf where invisible."""
+    return _head_sum(parts).to(dtype).masked_fill(~visible, float("-inf"))
 
 
 def _head_sum(x: torch.Tensor) -> torch.Tensor:

@@ -73,13 +73,15 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer: scores compressed positions, returns each query's top-k."""
 
-    def __init__(self, config: V41Config, role: LayerRole):
+    def __init__(self, config: V41Config, role: LayerRole, tp: int = 1):
         super().__init__()
-        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        # Under tensor parallelism this rank scores heads rank, rank + tp, ... (see
+        # Attention._select_tp for why every tp-th head); the scale stays the whole model's.
+        self.n_heads, self.head_dim = config.index_n_heads // tp, config.index_head_dim
         self.topk = config.index_topk
         self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, fmt=weight_fmt(config, "fp8"))
         self.weights_proj = Linear(config.hidden_size, self.n_heads)
-        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.weight_scale = self.head_dim ** -0.5 * config.index_n_heads ** -0.5
         if role.mode == "full":   # index keys are derived from the compressor's latent
             self.wk = Linear(config.head_dim, self.head_dim)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -95,15 +97,19 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: V41Config, role: LayerRole):
+    def __init__(self, config: V41Config, role: LayerRole, parallel=None):
         super().__init__()
         self.role, self.config = role, config
-        d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        # Tensor parallelism (v41graph.parallel): this rank's query heads and output groups; the
+        # KV projections, caches and compressor stay whole (one latent KV head serves all).
+        self.parallel = parallel if parallel is not None and parallel.attention == "tp" else None
+        tp = self.parallel.tp if self.parallel is not None else 1
+        d, h, hd = config.hidden_size, config.num_attention_heads // tp, config.head_dim
         self.n_heads, self.head_dim = h, hd
         self.rope_dim = config.qk_rope_head_dim
         self.window = config.sliding_window
         self.softmax_scale = hd ** -0.5
-        self.o_groups, self.o_rank = config.o_groups, config.o_lora_rank
+        self.o_groups, self.o_rank = config.o_groups // tp, config.o_lora_rank
         self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
         self.wq_a = Linear(d, config.q_lora_rank, fmt=weight_fmt(config, "fp8"))
         self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
@@ -115,7 +121,7 @@ class Attention(nn.Module):
         if role.mode == "full":
             self.compressor = Compressor(config, role.ratio)
         if role.scores:
-            self.indexer = Indexer(config, role)
+            self.indexer = Indexer(config, role, tp)
         if role.ratio:   # long-context layers use YaRN frequencies, window-only plain RoPE
             inv = rope_inv_freqs(self.rope_dim, config.compress_rope_theta, config.original_seq_len,
                                  config.rope_factor, config.beta_fast, config.beta_slow)
@@ -178,6 +184,10 @@ class Attention(nn.Module):
             # visible to the query) map to this layer's kv source's cache rows the same way.
             cand = ctx.candidates[role.candidate_source]
             cand_rows = torch.where(cand >= 0, ctx.compressed_rows_at(role.ratio, cand.clamp_min(0)), -1)
+            if self.parallel is not None:
+                parts = self._head_partials(q, weights, caches.index_k[src], caches.index_scale[src], cand_rows)
+                return ops.indexer_select_candidates_from_partials(parts, cand_rows, cand, q.dtype,
+                                                                   self.config.index_topk)
             return ops.indexer_topk_candidates(q, weights, caches.index_k[src], caches.index_scale[src],
                                                cand_rows, cand, self.config.index_topk)
         capacity = self._compressed_capacity(ctx)
@@ -186,12 +196,27 @@ class Attention(nn.Module):
         visible_count = (ctx.positions + 1) // role.ratio
         visible = (torch.arange(capacity, device=rows.device) < visible_count.unsqueeze(-1)) & (rows >= 0)
         keep_blocks = self.config.candidate_topk_blocks if role.is_candidate_source else 0
-        ids, cand = ops.indexer_topk(q, weights, caches.index_k[src], caches.index_scale[src], rows,
-                                     visible, self.config.index_topk,
-                                     self.config.candidate_block_size, keep_blocks)
+        if self.parallel is not None:
+            parts = self._head_partials(q, weights, caches.index_k[src], caches.index_scale[src], rows)
+            ids, cand = ops.indexer_select_from_partials(parts, visible, q.dtype, self.config.index_topk,
+                                                         self.config.candidate_block_size, keep_blocks)
+        else:
+            ids, cand = ops.indexer_topk(q, weights, caches.index_k[src], caches.index_scale[src], rows,
+                                         visible, self.config.index_topk,
+                                         self.config.candidate_block_size, keep_blocks)
         if role.is_candidate_source:
             ctx.candidates[role.layer_id] = cand
         return ids
+
+    def _head_partials(self, q, weights, key_cache, key_scale, key_rows) -> torch.Tensor:
+        """Tensor parallel: every rank's fp32 indexer head sum [N, tp, C], in rank order.
+        The single-device head sum adds halves pairwise (reference._head_sum), whose partial
+        sums at width tp are the sums over heads r, r + tp, ...: exactly the heads rank r holds.
+        So the selection ops finish the same pairwise sum over these partials, and the scores,
+        and so the top-k, are the single-device ones (bit for bit when index_n_heads / tp is a
+        power of two; otherwise the padding of odd widths reorders a few adds)."""
+        partial = ops.indexer_partial_scores(q, weights, key_cache, key_scale, key_rows)   # [N, C]
+        return self.parallel.all_gather(partial.unsqueeze(1), dim=1)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -236,4 +261,7 @@ class Attention(nn.Module):
         o = o.reshape(n, self.o_groups, -1)
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_rank, -1).to(o.dtype)
         o = torch.einsum("ngd,grd->ngr", o, wo_a)
-        return self.wo_b(o.flatten(1))
+        if self.parallel is None:
+            return self.wo_b(o.flatten(1))
+        # Row-parallel wo_b: fp32 partial sums over this rank's output groups, summed over ranks.
+        return self.parallel.all_reduce(self.wo_b(o.flatten(1), out_dtype=torch.float32)).to(x.dtype)

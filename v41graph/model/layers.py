@@ -118,19 +118,23 @@ class Linear(nn.Module):
             s = codecs.e8m0_to_float(self.scale)
         return w_q, s
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype, or in `out_dtype`: a row-parallel split asks
+        for fp32 partial sums, which the reference GEMM then returns before its final cast."""
         if self.fmt == "dense":
-            return F.linear(x, self.weight.to(x.dtype) if self.weight.dtype != x.dtype else self.weight)
-        if self.numerics == "reference":
+            y = F.linear(x, self.weight.to(x.dtype) if self.weight.dtype != x.dtype else self.weight)
+        elif self.numerics == "reference":
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
             a_q, a_s = codecs.quant_fp8_ue8m0(x2, QUANT_BLOCK)
             w_q, w_s = self._weight_q_and_row_scales()
             y = blockwise_gemm(a_q.float(), codecs.e8m0_to_float(a_s), w_q, w_s)
-            return y.to(x.dtype).view(*shape[:-1], self.out_features)
-        if self._dense_cache is None or self._dense_cache.dtype != x.dtype:
-            self._dense_cache = self.dequantized_weight().to(x.dtype)
-        return F.linear(x, self._dense_cache)
+            return y.to(out_dtype or x.dtype).view(*shape[:-1], self.out_features)
+        else:
+            if self._dense_cache is None or self._dense_cache.dtype != x.dtype:
+                self._dense_cache = self.dequantized_weight().to(x.dtype)
+            y = F.linear(x, self._dense_cache)
+        return y if out_dtype is None else y.to(out_dtype)
 
 
 def set_linear_numerics(module: nn.Module, numerics: str) -> None:

@@ -29,16 +29,16 @@ ops = torch.ops.v41graph
 class Block(nn.Module):
     """Attention + MoE, each wrapped in a single-pass mHC residual."""
 
-    def __init__(self, config: V41Config, role: LayerRole):
+    def __init__(self, config: V41Config, role: LayerRole, parallel=None):
         super().__init__()
         self.role = role
         d, hc = config.hidden_size, config.hc_mult
         args = (hc, d, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
         self.hc_attn, self.hc_ffn = HyperConnection(*args), HyperConnection(*args)
         self.attn_norm = RMSNorm(d, config.rms_norm_eps)
-        self.attn = Attention(config, role)
+        self.attn = Attention(config, role, parallel)
         self.ffn_norm = RMSNorm(d, config.rms_norm_eps)
-        self.ffn = MoE(config)
+        self.ffn = MoE(config, parallel=parallel)
 
     def attn_input(self, streams: torch.Tensor, pre_prev: torch.Tensor) -> torch.Tensor:
         """The normalized attention input: collapse with the previous sub-layer's `pre`."""
@@ -57,16 +57,29 @@ class Block(nn.Module):
 
 
 class V41Model(nn.Module):
-    def __init__(self, config: V41Config):
+    """parallel: a v41graph.parallel.ParallelState to build this rank's share of the model
+    (None: the whole model, one device). Parameter names are the same either way; shapes are
+    the rank's slices (ShardSpec says which)."""
+
+    def __init__(self, config: V41Config, parallel=None):
         super().__init__()
         self.config = config
         self.plan = build_layer_plan(config)
+        if parallel is not None:
+            parallel.config.check(config)
+            if parallel.world_size == 1:
+                parallel = None           # one rank: the single-device model, no collective
+        self.parallel = parallel
+        # vocab-parallel embedding and head under tensor-parallel attention
+        self.vocab_parallel = parallel is not None and parallel.attention == "tp"
+        vocab = config.vocab_size // parallel.tp if self.vocab_parallel else config.vocab_size
+        self.vocab_start = parallel.rank * vocab if self.vocab_parallel else 0
         d = config.hidden_size
-        self.embed = nn.Embedding(config.vocab_size, d)
-        self.layers = nn.ModuleList(Block(config, role) for role in self.plan)
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(config, role, parallel) for role in self.plan)
         self.engram = nn.ModuleList(Engram(config, rows) for rows in config.engram_num_embeddings)
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.head = nn.Parameter(torch.zeros(config.vocab_size, d, dtype=torch.float32))
+        self.head = nn.Parameter(torch.zeros(vocab, d, dtype=torch.float32))
         # Engram hashing constants and the token -> compressed-id map (identity until a
         # tokenizer-derived map is loaded).
         params = engram_hash_params(config.engram_layer_ids, config.engram_max_ngram_size,
@@ -154,7 +167,7 @@ class V41Model(nn.Module):
         engram_rows = history = None
         if len(self.engram):
             engram_rows, history = self._engram_rows(input_ids, ctx)
-        h = self.embed(input_ids)
+        h = self._embed(input_ids)
         streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
         # Block 0 collapses with the one-hot pre [1, 0, 0, 0] (built without a host scalar
         # write, which a CUDA-graph capture would reject).
@@ -188,9 +201,20 @@ class V41Model(nn.Module):
         if self.debug is not None:
             self.debug["final_norm"] = x
         logits = F.linear(x.float(), self.head.float())
+        if self.vocab_parallel:            # every rank gets the whole vocabulary's logits
+            logits = self.parallel.all_gather(logits, dim=-1)
         if wanted:
             return logits, [kept_streams[i] for i in wanted]
         return logits
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.vocab_parallel:
+            return self.embed(input_ids)
+        # This rank's rows of the table; the other ranks' tokens add zeros (exact).
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed.num_embeddings)
+        h = self.embed(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(self.embed.weight.dtype)
+        return self.parallel.all_reduce(h)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
                metadata: AttentionMetadata) -> torch.Tensor:

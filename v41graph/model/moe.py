@@ -116,9 +116,11 @@ class Expert(nn.Module):
         self.w2 = Linear(inter, dim, fmt=fmt)
         self.limit = limit
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype=torch.float32: w2's fp32 partial sums (a tensor-parallel slice of the expert)."""
         gate, up = self.w1(x).float(), self.w3(x).float()
-        return self.w2(swiglu(gate, up, self.limit, weight).to(x.dtype))
+        return self.w2(swiglu(gate, up, self.limit, weight).to(x.dtype), out_dtype=out_dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None):
@@ -135,17 +137,28 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
 class MoE(nn.Module):
     grouped_impl: str = "auto"     # see the module docstring; an instance attribute overrides
 
-    def __init__(self, config: V41Config, n_experts: int | None = None, topk: int | None = None):
+    def __init__(self, config: V41Config, n_experts: int | None = None, topk: int | None = None,
+                 parallel=None):
         super().__init__()
         n_experts = n_experts or config.n_routed_experts
-        self.n_experts = n_experts
+        self.n_experts = n_experts                 # all routed experts: the gate's width
         self.gate = Gate(config, n_experts, topk or config.num_experts_per_tok)
         d, inter, lim = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
-        self.inter, self.limit = inter, lim
-        self.experts = nn.ModuleList(Expert(d, inter, lim, weight_fmt(config, "fp4")) for _ in range(n_experts))
+        # v41graph.parallel: which experts this rank holds (an id range under expert parallelism)
+        # and how much of each (the intermediate size split under tensor parallelism). Data-
+        # parallel attention with every expert on every rank is the single-device MoE.
+        if parallel is not None and (parallel.expert_parallel or parallel.attention == "tp"):
+            self.parallel = parallel
+        else:
+            self.parallel = None
+        self.expert_ids = parallel.expert_range(n_experts) if self.parallel is not None else range(n_experts)
+        tp = parallel.tp if self.parallel is not None and parallel.attention == "tp" else 1
+        self.split_experts = tp > 1 and not self.parallel.expert_parallel
+        self.inter, self.limit = (inter // tp if self.split_experts else inter), lim
+        self.experts = nn.ModuleList(Expert(d, self.inter, lim, weight_fmt(config, "fp4")) for _ in self.expert_ids)
         if config.n_shared_experts != 1:
             raise ValueError(f"n_shared_experts={config.n_shared_experts}: V4.1 has exactly one")
-        self.shared_experts = Expert(d, inter, lim, weight_fmt(config, "fp8"))
+        self.shared_experts = Expert(d, inter // tp, lim, weight_fmt(config, "fp8"))
         # The stacks (plain attributes, not parameters or buffers: state_dict keeps the per-expert
         # names, and the expert parameters are views into these). None until packed.
         self._w13: torch.Tensor | None = None      # [E, 2*inter, d]: w1 rows, then w3 rows
@@ -174,7 +187,7 @@ class MoE(nn.Module):
                              "(fp8/fp4 formats run the loop)")
         weights = self._expert_weights()
         ref = weights[0][0]
-        e, i, d = self.n_experts, self.inter, ref.shape[1]
+        e, i, d = len(self.experts), self.inter, ref.shape[1]
         with torch.no_grad():
             w13 = torch.empty(e, 2 * i, d, dtype=ref.dtype, device=ref.device)
             w2 = torch.empty(e, d, i, dtype=ref.dtype, device=ref.device)
@@ -269,9 +282,11 @@ class MoE(nn.Module):
     def routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                        impl: str) -> torch.Tensor:
         """Sum over each token's chosen experts of weight * expert(x), [N, d] fp32, via grouped
-        GEMMs over the stacks. Static shapes throughout (T = N * topk rows)."""
+        GEMMs over the stacks. Static shapes throughout (T = N * topk rows). chosen holds
+        indices into self.experts; under expert parallelism len(self.experts) marks an expert
+        another rank holds (sorted past the last group, its rows computed by nobody, dropped)."""
         n, k = chosen.shape
-        e, i = self.n_experts, self.inter
+        e, i = len(self.experts), self.inter
         # Each token's experts in ascending id order: the order in which the loop adds them.
         ids, order = chosen.sort(dim=-1)
         pair_w = weights.gather(1, order).reshape(-1)                     # [T] fp32
@@ -288,25 +303,63 @@ class MoE(nn.Module):
         h = swiglu(gu[:, :i].float(), gu[:, i:].float(), self.limit, pair_w[perm].unsqueeze(-1))
         out = _grouped_mm(h.to(x.dtype), w2.transpose(1, 2), offs, impl)  # [T, d]
         pairs = torch.empty_like(out).index_copy_(0, perm, out).view(n, k, -1)   # back to (token, j)
+        if self.parallel is not None:     # rows past the last group are undefined: zero them
+            pairs = torch.where((ids < e).unsqueeze(-1), pairs, 0)
         y = torch.zeros((n, out.shape[-1]), dtype=torch.float32, device=x.device)
         for j in range(k):                                                # fp32, ascending expert id
             y = y + pairs[:, j]
         return y
 
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[N, d] fp32: the sum over each token's chosen experts that this rank holds (all of
+        them on one device) of weight * expert(x). chosen: global expert ids [N, topk]."""
+        n_local = len(self.experts)
+        if self.parallel is not None:     # to indices into self.experts; n_local = held elsewhere
+            local = chosen - self.expert_ids.start
+            chosen = torch.where((local >= 0) & (local < n_local), local, n_local)
+        impl = self._select_impl(x)
+        if impl != "loop":
+            return self.routed_grouped(x, weights, chosen, impl)
+        dense_w = torch.zeros(x.shape[0], n_local + 1, dtype=torch.float32, device=x.device)
+        dense_w = dense_w.scatter(1, chosen, weights)[:, :n_local]
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):   # expert-index order, fp32 sum
+            y = y + expert(x, dense_w[:, e:e + 1], out_dtype)
+        return y
+
     def forward(self, x: torch.Tensor):
         """-> (output [N, d], chosen expert ids [N, topk])."""
         weights, chosen = self.gate(x)
-        impl = self._select_impl(x)
-        if impl != "loop":
-            y = self.routed_grouped(x, weights, chosen, impl)
+        par = self.parallel
+        if par is None:
+            y = self.routed(x, weights, chosen) + self.shared_experts(x)
+        elif par.attention == "tp":
+            # Every rank has every token: its experts' (or expert slices') fp32 partials, and its
+            # slice of the shared expert, summed over ranks in one all-reduce.
+            partial = torch.float32 if self.split_experts else None
+            y = par.all_reduce(self.routed(x, weights, chosen, partial)
+                               + self.shared_experts(x, out_dtype=torch.float32))
         else:
-            dense_w = torch.zeros(x.shape[0], self.n_experts, dtype=torch.float32, device=x.device)
-            dense_w.scatter_(1, chosen, weights)
-            y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            for e, expert in enumerate(self.experts):   # expert-index order, fp32 sum
-                y = y + expert(x, dense_w[:, e:e + 1])
-        y = y + self.shared_experts(x)
+            y = self._dispatch_combine(x, weights, chosen) + self.shared_experts(x)
         return y.to(x.dtype), chosen
+
+    def _dispatch_combine(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Data-parallel attention + expert parallelism: every rank's N tokens go to every expert
+        rank with their routing (all-to-all, N rows per rank pair: a fixed shape, so the step
+        captures, and no token is dropped), each rank runs its experts on what it received, and
+        the fp32 results come back (all-to-all) and are summed in rank order (= ascending
+        expert id ranges)."""
+        par, ws, (n, k) = self.parallel, self.parallel.world_size, chosen.shape
+        tokens = par.all_to_all(x.repeat(ws, 1))                                   # [ws*N, d]
+        # ids travel as fp32 next to the weights (exact below 2^24): one collective, not two
+        routing = par.all_to_all(torch.cat([weights, chosen.to(torch.float32)], -1).repeat(ws, 1))
+        out = self.routed(tokens, routing[:, :k], routing[:, k:].to(torch.int64))  # [ws*N, d]
+        back = par.all_to_all(out).view(ws, n, -1)                                 # block j: rank j's experts
+        y = back[0]
+        for j in range(1, ws):
+            y = y + back[j]
+        return y
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:

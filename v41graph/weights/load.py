@@ -129,13 +129,14 @@ class _LargeTensorsOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _build_empty_model(config: V41Config) -> V41Model:
-    """V41Model with its large parameters on the meta device (allocated when loaded)."""
+def _build_empty_model(config: V41Config, parallel=None) -> V41Model:
+    """V41Model (a rank's share with `parallel`) with its large parameters on the meta device
+    (allocated when loaded)."""
     with default_dtype(compute_dtype(config)):
         with _LargeTensorsOnMeta(4096):
-            model = V41Model(config)
+            model = V41Model(config, parallel)
         if any(b.is_meta for b in model.buffers()):      # a buffer we cannot rebuild: eager
-            model = V41Model(config)
+            model = V41Model(config, parallel)
     return model
 
 

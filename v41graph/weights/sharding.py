@@ -1,13 +1,15 @@
 """Tensor- and expert-parallel sharding of the official checkpoint: `ShardSpec` (which part of
-each tensor one rank keeps, DeepSeek's convert.py conventions), `load_sharded_state_dict` (one
-rank's tensors read straight from disk, only its rows or columns) and `merge_shards` (the
-inverse, for checks).
+each tensor one rank keeps), `load_sharded_state_dict` (one rank's tensors read straight from
+disk, only its rows or columns), `merge_shards` (the inverse, for checks), `shard_tensors` (the
+same split of tensors already in memory) and `load_parallel_model` (a rank's V41Model, built
+with its v41graph.parallel.ParallelState, filled from disk without reading other ranks' parts).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -17,51 +19,78 @@ from .checkpoint import Progress, progress_default
 from .load import open_validated
 from .names import EXPERT_WEIGHT, TensorSpec, official_tensor_specs, split_name
 
-__all__ = ["ShardSpec", "load_sharded_state_dict", "merge_shards"]
+__all__ = ["ShardSpec", "Part", "load_sharded_state_dict", "merge_shards", "shard_tensors",
+           "local_expert_name"]
 
 _COLUMN_PARALLEL = {"attn.wq_b.weight", "attn.wo_a.weight", "attn.attn_sink",
                     "ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"}
 _ROW_PARALLEL = {"attn.wo_b.weight", "ffn.shared_experts.w2.weight"}
+# Indexer heads under tensor parallelism: rank r keeps heads r, r + ws, ... (Attention._head_partials)
+_INDEXER_HEADS = {"attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight"}
+
+
+class Part(NamedTuple):
+    """The part of a tensor one rank keeps: `ranges` [start, stop) along `dim` in logical
+    elements (scale blocks for a blocked scale), concatenated in order; dim None: all of it."""
+    dim: int | None
+    ranges: tuple = ()
+
+
+WHOLE = Part(None)
 
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Which part of each tensor one rank keeps (DeepSeek's convert.py conventions):
+    """Which part of each tensor one rank keeps (DeepSeek's convert.py conventions, plus the
+    indexer heads):
 
       column-parallel (split `out`, dim 0): embed, head (vocab), attn.wq_b, attn_sink (heads),
                       attn.wo_a (o_groups), shared_experts.w1/w3, routed experts' w1/w3
       row-parallel    (split `in`, dim 1): attn.wo_b, shared_experts.w2, routed experts' w2
+      indexer heads   (dim 0, every world_size-th head): attn.indexer.wq_b, weights_proj
       expert_parallel=True: routed experts are not split but distributed by index (rank r keeps
                       experts [r*E/ws, (r+1)*E/ws)); everything else as above
-      replicated:     norms, wq_a, wkv, compressor, indexer, gate, hc_*, Engram, DSpark extras
+      attention="dp"  (data-parallel attention): nothing is split but the routed experts
+                      (distributed with expert_parallel, else every rank has them all)
+      replicated:     norms, wq_a, wkv, compressor, indexer wk/k_norm, gate, hc_*, Engram,
+                      DSpark extras
     Scales follow their weight (an FP8 split must fall on 32-row/column block boundaries).
-    world_size=1 is the identity.
+    world_size=1 is the identity. `ShardSpec.of(parallel_state)` is a v41graph.parallel rank's.
     """
     rank: int = 0
     world_size: int = 1
     expert_parallel: bool = False
+    attention: str = "tp"
 
     def __post_init__(self):
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"ShardSpec: need 0 <= rank < world_size, got rank={self.rank}, "
                              f"world_size={self.world_size}")
+        if self.attention not in ("tp", "dp"):
+            raise ValueError(f"ShardSpec.attention must be 'tp' or 'dp', got {self.attention!r}")
+
+    @classmethod
+    def of(cls, parallel) -> "ShardSpec":
+        """The shard of a v41graph.parallel.ParallelState's rank."""
+        return cls(parallel.rank, parallel.world_size, parallel.expert_parallel,
+                   "dp" if parallel.attention == "dp" else "tp")
 
     def split_dim(self, name: str) -> int | None:
         """The dimension a (weight) tensor is split along, None if replicated/whole."""
         _, _, rest = split_name(name)
-        if name in ("embed.weight", "head.weight") or rest in _COLUMN_PARALLEL:
+        m = EXPERT_WEIGHT.match(rest)
+        if self.attention == "dp" or (m and self.expert_parallel):
+            return None
+        if m:
+            return 1 if m.group(2) == "w2" else 0
+        if name in ("embed.weight", "head.weight") or rest in _COLUMN_PARALLEL or rest in _INDEXER_HEADS:
             return 0
         if rest in _ROW_PARALLEL:
             return 1
-        m = EXPERT_WEIGHT.match(rest)
-        if m and not self.expert_parallel:
-            return 1 if m.group(2) == "w2" else 0
         return None
 
-    def partition(self, name: str, specs: Mapping[str, TensorSpec], config: V41Config):
-        """None if this rank does not hold `name`; else (dim, start, stop) in the tensor's
-        logical elements along dim, or (None, 0, 0) for the whole tensor."""
-        whole = (None, 0, 0)
+    def partition(self, name: str, specs: Mapping[str, TensorSpec], config: V41Config) -> Part | None:
+        """None if this rank does not hold `name`; else the Part it keeps (WHOLE: all of it)."""
         spec = specs[name]
         wname = spec.weight if spec.kind == "scale" else name
         wspec = specs[wname]
@@ -73,13 +102,24 @@ class ShardSpec:
             if n_exp % ws:
                 raise ValueError(f"cannot distribute {n_exp} experts over {ws} ranks ({name})")
             per = n_exp // ws
-            return whole if r * per <= int(m.group(1)) < (r + 1) * per else None
+            return WHOLE if r * per <= int(m.group(1)) < (r + 1) * per else None
         if ws == 1 or wspec.kind == "table":
-            return whole
+            return WHOLE
         dim = self.split_dim(wname)
         if dim is None:
-            return whole
+            return WHOLE
         size = wspec.shape[dim]
+        blocked = wspec.kind == "fp8" or (wspec.kind == "fp4" and dim == 1)
+        block = 32 if spec.kind == "scale" and blocked else 1       # a scale's ranges in blocks
+        if rest in _INDEXER_HEADS:
+            heads = config.index_n_heads
+            if heads % ws:
+                raise ValueError(f"cannot split {wname} over {ws} ranks: {heads} indexer heads")
+            unit = size // heads
+            if blocked and unit % 32:
+                raise ValueError(f"cannot split {wname} by heads: {unit} rows per head is not a multiple "
+                                 "of the 32-wide scale block")
+            return Part(dim, tuple((h * unit // block, (h + 1) * unit // block) for h in range(r, heads, ws)))
         units = {"attn.wq_b.weight": ("heads", config.num_attention_heads),
                  "attn.attn_sink": ("heads", config.num_attention_heads),
                  "attn.wo_a.weight": ("o_groups", config.o_groups),
@@ -89,14 +129,44 @@ class ShardSpec:
         if size % ws:
             raise ValueError(f"cannot split {wname} {list(wspec.shape)} over {ws} ranks along dim {dim}")
         local = size // ws
-        blocked = wspec.kind == "fp8" or (wspec.kind == "fp4" and dim == 1)
         if blocked and local % 32:
             raise ValueError(f"cannot split {wname} {list(wspec.shape)} over {ws} ranks along dim "
                              f"{dim}: {local} per rank is not a multiple of the 32-wide scale block")
-        start, stop = r * local, (r + 1) * local
-        if spec.kind == "scale" and blocked:
-            return dim, start // 32, stop // 32
-        return dim, start, stop
+        return Part(dim, ((r * local // block, (r + 1) * local // block),))
+
+
+def _read_part(ckpt, name: str, part: Part) -> torch.Tensor:
+    if part.dim is None:
+        return ckpt.read(name)
+    pieces = [ckpt.read(name, part.dim, a, b) for a, b in part.ranges]
+    return pieces[0] if len(pieces) == 1 else _cat(pieces, part.dim)
+
+
+def _cat(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat for any dtype (1-byte float8/fp4 dtypes through uint8 views)."""
+    dtype = pieces[0].dtype
+    if pieces[0].element_size() == 1 and dtype != torch.uint8:
+        return torch.cat([p.view(torch.uint8) for p in pieces], dim).view(dtype)
+    return torch.cat(list(pieces), dim)
+
+
+def _slice_part(t: torch.Tensor, part: Part, packed_fp4: bool) -> torch.Tensor:
+    """The part of a whole tensor already in memory (an F4 tensor's last dim is packed: /2)."""
+    if part.dim is None:
+        return t
+    dim = part.dim % t.dim()
+    half = 2 if packed_fp4 and dim == t.dim() - 1 else 1
+    return _cat([t.narrow(dim, a // half, (b - a) // half) for a, b in part.ranges], dim).clone()
+
+
+_EXPERT_INDEX = re.compile(r"^(layers\.\d+\.ffn\.experts\.)(\d+)(\..*)$")
+
+
+def local_expert_name(name: str, first_expert: int) -> str:
+    """An official routed-expert name with its global index -> the index among this rank's
+    experts (V41Model under expert parallelism numbers its experts from 0)."""
+    m = _EXPERT_INDEX.match(name)
+    return name if m is None else f"{m.group(1)}{int(m.group(2)) - first_expert}{m.group(3)}"
 
 
 def load_sharded_state_dict(path: str | Path, shard: ShardSpec, include_mtp: bool = True,
@@ -116,8 +186,7 @@ def load_sharded_state_dict(path: str | Path, shard: ShardSpec, include_mtp: boo
             part = parts[n]
             if part is None:
                 continue
-            dim, a, b = part
-            out[n] = ckpt.read(n) if dim is None else ckpt.read(n, dim, a, b)
+            out[n] = _read_part(ckpt, n, part)
             bar.update(out[n].numel() * out[n].element_size(), n)
         bar.close()
     finally:
@@ -128,20 +197,38 @@ def load_sharded_state_dict(path: str | Path, shard: ShardSpec, include_mtp: boo
 def merge_shards(states: Sequence[Mapping[str, torch.Tensor]], shards: Sequence[ShardSpec],
                  config: V41Config) -> dict[str, torch.Tensor]:
     """Reassemble whole tensors from every rank's load_sharded_state_dict (inverse of the
-    split: concatenation along the split dim, experts from their owner, replicas from rank 0)."""
+    split: each rank's ranges put back in place, experts from their owner, replicas from rank 0)."""
     specs = official_tensor_specs(config)
     merged = {}
     for name in specs:
         held = [(s, st[name]) for s, st in zip(shards, states) if name in st]
         if not held:
             continue
-        dim = held[0][0].partition(name, specs, config)[0]
+        dim = held[0][0].partition(name, specs, config).dim
         if dim is None:
             merged[name] = held[0][1]
-        else:
-            held.sort(key=lambda x: x[0].rank)
-            merged[name] = torch.cat([t.view(torch.uint8) if t.element_size() == 1 and
-                                      t.dtype != torch.uint8 else t for _, t in held], dim)
-            merged[name] = merged[name].view(held[0][1].dtype)
+            continue
+        pieces = []       # (start, tensor piece) along dim, from every rank's ranges
+        for shard, t in held:
+            offset = 0
+            for a, b in shard.partition(name, specs, config).ranges:
+                width = t.shape[dim] * (b - a) // sum(y - x for x, y in shard.partition(name, specs, config).ranges)
+                pieces.append((a, t.narrow(dim, offset, width)))
+                offset += width
+        merged[name] = _cat([p for _, p in sorted(pieces, key=lambda x: x[0])], dim)
     return merged
 
+
+def shard_tensors(tensors: Mapping[str, torch.Tensor], shard: ShardSpec, config: V41Config,
+                  include_mtp: bool = True) -> dict[str, torch.Tensor]:
+    """The rank's part of whole official tensors in memory (what load_sharded_state_dict reads
+    from disk): for tests and for sharding a model built in one process."""
+    specs = official_tensor_specs(config)
+    out = {}
+    for name, t in tensors.items():
+        if not include_mtp and name.startswith("mtp."):
+            continue
+        part = shard.partition(name, specs, config)
+        if part is not None:
+            out[name] = _slice_part(t, part, specs[name].dtype == "F4")
+    return out
