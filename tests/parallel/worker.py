@@ -1,7 +1,9 @@
-"""One rank of a multi-process check, started by tests/test_parallel.py through torchrun (gloo,
-CPU): builds the tiny model whole (same seed on every rank) and as this rank's share, runs the
-same prefill + decode steps through both and writes what it measured to --out (rank 0 writes
-the whole job's result; every rank compares its own logits)."""
+"""One rank of the multi-process checks, started by tests/test_parallel.py through torchrun
+(gloo, CPU). For every layout asked for it builds the tiny model whole (same seed on every
+rank) and as this rank's share, runs the same prefill + decode steps through both and writes
+what it measured to {--out}.rank{r}.json; the test compares the numbers. All layouts of one job
+share the world-size-2 process group (a ParallelState per layout), so one torchrun start and
+one whole-model reference serve them all."""
 from __future__ import annotations
 
 import argparse
@@ -12,62 +14,112 @@ import sys
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import v41graph  # noqa: E402
+from v41graph.model.layers import default_dtype  # noqa: E402
 from v41graph.model.model import V41Model, init_random_  # noqa: E402
-from v41graph.parallel import ParallelConfig, init_parallel, shutdown  # noqa: E402
+from v41graph.parallel import ParallelConfig, ParallelState, init_parallel, shutdown  # noqa: E402
 from v41graph.parallel.build import shard_model  # noqa: E402
 
-LAYOUTS = {"tp2": ParallelConfig(tp=2), "ep2": ParallelConfig(dp=2, ep=2),
-           "tp2ep2": ParallelConfig(tp=2, ep=2), "dp2": ParallelConfig(dp=2)}
+LAYOUTS = {"tp2": ParallelConfig(tp=2), "tp2ep2": ParallelConfig(tp=2, ep=2),
+           "dp2ep2": ParallelConfig(dp=2, ep=2), "dp2": ParallelConfig(dp=2)}
+# numerics checks: (torch dtype, weight format, numerics, fake_quant)
+CHECKS = {"fp32": ("float32", "dense", "fast", True),
+          "fp32-nofq": ("float32", "dense", "fast", False),
+          "bf16-reference": ("bfloat16", "checkpoint", "reference", True)}
 
 
-def prompts_for(rank: int, layout: str, n: int = 3):
-    """The prompts a rank runs: the same on every rank under tp, different ones under dp (all
-    ranks the same lengths: a step's token count must match across ranks)."""
-    g = torch.Generator().manual_seed(100 + (rank if layout in ("ep2", "dp2") else 0))
-    lengths = [5, 19, 40][:n]
-    return [torch.randint(3, 250, (k,), generator=g).tolist() for k in lengths]
+def prompts_for(rank: int, data_parallel: bool):
+    """Three prompts (5, 19 and 40 tokens): the same on every rank under tp, each rank its own
+    under dp (the lengths match: a step's token count must be the same on every rank)."""
+    g = torch.Generator().manual_seed(100 + (rank if data_parallel else 0))
+    return [torch.randint(3, 250, (k,), generator=g).tolist() for k in (5, 19, 40)]
 
 
-def run_session(model, prompts, steps: int, compiled: bool):
-    if compiled:
-        model = v41graph.compile(model, backend="cpu")
-    sess = v41graph.Session(model, max_batch_size=len(prompts), max_seq_len=96, block_size=16)
+def run_session(model, prompts, steps: int, compiled: bool, tokens=None):
+    """Logits of the prefill and of `steps` decode steps [steps + 1, B, V], and the prefill's
+    per-layer residual streams (model.debug). Decode feeds `tokens` [steps, B] when given (the
+    reference run's greedy tokens: both runs then see the same inputs at every step, and a
+    near tie that flips one argmax does not send the runs down different continuations), else
+    its own greedy tokens."""
+    model.debug = {}
+    runner = v41graph.compile(model, backend="cpu") if compiled else model
+    sess = v41graph.Session(runner, max_batch_size=len(prompts), max_seq_len=96, block_size=16)
     logits = [sess.prefill(prompts)]
-    ids = logits[0].argmax(-1)
-    for _ in range(steps):
+    layers = {k: v.float() for k, v in model.debug.items() if k.startswith("block_out.")}
+    model.debug = None
+    for i in range(steps):
+        ids = logits[-1].argmax(-1) if tokens is None else tokens[i]
         logits.append(sess.decode(ids.tolist()))
-        ids = logits[-1].argmax(-1)
-    return torch.stack([torch.cat([l.flatten() for l in logits])]), [l.argmax(-1).tolist() for l in logits]
+    return torch.stack(logits).float(), layers
+
+
+def compare(ref, got, ref_layers, got_layers) -> dict:
+    ordered = sorted(ref_layers, key=lambda k: int(k.rsplit("layer", 1)[1]))
+    return {"max_abs_diff": (ref - got).abs().max().item(),
+            "max_abs_logit": ref.abs().max().item(),
+            "argmax_equal": torch.equal(ref.argmax(-1), got.argmax(-1)),
+            "argmax_agreement": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
+            "layer_max_abs_diff": [(ref_layers[k] - got_layers[k]).abs().max().item() for k in ordered]}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--numerics", default="fast")
+    ap.add_argument("--layouts", default="tp2,tp2ep2,dp2ep2,dp2")
+    ap.add_argument("--checks", default="fp32")
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--compiled", action="store_true")
+    ap.add_argument("--compiled", action="store_true", help="run the shares through v41graph.compile")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="also run the whole model on each prompt alone (its own batch-composition noise)")
+    ap.add_argument("--load", nargs=2, metavar=("RANK0_DIR", "RANK1_DIR"),
+                    help="instead: each rank loads its dp2+ep2 share from its directory and records the error")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    layout = LAYOUTS[args.layout]
-    state = init_parallel(layout)
-    dtype = getattr(torch, args.dtype)
-    cfg = v41graph.V41Config.tiny(moe_intermediate_size=64, torch_dtype=args.dtype)
-    whole = init_random_(V41Model(cfg), seed=0).to(dtype).eval().requires_grad_(False).set_numerics(args.numerics)
-    local = shard_model(whole, state)
-    prompts = prompts_for(state.rank, args.args if False else args.layout)
-    with torch.no_grad():
-        ref, ref_ids = run_session(whole, prompts, args.steps, compiled=False)
-        got, got_ids = run_session(local, prompts, args.steps, compiled=args.compiled)
-    diff = (ref.float() - got.float()).abs().max().item()
-    result = {"rank": state.rank, "max_abs_diff": diff, "argmax_equal": ref_ids == got_ids,
-              "params_local": sum(p.numel() for p in local.parameters()),
-              "params_whole": sum(p.numel() for p in whole.parameters())}
-    with open(f"{args.out}.rank{state.rank}.json", "w") as f:
-        json.dump(result, f)
+    state = init_parallel(LAYOUTS["tp2"])          # the world-size-2 group every layout below shares
+    rank = dist.get_rank()
+    result = {}
+    if args.load:
+        try:
+            v41graph.from_pretrained(args.load[rank], parallel=ParallelState(LAYOUTS["dp2ep2"], rank, state.group))
+            result["error"] = None
+        except RuntimeError as e:
+            result["error"] = str(e)
+        args.checks = ""
+    for check in filter(None, args.checks.split(",")):
+        dtype, fmt, numerics, fq = CHECKS[check]
+        cfg = v41graph.V41Config.tiny(moe_intermediate_size=64, torch_dtype=dtype, weight_format=fmt,
+                                      fake_quant=fq)
+        with default_dtype(getattr(torch, dtype)):      # as a checkpoint of that dtype builds it
+            whole = init_random_(V41Model(cfg), seed=0).eval().requires_grad_(False)
+        whole.set_numerics(numerics)
+        refs = {}
+        for name in args.layouts.split(","):
+            layout = LAYOUTS[name]
+            dp = layout.attention == "dp"
+            prompts = prompts_for(rank, dp)
+            with torch.no_grad():
+                if dp not in refs:
+                    ref, ref_layers = run_session(whole, prompts, args.steps, compiled=False)
+                    tokens, floor = ref.argmax(-1)[:-1], None
+                    # The whole model's own noise floor: the same prompts one at a time (a
+                    # different batch composition changes GEMM shapes and so roundings).
+                    if args.noise_floor:
+                        alone = [run_session(whole, [p], args.steps, False, tokens[:, i:i + 1])
+                                 for i, p in enumerate(prompts)]
+                        alone_layers = {k: torch.cat([a[1][k] for a in alone]) for k in ref_layers}
+                        floor = compare(ref, torch.cat([a[0] for a in alone], 1), ref_layers, alone_layers)
+                    refs[dp] = ref, ref_layers, tokens, floor
+                ref, ref_layers, tokens, floor = refs[dp]
+                local = shard_model(whole, ParallelState(layout, rank, dist.group.WORLD))
+                got, got_layers = run_session(local, prompts, args.steps, args.compiled, tokens)
+            result[f"{name}/{check}"] = dict(
+                compare(ref, got, ref_layers, got_layers), noise_floor=floor,
+                params_local=sum(p.numel() for p in local.parameters()),
+                params_whole=sum(p.numel() for p in whole.parameters()))
+    with open(f"{args.out}.rank{rank}.json", "w") as f:
+        json.dump(result, f, indent=1)
     shutdown()
     return 0
 

@@ -3,16 +3,18 @@ read from a checkpoint (`load_parallel_model`: only this rank's parts leave the 
 of each tensor a rank keeps is ShardSpec's (v41graph/weights/sharding.py), in both cases."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from v41graph.model.layers import default_dtype
 from v41graph.model.model import V41Model
 from v41graph.weights.checkpoint import Progress, progress_default
-from v41graph.weights.names import compute_dtype, module_to_official_name, official_to_module_name
-from v41graph.weights.sharding import ShardSpec, local_expert_name, shard_tensors
+from v41graph.weights.names import module_to_official_name, official_to_module_name
+from v41graph.weights.load import (_build_empty_model, _load_engram_token_map, _set_param, open_validated,
+                                   place_model)
+from v41graph.weights.sharding import ShardSpec, local_expert_name, read_part, shard_tensors
 
 from .state import ParallelState
 
@@ -47,12 +49,39 @@ def shard_model(model: V41Model, parallel: ParallelState) -> V41Model:
 
 def load_parallel_model(path: str | Path, parallel: ParallelState, numerics: str = "reference",
                         device=None, progress=None, **overrides) -> V41Model:
-    """This rank's model read from a checkpoint in the official layout: every tensor's part is
-    read straight into the rank's parameter (nothing else of the checkpoint is read or held).
-    Every rank checks the layout against the checkpoint before reading anything."""
-    from v41graph.weights.load import _build_empty_model, _load_engram_token_map, open_validated
+    """This rank's model read from a checkpoint in the official layout: each tensor's part is
+    read straight from its shard (nothing else of the checkpoint is read or held; the rank's
+    bytes read are in `model.loaded_bytes`). Every rank checks the layout and the checkpoint
+    before reading, and the ranks agree on the outcome: if any rank cannot load (a missing
+    tensor, a layout that does not divide the model), every rank raises, naming that rank and
+    its problem, before the model's first collective."""
     _check_state(parallel)
-    ckpt, config, specs = open_validated(Path(path), overrides)
+    problem, model = None, None
+    try:
+        model = _load_rank(Path(path), parallel, progress, overrides)
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    problems = _agree(parallel, problem)
+    if problems:
+        if problem is not None and len(problems) == 1:
+            raise RuntimeError(f"rank {parallel.rank} could not load {path}: {problem}")
+        raise RuntimeError(f"loading {path} failed on " + "; ".join(f"rank {r}: {p}" for r, p in problems))
+    if device is not None:
+        place_model(model, device)
+    return model.set_numerics(numerics).eval()
+
+
+def _agree(parallel: ParallelState, problem: str | None) -> list:
+    """[(rank, problem)] of every rank that failed (this rank's alone without a process group)."""
+    if parallel.group is None:
+        return [] if problem is None else [(parallel.rank, problem)]
+    gathered = [None] * parallel.world_size
+    dist.all_gather_object(gathered, problem, group=parallel.group)
+    return [(r, p) for r, p in enumerate(gathered) if p is not None]
+
+
+def _load_rank(path: Path, parallel: ParallelState, progress, overrides) -> V41Model:
+    ckpt, config, specs = open_validated(path, overrides)
     try:
         parallel.config.check(config)
         shard, first = ShardSpec.of(parallel), _first_expert(parallel, config)
@@ -60,43 +89,40 @@ def load_parallel_model(path: str | Path, parallel: ParallelState, numerics: str
         params = dict(model.named_parameters())
         todo = {}
         for name in specs:
-            if name.startswith("mtp.") or name not in ckpt.tensors:
+            if name.startswith("mtp."):
                 continue
             part = shard.partition(name, specs, config)
-            if part is None:
-                continue
-            target = official_to_module_name(local_expert_name(name, first), config)
-            if target not in params:
-                raise RuntimeError(f"{name}: rank {parallel.rank}'s model has no parameter {target}")
-            todo[name] = (target, part)
-        missing = sorted(set(params) - {t for t, _ in todo.values()})
-        if missing:
-            raise RuntimeError(f"{ckpt.root}: rank {parallel.rank} of {parallel.config.describe()} finds no "
-                               f"checkpoint tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        from v41graph.weights.sharding import _read_part
+            if part is not None:
+                todo[name] = (official_to_module_name(local_expert_name(name, first), config), part)
+        missing = sorted(n for n in todo if n not in ckpt.tensors)
+        unknown = sorted(t for t, _ in todo.values() if t not in params)
+        unfilled = sorted(set(params) - {t for t, _ in todo.values()})
+        for what, names in (("the checkpoint has no tensor", missing), ("the model has no parameter", unknown),
+                            ("no checkpoint tensor fills parameter", unfilled)):
+            if names:
+                raise RuntimeError(f"{ckpt.root}: {what} {names[:4]}{' ...' if len(names) > 4 else ''} "
+                                   f"(rank {parallel.rank} of {parallel.config.describe()})")
         total = sum(ckpt.info(n).nbytes for n in todo)
-        bar = Progress(f"loading rank {parallel.rank}/{parallel.world_size}", total, progress_default(progress, total))
+        bar = Progress(f"loading rank {parallel.rank}/{parallel.world_size}", total,
+                       progress_default(progress, total))
+        loaded = 0
         for name in ckpt.names_in_file_order():
             if name not in todo:
                 continue
             target, part = todo[name]
-            data = _read_part(ckpt, name, part)
+            data = read_part(ckpt, name, part)
             p = params[target]
             if tuple(data.shape) != tuple(p.shape):
                 raise RuntimeError(f"{name}: rank {parallel.rank}'s part is {list(data.shape)} but parameter "
                                    f"{target} is {list(p.shape)}")
-            module_name, _, attr = target.rpartition(".")
-            module = model.get_submodule(module_name) if module_name else model
-            value = data if data.dtype == p.dtype or p.dtype != torch.uint8 else data.view(torch.uint8)
-            module._parameters[attr] = torch.nn.Parameter(value.to(p.dtype) if value.dtype != p.dtype else value,
-                                                          requires_grad=False)
+            if data.element_size() == 1 and p.dtype == torch.uint8:
+                data = data.view(torch.uint8)             # FP8 / FP4 / E8M0 codes as stored
+            _set_param(model, target, data.to(p.dtype))
+            loaded += data.numel() * data.element_size()
             bar.update(data.numel() * data.element_size(), name)
         bar.close()
     finally:
         ckpt.close()
     _load_engram_token_map(model, ckpt.root, config)
-    model.checkpoint_dir = ckpt.root
-    if device is not None:
-        from v41graph.weights.load import place_model
-        place_model(model, device)
-    return model.set_numerics(numerics).eval()
+    model.checkpoint_dir, model.loaded_bytes = ckpt.root, loaded
+    return model

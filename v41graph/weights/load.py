@@ -286,7 +286,7 @@ def place_model(model: V41Model, device, engram_device=None) -> V41Model:
 # ============================================================================ from_pretrained
 def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize: bool = False,
                     engram_storage: str = "memory", device=None, engram_device=None,
-                    shard: ShardSpec | None = None, progress=None, **overrides) -> V41Model:
+                    shard: ShardSpec | None = None, parallel=None, progress=None, **overrides) -> V41Model:
     """Build a model from a checkpoint in the official layout (directory with config.json and
     `model.safetensors.index.json` + shards or `model.safetensors`; or one .safetensors file).
 
@@ -298,18 +298,28 @@ def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize
     (copy-on-write mapping of the shard; pages are read on first use).
     device: where everything but the Engram tables goes (default: stay on the CPU);
     engram_device: move the tables too.
-    shard: a ShardSpec; only world_size=1 (the identity) builds a V41Model — for more ranks use
-    load_sharded_state_dict until the distributed runtime exists.
+    parallel: a v41graph.parallel.ParallelState: this rank's share of the model, reading only
+    its parts of the checkpoint (v41graph.parallel.build.load_parallel_model; Engram tables in
+    memory).
+    shard: a ShardSpec; only world_size=1 (the identity) builds a V41Model (for more ranks use
+    `parallel`, or load_sharded_state_dict for the raw tensors).
     progress: None (a tqdm bar on a terminal, none under `--quiet`: v41graph/progress.py),
     True/False (always / never a bar), or callback(done_bytes, total_bytes, name); the start
     and the end are logged (logger v41graph.weights.load, INFO) in every case.
     overrides: config fields to change (e.g. fake_quant=False).
     Raises CheckpointError (a ValueError) naming the file for any layout problem.
     """
+    if parallel is not None:
+        if dequantize or engram_storage != "memory" or engram_device is not None or shard is not None:
+            raise ValueError("from_pretrained(parallel=...) loads the checkpoint's formats with Engram in memory: "
+                             "dequantize, engram_storage, engram_device and shard are not supported with it")
+        from v41graph.parallel.build import load_parallel_model
+        return load_parallel_model(path, parallel, numerics, device=device, progress=progress, **overrides)
     if shard is not None and shard.world_size != 1:
         raise NotImplementedError(
-            f"from_pretrained(shard={shard}): V41Model holds whole tensors; until the distributed "
-            f"runtime exists, read one rank's tensors with load_sharded_state_dict(path, shard)")
+            f"from_pretrained(shard={shard}): a rank's model is built from its ParallelState: "
+            f"from_pretrained(path, parallel=init_parallel(ParallelConfig(...))); "
+            f"load_sharded_state_dict(path, shard) reads the raw tensors")
     path = Path(path)
     if overrides.get("weight_format") == "dense":
         dequantize = True

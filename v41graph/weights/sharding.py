@@ -135,7 +135,8 @@ class ShardSpec:
         return Part(dim, ((r * local // block, (r + 1) * local // block),))
 
 
-def _read_part(ckpt, name: str, part: Part) -> torch.Tensor:
+def read_part(ckpt, name: str, part: Part) -> torch.Tensor:
+    """A tensor's part read from the checkpoint (only those bytes)."""
     if part.dim is None:
         return ckpt.read(name)
     pieces = [ckpt.read(name, part.dim, a, b) for a, b in part.ranges]
@@ -186,7 +187,7 @@ def load_sharded_state_dict(path: str | Path, shard: ShardSpec, include_mtp: boo
             part = parts[n]
             if part is None:
                 continue
-            out[n] = _read_part(ckpt, n, part)
+            out[n] = read_part(ckpt, n, part)
             bar.update(out[n].numel() * out[n].element_size(), n)
         bar.close()
     finally:
