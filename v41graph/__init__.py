@@ -14,9 +14,10 @@ from v41graph.weights.load import from_pretrained
 from v41graph.weights.save import save_pretrained
 from v41graph.weights.sharding import ShardSpec, load_sharded_state_dict
 from v41graph.compiler.compiled_model import CompiledModel, compile  # noqa: A004  (v41graph.compile is the API)
+from v41graph.parallel import ParallelConfig, init_parallel
 
 __all__ = ["V41Config", "LayerRole", "build_layer_plan", "format_layer_plan", "accounting",
            "AttentionMetadata", "BlockAllocator", "CacheCapacityError", "ModelCaches",
            "build_metadata", "V41Model", "init_random_", "Session", "from_pretrained",
            "save_pretrained", "ShardSpec", "load_sharded_state_dict", "CheckpointError", "compile",
-           "CompiledModel", "Engine", "SamplingParams"]
+           "CompiledModel", "Engine", "SamplingParams", "ParallelConfig", "init_parallel"]

@@ -27,6 +27,7 @@ LAYOUTS = {"tp2": ParallelConfig(tp=2), "tp2ep2": ParallelConfig(tp=2, ep=2),
 # numerics checks: (torch dtype, weight format, numerics, fake_quant)
 CHECKS = {"fp32": ("float32", "dense", "fast", True),
           "fp32-nofq": ("float32", "dense", "fast", False),
+          "fp32-reference": ("float32", "checkpoint", "reference", True),
           "bf16-reference": ("bfloat16", "checkpoint", "reference", True)}
 
 

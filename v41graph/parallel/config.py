@@ -83,12 +83,11 @@ class ParallelConfig:
             need("index_n_heads", config.index_n_heads, self.tp, why)
             need("o_groups", config.o_groups, self.tp, why)
             need("vocab_size", config.vocab_size, self.tp, why)
-            if self.ep == 1:
-                need("moe_intermediate_size", config.moe_intermediate_size, self.tp, why)
+            # the shared expert is split under tp (and the routed ones too when ep == 1)
+            need("moe_intermediate_size", config.moe_intermediate_size, self.tp, why)
             if config.weight_format == "checkpoint":     # FP8/FP4 splits fall on scale blocks
-                split_k = [("o_groups * o_lora_rank (wo_b's input)", config.o_groups * config.o_lora_rank)]
-                if self.ep == 1:
-                    split_k.append(("moe_intermediate_size (the experts' w2 input)", config.moe_intermediate_size))
+                split_k = [("o_groups * o_lora_rank (wo_b's input)", config.o_groups * config.o_lora_rank),
+                           ("moe_intermediate_size (the experts' w2 input)", config.moe_intermediate_size)]
                 for name, value in split_k:
                     if value // self.tp % 32:
                         problems.append(f"{name} / tp = {value // self.tp} is not a multiple of the "
