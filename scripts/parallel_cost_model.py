@@ -505,6 +505,24 @@ def memory_per_rank(config: V41Config, layout: Layout, hw: Hardware, resident: d
     return out
 
 
+def check_against_calibration(calibration: Calibration, path: Path = CALIBRATION_RUN) -> list[dict]:
+    """World size 1, bench() as the calibration run built it (dense bf16 weights): this model's
+    HBM bytes next to the floor bytes bench.py counted from the built model's parameters."""
+    run = json.loads(path.read_text())
+    config = V41Config.bench(weight_format="dense", torch_dtype="bfloat16")
+    layout = Layout()
+    resident = resident_weight_bytes(config, layout)
+    out = []
+    for r in run["rows"]:
+        if r["kind"] != "decode" or r["variant"] != "v41graph":
+            continue
+        ours = sum(hbm_read_bytes(config, layout, r["batch"], r["context"], resident,
+                                  released_cache_format(config), engram_on_host=False).values())
+        out.append({"batch": r["batch"], "context": r["context"], "bench_floor_bytes": r["floor_bytes"],
+                    "model_bytes": ours, "difference": ours - r["floor_bytes"]})
+    return out
+
+
 # ============================================================================ report
 def default_layouts() -> list[tuple[Layout, str]]:
     return [(Layout(dp=8, ep=8), "h200"), (Layout(tp=8, ep=8), "h200"),
@@ -528,6 +546,11 @@ def run(config: V41Config, batches, context: int, calibration: Calibration, layo
            "hardware": {k: asdict(v) for k, v in hws.items()}, "layouts": []}
     for layout, hw_name in (layouts or default_layouts()):
         hw, a3 = hws[hw_name], hw_name == "a3"
+        try:
+            layout.check(config)
+        except ValueError as exc:       # e.g. bench()'s 16 experts over the A3's 32 dies
+            out["skipped"] = out.get("skipped", []) + [f"{layout.describe()}: {exc}"]
+            continue
         weights = "w8a8" if a3 and config.weight_format == "checkpoint" else "released"
         cache_fmt = a3_cache_format(config) if a3 else released_cache_format(config)
         resident = resident_weight_bytes(config, layout, weights, include_mtp=True)
@@ -549,6 +572,13 @@ def run(config: V41Config, batches, context: int, calibration: Calibration, layo
 def print_report(report: dict) -> None:
     print(f"context {report['context']} tokens; calibration {report['calibration']['source']} "
           f"(copy {report['calibration']['copy_bytes_per_s'] / 1e9:.0f} GB/s)\n")
+    for c in report.get("check", []):
+        print(f"check, world size 1, bench() dense bf16, B={c['batch']} ctx {c['context']}: "
+              f"{c['model_bytes']:.0f} B vs bench.py floor {c['bench_floor_bytes']} B "
+              f"({c['difference'] / c['bench_floor_bytes']:+.4%})")
+    for msg in report.get("skipped", []):
+        print(f"skipped (does not divide the model): {msg}")
+    print()
     print("| layout | B (per rank) | HBM read / rank | all-reduce | all-gather | all-to-all (wire / rank) "
           "| calls | HBM ms | coll. ms | roofline ms | scaled ms (eta) | overhead ms | tok/s roofline / scaled / overhead |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -563,6 +593,20 @@ def print_report(report: dict) -> None:
                   f"{_fmt_bytes(w['all_reduce'])} | {_fmt_bytes(w['all_gather'])} | {_fmt_bytes(w['all_to_all'])} | "
                   f"{calls} | {t['hbm']:.2f} | {t['collectives']:.2f} | {t['roofline']:.2f} | "
                   f"{t['scaled']:.2f} ({s['eta']:.1%}) | {over} | {tps_s} |")
+    print("\n| layout | B | dense + head + embed | routed experts | shared expert | caches | Engram rows (host, PCIe) "
+          "| wire: where (MB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for e in report["layouts"]:
+        for s in e["steps"]:
+            r = s["hbm_read"]
+            where = {}
+            for c in s["collectives"]:
+                key = c["where"].split(".")[0] if c["where"].startswith("indexer") else c["where"]
+                where[key] = where.get(key, 0) + c["wire"]
+            wtxt = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in where.items()) or "–"
+            print(f"| {e['layout']} | {s['batch']} | {_fmt_bytes(r['dense'] + r['head'] + r['embed'])} | "
+                  f"{_fmt_bytes(r['routed_experts'])} | {_fmt_bytes(r['shared_expert'])} | {_fmt_bytes(r['caches'])} | "
+                  f"{_fmt_bytes(r.get('host_engram', 0))} | {wtxt} |")
     ctxs = list(report["layouts"][0]["memory"]["contexts"]) if report["layouts"] else []
     print("\n| layout (weights) | weights / rank, no Engram | of which routed experts | DSpark | capacity "
           "| free | Engram tables if on device | " + " | ".join(f"sequences of {c} tokens (system)" for c in ctxs) + " |")
@@ -594,9 +638,11 @@ def main(argv=None) -> int:
     except ValueError:
         p.error(f"--batches must be comma-separated integers, got {args.batches!r}")
     config = V41Config.full() if args.config == "full" else V41Config.bench()
-    report = run(config, batches, args.context, Calibration.load(args.calibration),
+    calibration = Calibration.load(args.calibration)
+    report = run(config, batches, args.context, calibration,
                  h200_latency_s=args.h200_latency_us * 1e-6,
                  a3_internode=None if args.a3_internode_gbps is None else args.a3_internode_gbps * 1e9)
+    report["check"] = check_against_calibration(calibration, args.calibration)
     print_report(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
