@@ -17,7 +17,9 @@ For one rank of a layout (tp x dp attention ranks, experts over ep ranks) at a s
     the Engram tables count only the rows read. Caches: per sequence the rank attends over, as
     scripts/bench.py's floor: per layer the W window rows, the top-k global rows of a
     compressed layer, every index key a Full layer scores and a Reindex layer's candidate pool.
-    With C = 0 and world size 1 this is exactly bench.py's `floor_bytes`.
+    At world size 1 this is bench.py's `floor_bytes` (tested on tiny; on bench() it is 0.003 %
+    below the calibration run's floor: the built model keeps RMSNorm weights in fp32, the
+    checkpoint in BF16). Engram rows are counted apart (host memory, PCIe), not in HBM time.
 (2) Collective payloads by type, with the wire bytes one rank sends: ring all-reduce of S
     bytes over n ranks 2(n-1)/n * S, all-gather of an S-byte result (n-1)/n * S, all-to-all of
     an S-byte send buffer (n-1)/n * S. Where each one sits: see `collectives()`.
@@ -46,7 +48,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from v41graph.model.config import V41Config
@@ -354,7 +356,8 @@ def collectives(config: V41Config, layout: Layout, batch: int, context: int) -> 
         indexer      all-gather [N, tp, C] fp32 per Full/Reindex layer (per-rank head sums;
                      C = the Full layer's compressed capacity, a Reindex layer's candidate pool)
         head         all-gather [N, V] fp32 (vocab-parallel logits)
-        moe (dp = 1) all-reduce [N, d] fp32 per layer (routed partials + shared-expert slice)
+        moe          all-reduce [N, d] fp32 per layer (routed partials + shared-expert slice;
+                     dp = 1, or tp x dp without expert parallelism)
       dp > 1, ep = world (over all ranks, N = the rank's sequences): per layer
         dispatch     all-to-all [ws * N, d] compute dtype (every row to every rank)
         routing      all-to-all [ws * N, 2k] fp32 (weights + ids)
@@ -387,7 +390,7 @@ def collectives(config: V41Config, layout: Layout, batch: int, context: int) -> 
                     c = min(c, pool)
                 add(f"indexer.{role.mode}", "all_gather", 1, n_seq * tp * c * 4, tp)
         add("head", "all_gather", 1, n_seq * v * 4, tp)
-        if layout.dp == 1:
+        if layout.dp == 1 or layout.ep == 1:     # experts (or expert slices) of the group's tokens
             add("moe", "all_reduce", n_layers, n_seq * d * 4, tp)
     if layout.dp > 1 and layout.ep > 1:
         rows = n_seq if tp == 1 else math.ceil(n_seq / tp)
