@@ -402,6 +402,16 @@ def collectives(config: V41Config, layout: Layout, batch: int, context: int) -> 
     return out
 
 
+def sparse_dispatch_share(config: V41Config, world_size: int) -> float:
+    """Expected share of the other ranks one row would travel to if the dispatch sent it only
+    where its experts live (E/ws per rank, k picked uniformly without repeats): 1 - C(E - E/ws, k)
+    / C(E, k). v41graph's dispatch sends every row to every rank (share 1: fixed shapes)."""
+    if world_size == 1:
+        return 0.0          # no other rank
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+    return 1 - math.comb(e - e // world_size, k) / math.comb(e, k)
+
+
 def collective_time_s(coll: list[dict], hw: Hardware) -> float:
     """Wire bytes / link bandwidth + latency per call. A collective over more ranks than a node
     holds sends the share of its peers in other nodes at the inter-node rate (the two parts
@@ -562,6 +572,8 @@ def run(config: V41Config, batches, context: int, calibration: Calibration, layo
                  "cache_format": cache_fmt.name, "in_parallel_config": layout.parallel_config() is not None,
                  "resident_gb": {k: v / GB for k, v in resident.items()},
                  "memory": memory_per_rank(config, layout, hw, resident, memory_contexts, cache_fmt, dspark),
+                 "sparse_dispatch_share": (sparse_dispatch_share(config, layout.world_size)
+                                           if layout.dp > 1 and layout.ep > 1 else None),
                  "steps": []}
         for b in batches:
             s = predict_step(config, layout, b, context, hw, calibration, weights, cache_fmt, resident,
@@ -579,6 +591,10 @@ def print_report(report: dict) -> None:
         print(f"check, world size 1, bench() dense bf16, B={c['batch']} ctx {c['context']}: "
               f"{c['model_bytes']:.0f} B vs bench.py floor {c['bench_floor_bytes']} B "
               f"({c['difference'] / c['bench_floor_bytes']:+.4%})")
+    for e in report["layouts"]:
+        if e.get("sparse_dispatch_share") is not None:
+            print(f"{e['layout']}: a sparse dispatch would send a row to {e['sparse_dispatch_share']:.1%} "
+                  "of the other ranks (v41graph's dense one: all of them)")
     for msg in report.get("skipped", []):
         print(f"skipped (does not divide the model): {msg}")
     print()

@@ -85,7 +85,16 @@ def test_tp_x_dp_layout_is_modelled_though_parallel_config_refuses_it():
     assert wire["wo_b"] == 10 * 2 * 64 * 4                  # over tp = 2: 2 * (1/2) * payload
     assert wire["moe.dispatch"] == 10 * 4 * 1 * 64 * 4 * 3 / 4   # over all 4 ranks
     assert wire["moe.gather"] == 10 * 2 * 64 * 4 / 2
-    assert "moe" not in wire                                 # no MoE all-reduce under dp
+    assert "moe" not in wire                                 # no MoE all-reduce under dp + EP
+    # without expert parallelism each group's ranks hold expert slices: all-reduced inside it
+    assert _by(cm.collectives(TINY, cm.Layout(tp=2, dp=2), 4, 64), "where")["moe"] == 10 * 2 * 64 * 4
+
+
+def test_sparse_dispatch_share():
+    # tiny: 4 experts over 2 ranks, 2 picked: the other rank is missed only when both picks are
+    # this rank's 2 experts, 1 of C(4, 2) = 6 pairs
+    assert cm.sparse_dispatch_share(TINY, 2) == pytest.approx(5 / 6)
+    assert cm.sparse_dispatch_share(TINY, 1) == 0
 
 
 def test_routed_expert_bytes_counted_and_summed_over_ranks():
