@@ -656,6 +656,12 @@ def main(argv=None) -> int:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         p.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+    if min(batches) < 1:
+        p.error(f"--batches must all be >= 1, got {args.batches!r}")
+    if args.context < 0:
+        p.error(f"--context must be >= 0, got {args.context}")
+    if args.h200_latency_us < 0 or (args.a3_internode_gbps is not None and args.a3_internode_gbps <= 0):
+        p.error("--h200-latency-us must be >= 0 and --a3-internode-gbps > 0")
     config = V41Config.full() if args.config == "full" else V41Config.bench()
     calibration = Calibration.load(args.calibration)
     report = run(config, batches, args.context, calibration,

@@ -191,3 +191,23 @@ def test_bad_input_names_the_problem():
         cm.predict_step(TINY, cm.Layout(), 0, 64, hw, None)
     with pytest.raises(FileNotFoundError, match="calibration run"):
         cm.Calibration.load(Path("/nonexistent/bench.json"))
+
+
+def test_cli_on_bench_config_checks_the_calibration_floor(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert cm.main(["--config", "bench", "--batches", "1,64", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    # bench()'s 16 experts do not divide over the A3's 32 dies: reported, not modelled
+    assert [e["layout"] for e in report["layouts"]] == ["DP8 + EP8", "TP8 + EP8"]
+    assert "n_routed_experts = 16 is not divisible by ep = 32" in report["skipped"][0]
+    # world size 1: within 0.01 % of the floor bench.py counted on the GPU run (fp32 norm weights)
+    assert len(report["check"]) == 4
+    assert all(abs(c["difference"]) / c["bench_floor_bytes"] < 1e-4 for c in report["check"])
+    for e in report["layouts"]:
+        assert [s["batch"] for s in e["steps"]] == [1, 64]
+        for s in e["steps"]:
+            t = s["times_ms"]
+            assert t["roofline"] <= t["scaled"] and t["roofline"] <= t["overhead"]
+    assert "| DP8 + EP8 | 1 (1) |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cm.main(["--batches", "0"])
