@@ -28,6 +28,7 @@ LAYOUTS = {"tp2": ParallelConfig(tp=2), "tp2ep2": ParallelConfig(tp=2, ep=2),
 CHECKS = {"fp32": ("float32", "dense", "fast", True),
           "fp32-nofq": ("float32", "dense", "fast", False),
           "fp32-reference": ("float32", "checkpoint", "reference", True),
+          "bf16": ("bfloat16", "dense", "fast", True),      # the GPU's mode (grouped MoE on sm90)
           "bf16-reference": ("bfloat16", "checkpoint", "reference", True)}
 
 
@@ -45,7 +46,8 @@ def run_session(model, prompts, steps: int, compiled: bool, tokens=None):
     near tie that flips one argmax does not send the runs down different continuations), else
     its own greedy tokens."""
     model.debug = {}
-    runner = v41graph.compile(model, backend="cpu") if compiled else model
+    # gloo's collectives cannot be captured in a CUDA graph: compiled without capture there
+    runner = v41graph.compile(model, backend="auto", capture=False) if compiled else model
     sess = v41graph.Session(runner, max_batch_size=len(prompts), max_seq_len=96, block_size=16)
     logits = [sess.prefill(prompts)]
     layers = {k: v.float() for k, v in model.debug.items() if k.startswith("block_out.")}
@@ -67,10 +69,12 @@ def compare(ref, got, ref_layers, got_layers) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layouts", default="tp2,tp2ep2,dp2ep2,dp2")
-    ap.add_argument("--checks", default="fp32")
+    ap.add_argument("--checks", default="fp32=tp2,tp2ep2,dp2ep2,dp2",
+                    help="CHECK=LAYOUT,LAYOUT;CHECK=... (checks: %s)" % ", ".join(CHECKS))
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--compiled", action="store_true", help="run the shares through v41graph.compile")
+    ap.add_argument("--device", default="cpu", help="cuda: every rank on the one GPU, collectives through gloo")
+    ap.add_argument("--compiled", default="",
+                    help="LAYOUT,...: also run these layouts' shares through v41graph.compile (first check only)")
     ap.add_argument("--noise-floor", action="store_true",
                     help="also run the whole model on each prompt alone (its own batch-composition noise)")
     ap.add_argument("--load", nargs=2, metavar=("RANK0_DIR", "RANK1_DIR"),
@@ -88,15 +92,18 @@ def main():
         except RuntimeError as e:
             result["error"] = str(e)
         args.checks = ""
-    for check in filter(None, args.checks.split(",")):
+    compiled = [c for c in args.compiled.split(",") if c]
+    for i, spec in enumerate(filter(None, args.checks.split(";"))):
+        check, layouts = spec.split("=")
         dtype, fmt, numerics, fq = CHECKS[check]
         cfg = v41graph.V41Config.tiny(moe_intermediate_size=64, torch_dtype=dtype, weight_format=fmt,
                                       fake_quant=fq)
         with default_dtype(getattr(torch, dtype)):      # as a checkpoint of that dtype builds it
-            whole = init_random_(V41Model(cfg), seed=0).eval().requires_grad_(False)
+            whole = init_random_(V41Model(cfg), seed=0).eval().requires_grad_(False).to(args.device)
         whole.set_numerics(numerics)
         refs = {}
-        for name in args.layouts.split(","):
+        runs = [(name, False) for name in layouts.split(",")] + [(name, True) for name in compiled if i == 0]
+        for name, compile_it in runs:
             layout = LAYOUTS[name]
             dp = layout.attention == "dp"
             prompts = prompts_for(rank, dp)
@@ -114,8 +121,8 @@ def main():
                     refs[dp] = ref, ref_layers, tokens, floor
                 ref, ref_layers, tokens, floor = refs[dp]
                 local = shard_model(whole, ParallelState(layout, rank, dist.group.WORLD))
-                got, got_layers = run_session(local, prompts, args.steps, args.compiled, tokens)
-            result[f"{name}/{check}"] = dict(
+                got, got_layers = run_session(local, prompts, args.steps, compile_it, tokens)
+            result[f"{name}{'-compiled' if compile_it else ''}/{check}"] = dict(
                 compare(ref, got, ref_layers, got_layers), noise_floor=floor,
                 params_local=sum(p.numel() for p in local.parameters()),
                 params_whole=sum(p.numel() for p in whole.parameters()))
