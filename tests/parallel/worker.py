@@ -7,6 +7,7 @@ one whole-model reference serve them all."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -68,6 +69,7 @@ def compare(ref, got, ref_layers, got_layers) -> dict:
 
 
 def main():
+    faulthandler.enable()
     ap = argparse.ArgumentParser()
     ap.add_argument("--checks", default="fp32=tp2,tp2ep2,dp2ep2,dp2",
                     help="CHECK=LAYOUT,LAYOUT;CHECK=... (checks: %s)" % ", ".join(CHECKS))

@@ -38,6 +38,10 @@ class ParallelState:
         self.group = group
         # Collectives name their group by string: Dynamo and the AOT graph keep a string constant.
         self.group_name = group.group_name if group is not None else None
+        # gloo's all_gather crashes (SIGSEGV, torch 2.11) on CUDA tensors, which one-GPU runs of
+        # several ranks must use (NCCL refuses two ranks on one GPU): there it is an all-reduce
+        # of zero-padded pieces instead (exact: every element is one rank's value plus zeros).
+        self.gloo = group is not None and dist.get_backend(group) == "gloo"
 
     def __repr__(self) -> str:
         return f"ParallelState(rank {self.rank} of {self.config.describe()})"
@@ -74,6 +78,13 @@ class ParallelState:
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's x concatenated along `dim`, in rank order."""
+        # a non-negative dim: torch 2.13's all_gather_single fails for a negative one when
+        # x.shape[0] == 1 (a [1, V] logits row: a step of one sequence)
+        dim = dim % x.dim()
+        if self.gloo and x.is_cuda:
+            pieces = x.new_zeros((self.world_size, *x.shape))
+            pieces[self.rank] = x
+            return torch.cat(self.all_reduce(pieces).unbind(0), dim)
         return _all_gather(x.contiguous(), dim, self._group())
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
