@@ -6,24 +6,30 @@ the graph, and only reorders, so that each collective
 
   * is issued as early as its inputs allow (its input chain is scheduled first),
   * is waited for as late as possible: just before the first node that needs its result,
-  * has the work that does not depend on it in between: under DP attention + expert
-    parallelism (`MoE._dispatch_combine`) the shared expert runs between the dispatch
-    all-to-alls and their waits; under TP, the residual mixing of `expand` (comb x streams,
-    which does not read the attention / MoE output) and the next projections that do not
-    need the result (e.g. the query projection `wq_b` + RoPE behind the indexer's partial-score
-    all-gather) run behind the all-reduces / the all-gather. Under TP the shared expert is no
-    independent work: its partial sum is part of the MoE all-reduce's input.
+  * has the work that does not depend on it in between. In the tiny model's rank graphs
+    (2 ranks, decode): under DP attention + expert parallelism (`MoE._dispatch_combine`) the
+    shared expert and the layer's next mHC coefficients (`hc_ffn`: norm, projection, Sinkhorn)
+    and comb mixing run between the dispatch all-to-alls and their waits (20 of 30
+    collectives). The combine all-to-all's window stays empty: all the independent work is
+    already behind the dispatch, which is two collectives in flight, and everything after the
+    combine needs its result; splitting the work between the windows would need a cost model.
+    Under TP: `expand`'s comb mixing (which does not read the attention output) behind the
+    wo_b all-reduce, the next `hc_ffn` coefficients behind the MoE all-reduce, the query
+    projection `wq_b` + RoPE behind the indexer's partial-score all-gather, step metadata and
+    the first `hc_attn` behind the embedding all-reduce (25 of 26; the head's all-gather has
+    nothing after it). Under TP the shared expert is no independent work: its partial sum is
+    part of the MoE all-reduce's input.
 
 How: the graph is cut into runs at barriers (nodes that write memory, stream/event ops and
 everything on a side stream, i.e. P4/P6's regions, collectives refused below, other c10d ops,
-impure nodes, placeholders and the output). Only nodes inside one run move, so no node crosses
-a cache write, a stream boundary or an event, and the values every node reads are the ones it
-read before. A run with a usable collective is list-scheduled: the next collective (in the
-original order) as soon as it is ready, else its ready input chain, else the earliest ready
-other node (in original order: independent of every collective still in flight, since a
-node that needs one is not ready until its wait is placed), and a wait only when nothing else
-can run (the wait whose first user comes first). Runs without a collective are left as they
-are, so a single-device graph is untouched.
+impure or random nodes, placeholders and the output). Only nodes inside one run move, so no node
+crosses a cache write, a stream boundary or an event, and the values every node reads are the
+ones it read before. A run with a usable collective is list-scheduled: the next collective (in
+the original order) as soon as it is ready, else its ready input chain, else the earliest ready
+other node (in original order: independent of every collective still in flight, since a node
+that needs one is not ready until its wait is placed), and a wait only when nothing else can run
+(the wait whose first user comes first). Runs without a collective are left as they are, so a
+single-device graph is untouched.
 
 Refused (left where traced, counted in `refused`, and a barrier): a collective whose result
 has any user but exactly one `wait_tensor`, whose wait is not in its run (a cache write, stream

@@ -306,6 +306,16 @@ def test_stream_ops_are_barriers(group):
     assert _names(after) == _names(gm) and p.matched_count == 0
 
 
+def test_random_ops_are_barriers(group):
+    def body(g, x, cache, call):
+        w = call("w", WAIT, call("r", c10d.all_reduce.default, x, "sum"))
+        z = call("z", aten.rand.default, [4, 8])                 # moving it would change the draws
+        return call("out", aten.add.Tensor, w, z)
+    gm = _build(group, body)
+    after, p = _run_pass(gm)
+    assert _names(after) == _names(gm) and p.matched_count == 0
+
+
 def test_a_graph_without_collectives_is_untouched(group):
     def body(g, x, cache, call):
         z = call("z", aten.exp.default, cache)
