@@ -368,3 +368,13 @@ def test_the_dump_records_the_pass(dispatch, tmp_path):
     before, after = dump.stage("overlap_collectives.before", 0), dump.stage("overlap_collectives.after", 0)
     assert sorted(before.splitlines()) == sorted(after.splitlines()) and before != after
     assert "overlap_collectives" in dump.summary_markdown()
+
+
+def test_the_dump_counts_refusals(group, tmp_path):
+    def body(g, x, cache, call):
+        r = call("r", c10d.all_gather_into_tensor.default, cache, 1)
+        call("write", aten.add_.Tensor, cache, 1.0)
+        return call("w", WAIT, r)
+    PassManager(["overlap_collectives"], dump_dir=tmp_path)(_build(group, body))
+    rec = load_dump(tmp_path).pass_record("overlap_collectives", 0)
+    assert rec["refused"] == 1 and rec["matched_count"] == 0
