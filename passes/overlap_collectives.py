@@ -230,8 +230,8 @@ class OverlapCollectives(GraphPass):
         matched = 0
         position = {n: i for i, n in enumerate(order)}
         for c in collectives:
-            between = {n for n in order[position[c] + 1:position[wait_of[c]]]}
-            before = {n for n in run[index[c] + 1:index[wait_of[c]]]}
+            between = set(order[position[c] + 1:position[wait_of[c]]])
+            before = set(run[index[c] + 1:index[wait_of[c]]])
             if between - before:
                 matched += 1
         return matched

@@ -144,7 +144,7 @@ def test_the_moe_is_bit_identical_with_and_without_the_pass_and_to_eager(dispatc
 class TPTail(nn.Module):
     """The end of a tensor-parallel attention and the residual mix after it: wo_b's fp32
     partial sums all-reduced, then mHC's expand (its comb x streams part does not read the
-    all-reduce), then the next sub-layer's input norm."""
+    all-reduce)."""
 
     def __init__(self, state: ParallelState, d: int = 16):
         super().__init__()
