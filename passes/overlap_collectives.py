@@ -173,13 +173,17 @@ class OverlapCollectives(GraphPass):
         # a wait is placed when nothing else can run; first the one whose first user comes first
         first_use = {w: min((index[u] for u in users[w]), default=len(run)) for w in waits}
 
+        placed: set = set()
+
         def ancestors(node) -> set:
-            seen, stack = set(), list(preds[node])
+            """The not yet placed nodes `node` needs (placed ones end the walk: linear overall
+            on a chain of layers)."""
+            seen, stack = set(), [p for p in preds[node] if p not in placed]
             while stack:
                 n = stack.pop()
                 if n not in seen:
                     seen.add(n)
-                    stack.extend(preds[n])
+                    stack.extend(p for p in preds[n] if p not in placed)
             return seen
 
         queue_c = list(collectives)
@@ -218,6 +222,7 @@ class OverlapCollectives(GraphPass):
             else:
                 pick = run[heapq.heappop(ready_wait)[1]]
             order.append(pick)
+            placed.add(pick)
             for u in users[pick]:
                 missing[u] -= 1
                 if missing[u] == 0:
