@@ -2,9 +2,11 @@
 logs and dumps what each did.
 
 Order: cleanup -> fusions (P1, then the remaining RMSNorms) -> defunctionalize -> P1's state-write
-fold (it needs the in-place write) -> stream passes (P4, P6) -> stream check.
-Fusions run before the stream passes so that no fusion can straddle a stream boundary; the
-stream check runs last and rejects a graph with unjoined side work.
+fold (it needs the in-place write) -> stream passes (P4, P6) -> P8 collective overlap -> stream
+check. Fusions run before the stream passes so that no fusion can straddle a stream boundary;
+P8 only reorders inside the stretches between cache writes and stream / event ops, so it runs
+after P4 / P6 and sees their final regions; the stream check runs last and rejects a graph with
+unjoined side work.
 
 Every pass can be switched off by name or by its P-number alias (`dump.ALIASES`), except the
 stream check, which only validates. With a dump directory each compiled graph gets a folder
@@ -28,13 +30,15 @@ from .fuse_ratio2_state_write import FuseRatio2StateWrite
 from .fuse_rmsnorm import FuseRMSNorm
 from .fuse_wkv_rmsnorm import FuseWkvRMSNorm
 from .hoist_engram import HoistEngram
+from .overlap_collectives import OverlapCollectives
 from .stream_check import StreamCheck
 
 PASS_CLASSES = {cls.name: cls for cls in
                 (Cleanup, FuseWkvRMSNorm, FusePoolRMSNorm, FuseRMSNorm, Defunctionalize,
-                 FuseRatio2StateWrite, HoistEngram, DualStream, StreamCheck)}
+                 FuseRatio2StateWrite, HoistEngram, DualStream, OverlapCollectives, StreamCheck)}
 DEFAULT_PASSES = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize",
-                  "fuse_ratio2_state_write", "hoist_engram", "dual_stream", "stream_check")
+                  "fuse_ratio2_state_write", "hoist_engram", "dual_stream", "overlap_collectives",
+                  "stream_check")
 
 
 def resolve_passes(passes=None, disable=()) -> list[str]:

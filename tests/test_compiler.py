@@ -393,7 +393,7 @@ def test_unknown_pass_name_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot be switched off"):
         resolve_passes(disable=["stream_check"])
     assert resolve_passes(disable=["P1", "P6"]) == ["cleanup", "fuse_rmsnorm", "defunctionalize", "hoist_engram",
-                                                    "stream_check"]
+                                                    "overlap_collectives", "stream_check"]
 
 
 def _eager_vs_compiled_decodes(tiny, compiled, n_seqs: int, seed: int, steps: int):
