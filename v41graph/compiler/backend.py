@@ -11,7 +11,7 @@ or CUDA graphs, which this backend does not do on its own (see `check_mode`).
 
 Flow (DESIGN.md): Dynamo graph -> aot_autograd(DECOMPOSITIONS,
 keep_inference_input_mutations=True) -> our pass manager (cleanup, P1, defunctionalize, P4,
-P6, stream check) -> platform lowering (opt-in: Inductor segments) -> our executor (the FX
+P6, P8 (collective issue/wait overlap; graphs of parallel ranks only), stream check) -> platform lowering (opt-in: Inductor segments) -> our executor (the FX
 graph's own forward; stream ops are real on CUDA, no-ops on CPU). The compiled model and its
 static capture of decode steps per batch bucket (CUDA graphs on NVIDIA; ACL graphs through
 torchair on Ascend) are in compiled_model.py.
