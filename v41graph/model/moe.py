@@ -350,10 +350,12 @@ class MoE(nn.Module):
         captures, and no token is dropped), each rank runs its experts on what it received, and
         the fp32 results come back (all-to-all) and are summed in rank order (= ascending
         expert id ranges)."""
-        par, ws, (n, k) = self.parallel, self.parallel.world_size, chosen.shape
-        tokens = par.all_to_all(x.repeat(ws, 1))                                   # [ws*N, d]
-        # ids travel as fp32 next to the weights (exact below 2^24): one collective, not two
-        routing = par.all_to_all(torch.cat([weights, chosen.to(torch.float32)], -1).repeat(ws, 1))
+        par, ws, (n, k), d = self.parallel, self.parallel.world_size, chosen.shape, x.shape[-1]
+        # One collective for tokens and routing: the ids as fp32 next to the weights (exact below
+        # 2^24), their bytes viewed in the tokens' dtype and appended to each row.
+        routing = torch.cat([weights, chosen.to(torch.float32)], -1)               # [N, 2k] fp32
+        sent = par.all_to_all(torch.cat([x, routing.view(x.dtype)], -1).repeat(ws, 1))
+        tokens, routing = sent[:, :d], sent[:, d:].contiguous().view(torch.float32)   # [ws*N, ...]
         out = self.routed(tokens, routing[:, :k], routing[:, k:].to(torch.int64))  # [ws*N, d]
         back = par.all_to_all(out).view(ws, n, -1)                                 # block j: rank j's experts
         y = back[0]
