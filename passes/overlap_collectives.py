@@ -9,10 +9,10 @@ the graph, and only reorders, so that each collective
   * has the work that does not depend on it in between. In the tiny model's rank graphs
     (2 ranks, decode): under DP attention + expert parallelism (`MoE._dispatch_combine`) the
     shared expert and the layer's next mHC coefficients (`hc_ffn`: norm, projection, Sinkhorn)
-    and comb mixing run between the dispatch all-to-alls and their waits (20 of 30
-    collectives). The combine all-to-all's window stays empty: all the independent work is
-    already behind the dispatch, which is two collectives in flight, and everything after the
-    combine needs its result; splitting the work between the windows would need a cost model.
+    and comb mixing run between the dispatch all-to-all (tokens and routing in one) and its
+    wait. The combine all-to-all's window stays empty: all the independent work is already
+    behind the dispatch, and everything after the combine needs its result; splitting the work
+    between the windows would need a cost model.
     Under TP: `expand`'s comb mixing (which does not read the attention output) behind the
     wo_b all-reduce, the next `hc_ffn` coefficients behind the MoE all-reduce, the query
     projection `wq_b` + RoPE behind the indexer's partial-score all-gather, step metadata and
