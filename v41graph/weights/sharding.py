@@ -209,13 +209,15 @@ def merge_shards(states: Sequence[Mapping[str, torch.Tensor]], shards: Sequence[
         if dim is None:
             merged[name] = held[0][1]
             continue
-        pieces = []       # (start, tensor piece) along dim, from every rank's ranges
+        pieces = []       # (logical start, piece) along dim, from every rank's ranges
         for shard, t in held:
+            ranges = shard.partition(name, specs, config).ranges
+            # a rank's tensor is its ranges back to back (an F4 tensor's last dim packed: half)
+            packing = sum(b - a for a, b in ranges) // t.shape[dim]
             offset = 0
-            for a, b in shard.partition(name, specs, config).ranges:
-                width = t.shape[dim] * (b - a) // sum(y - x for x, y in shard.partition(name, specs, config).ranges)
-                pieces.append((a, t.narrow(dim, offset, width)))
-                offset += width
+            for a, b in ranges:
+                pieces.append((a, t.narrow(dim, offset, (b - a) // packing)))
+                offset += (b - a) // packing
         merged[name] = _cat([p for _, p in sorted(pieces, key=lambda x: x[0])], dim)
     return merged
 
