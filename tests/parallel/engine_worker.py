@@ -64,8 +64,8 @@ def scenario(model, max_tokens: int) -> dict:
     step = 0
     while eng.has_unfinished():
         if step == 2:
-            rids["added_seeded"] = eng.add_request(prompt(11, 4), SamplingParams(
-                temperature=1.0, max_tokens=max_tokens, seed=3))
+            rids["added_seeded"] = eng.add_request(prompt(11, 4), SamplingParams(   # runs alone at the end
+                temperature=1.0, max_tokens=max_tokens + 3, seed=3))
         if step == 4:
             eng.abort(rids["mid_greedy"])
         eng.step()

@@ -74,7 +74,9 @@ class ParallelState:
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's x concatenated along `dim`, in rank order."""
-        return _all_gather(x.contiguous(), dim, self._group())
+        # a non-negative dim: torch 2.13's all_gather_single fails for a negative one when
+        # x.shape[0] == 1 (a [1, V] logits row: a step of one sequence)
+        return _all_gather(x.contiguous(), dim % x.dim(), self._group())
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [world_size * n, ...]: block j goes to rank j; returns the blocks received, block j
