@@ -168,6 +168,28 @@ def test_only_rank_0_runs_an_engine_and_only_others_follow():
         spmd.follow(rank0)
 
 
+def test_a_broken_job_stops_the_engine_loop(monkeypatch):
+    """A step that fails with ParallelJobError (the ranks out of step) ends serving: the engine
+    thread fails what runs, records the failure and calls on_fatal (the server's exit), instead
+    of serving on as after an ordinary step failure."""
+    from v41graph.serving.engine_loop import EngineLoop, Submission
+    model = init_random_(V41Model(tiny_config()), seed=0).eval()
+    eng = Engine(model, max_batch_size=2, max_seq_len=32, block_size=16)
+
+    def broken_step():
+        raise spmd.ParallelJobError("rank 0: step 0 failed: a rank went away")
+    monkeypatch.setattr(eng, "step", broken_step)
+    loop = EngineLoop(eng)
+    called = []
+    loop.on_fatal = lambda: called.append(True)
+    loop.start()
+    loop.submit(Submission([1, 2, 3], lambda n: SamplingParams(max_tokens=2), None))
+    loop._thread.join(30)
+    assert not loop._thread.is_alive() and called == [True]
+    assert loop.fatal == "engine step failed: ParallelJobError: rank 0: step 0 failed: a rank went away"
+    assert eng.running == [] and eng.num_free_blocks == eng.num_blocks    # its request aborted
+
+
 # ------------------------------------------------------------------------------ multi-process
 def test_engine_and_session_under_tp2_and_tp2_ep2_match_one_process(tmp_path):
     """Rank 0 runs the same mixed scenario (prompt lengths 5..40, greedy and seeded sampling,
@@ -195,6 +217,9 @@ def test_engine_and_session_under_tp2_and_tp2_ep2_match_one_process(tmp_path):
         assert got["engine"]["rejected"] == ref["engine"]["rejected"], layout
         assert got["session"] == ref["session"], layout
         assert r1["layouts"][layout]["followed_steps"] == got["model_calls"], layout
+    assert r0["mismatch"] == ("the ranks' models do not match: rank 1's model numerics is reference, "
+                              "rank 0's is fast")
+    assert r1["mismatch_steps"] == 0
 
 
 def _failure_job(tmp_path, mode: str):

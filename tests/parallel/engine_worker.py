@@ -107,6 +107,19 @@ def run_engine_mode(args, state, whole):
         else:
             got = {"followed_steps": spmd.follow(local)}
         result["layouts"][name] = got
+    # A follower whose model differs from rank 0's (other numerics): rank 0's Engine refuses
+    # to start, naming the rank and the difference; the job then stops cleanly.
+    if state.rank == 0:
+        def lead():
+            try:
+                Engine(local, max_batch_size=2, max_seq_len=32, block_size=16)
+            except ValueError as e:
+                return str(e)
+            return None
+        result["mismatch"] = spmd.run(local, lead)
+    else:
+        local.set_numerics("reference")
+        result["mismatch_steps"] = spmd.follow(local)
     return result
 
 
