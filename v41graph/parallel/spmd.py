@@ -376,7 +376,8 @@ def follow(model) -> int:
                 continue
             if kind != STEP:
                 raise ParallelJobError(f"{where}: unknown message kind {kind} from rank 0")
-            flat = torch.empty(sum(_numel(header, i) for i in range(len(_STEP_TENSORS))), dtype=torch.int64)
+            flat = torch.empty(sum(_numel(header, i) for i in range(len(_STEP_TENSORS))), dtype=torch.int64,
+                               device=channel.device)
             flat = channel.broadcast_payload(flat)
             step = _step_from(header, flat, device)
             caches = runners.get(header[1])
@@ -501,8 +502,9 @@ def serve(args) -> int:
                 log.info("rank %d: stopped by rank 0 after %d steps", state.rank, steps)
                 return 0
             return _serve_rank0(args, model, state)
-    except ParallelJobError as e:
-        print(f"v41graph serve: error: {e}", file=sys.stderr)
+    except (ParallelJobError, dist.DistError) as e:    # DistError: e.g. a rank that never joined
+        rank = os.environ.get("RANK", "?")
+        print(f"v41graph serve --parallel {args.parallel} (rank {rank}): error: {e}", file=sys.stderr)
         return 1
 
 
