@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.metadata import AttentionMetadata
+from v41graph.model.model import check_step_inputs
 from v41graph.runtime.batch import eager_model, run_model
 
 from .config import ParallelConfig
@@ -77,8 +78,8 @@ T = TypeVar("T")
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
 
 # message kinds (header[0])
-HELLO, STEP, STOP, FAIL = 1, 2, 3, 4
-_KIND_NAMES = {HELLO: "hello", STEP: "step", STOP: "stop", FAIL: "fail"}
+HELLO, STEP, STOP, FAIL, WARMUP = 1, 2, 3, 4, 5
+_KIND_NAMES = {HELLO: "hello", STEP: "step", STOP: "stop", FAIL: "fail", WARMUP: "warmup"}
 
 # The tensors of a step, in payload order. Each has a header entry (dtype code, ndim, d0, d1).
 _META_FIELDS = tuple(f.name for f in AttentionMetadata.tensor_fields())
@@ -204,7 +205,15 @@ def _describe_runner(runner, runner_id: int) -> dict:
                 block_size=runner.block_size,
                 caches=[(tuple(t.shape), str(t.dtype)) for t in runner.caches.tensors()],
                 config=dataclasses.asdict(runner.config), layout=base.parallel.config,
-                numerics=base.numerics, dtype=str(base.compute_dtype))
+                numerics=base.numerics, dtype=str(base.compute_dtype),
+                decode_buckets=_decode_buckets(runner.model))
+
+
+def _decode_buckets(model):
+    """A compiled model's decode batch sizes (a decode step is padded to one: its collectives'
+    shapes), None for an eager model."""
+    sizes = getattr(model, "batch_sizes", None)
+    return None if sizes is None else tuple(sizes)
 
 
 def _check_against(info: dict, model, rank: int) -> str | None:
@@ -218,10 +227,10 @@ def _check_against(info: dict, model, rank: int) -> str | None:
                 f"({k}: {mine.get(k)!r} here, {info['config'].get(k)!r} on rank 0)")
     if base.parallel.config != info["layout"]:
         return f"rank {rank}'s layout is {base.parallel.config}, rank 0's is {info['layout']}"
-    for what in ("numerics", "dtype"):
-        here = base.numerics if what == "numerics" else str(base.compute_dtype)
-        if here != info[what]:
-            return f"rank {rank}'s model {what} is {here}, rank 0's is {info[what]}"
+    here = {"numerics": base.numerics, "dtype": str(base.compute_dtype), "decode_buckets": _decode_buckets(model)}
+    for what, value in here.items():
+        if value != info[what]:
+            return f"rank {rank}'s model {what} is {value}, rank 0's is {info[what]}"
     return None
 
 
@@ -269,7 +278,6 @@ class StepLeader:
 
     def step(self, runner, runner_id: int, ids, positions, meta, decode: bool, decoder_replay=None):
         """Broadcast one step, then run it here; the logits of rank 0's model call."""
-        from v41graph.model.model import check_step_inputs
         self._usable()
         check_step_inputs(ids, positions, meta)     # bad inputs fail here, before any rank runs
         header, tensors = _step_header(runner_id, ids, positions, meta, decode, decoder_replay)
@@ -283,6 +291,16 @@ class StepLeader:
             raise self._fail(f"step {self.steps}", e) from e
         self.steps += 1
         return logits
+
+    def warmup(self, runner, runner_id: int, max_blocks: int) -> None:
+        """Every rank compiles (and on CUDA captures) its compiled model's decode buckets for
+        this runner's caches, together: the warm-up steps run the model's collectives."""
+        self._usable()
+        try:
+            self.channel.send_header([WARMUP, runner_id, max_blocks] + [0] * (HEADER_LEN - 3))
+            runner.model.warmup(runner.caches, max_blocks)
+        except Exception as e:   # noqa: BLE001
+            raise self._fail("the decode warm-up", e) from e
 
     def stop(self, failure: str | None = None) -> None:
         """Tell the followers to leave `follow` (with `failure`: to raise ParallelJobError
@@ -309,6 +327,13 @@ class _RunnerLink:
 
     def call_model(self, ids, positions, meta, *, decode: bool, decoder_replay=None):
         return self.leader.step(self.runner, self.runner_id, ids, positions, meta, decode, decoder_replay)
+
+    def warmup(self, max_blocks: int) -> None:
+        """CompiledModel.warmup on every rank (the runner's model must be a CompiledModel, and
+        so must the model each follower follows with, built with the same batch sizes)."""
+        if not hasattr(self.runner.model, "warmup"):
+            raise ValueError("warmup: the runner's model is not a compiled model (v41graph.compile)")
+        self.leader.warmup(self.runner, self.runner_id, max_blocks)
 
 
 _leader_: StepLeader | None = None
@@ -373,6 +398,12 @@ def follow(model) -> int:
                     else:
                         runners[info["runner"]] = caches
                 channel.gather_objects(problem)
+                continue
+            if kind == WARMUP:
+                if not hasattr(model, "warmup"):
+                    raise ParallelJobError(f"{where}: rank 0 warms up compiled decode buckets but this "
+                                           "rank follows with an uncompiled model")
+                model.warmup(runners[header[1]], header[2])
                 continue
             if kind != STEP:
                 raise ParallelJobError(f"{where}: unknown message kind {kind} from rank 0")
@@ -486,14 +517,16 @@ def serve(args) -> int:
     if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is None:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"    # one GPU per rank
         torch.cuda.set_device(torch.device(device))
-    if getattr(args, "compile", False):
-        raise ValueError("--compile with --parallel is not supported yet (the followers would have to "
-                         "compile and capture the same decode buckets)")
+    if args.compile_prefill and not args.compile:
+        raise ValueError("--compile-prefill only applies with --compile")
     try:
         with job(layout, device=device, timeout_s=args.parallel_timeout) as state:
             from .build import load_parallel_model
             model = load_parallel_model(args.checkpoint, state, numerics=args.numerics, device=device)
             if state.rank != 0:
+                if args.compile:       # the same buckets as rank 0's, warmed up when rank 0 does
+                    from v41graph.serving.server import compiled_for_serving
+                    model = compiled_for_serving(model, args.max_batch_size, args.compile_prefill)
                 # Driven by rank 0: Ctrl-C (SIGINT to the whole process group) or torchrun's
                 # SIGTERM reach rank 0, which stops the followers cleanly.
                 signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -376,7 +376,10 @@ def build_server(args, model=None):
     engine = Engine(runner, args.max_batch_size, args.max_seq_len, block_size=args.block_size,
                     num_blocks=args.num_blocks)
     if args.compile:     # compile (and capture) every decode bucket before the first request
-        runner.warmup(engine.caches, engine.max_blocks)
+        if engine.spmd is not None:     # rank 0 of --parallel: every rank warms up together
+            engine.spmd.warmup(engine.max_blocks)
+        else:
+            runner.warmup(engine.caches, engine.max_blocks)
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     app = build_app(engine, name)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
