@@ -34,7 +34,7 @@ from v41graph.parallel.build import shard_model  # noqa: E402
 from v41graph.runtime.engine import Engine, RequestError  # noqa: E402
 from v41graph.runtime.sampling import SamplingParams  # noqa: E402
 
-LAYOUTS = {"tp2": ParallelConfig(tp=2), "tp2ep2": ParallelConfig(tp=2, ep=2)}
+LAYOUTS = {"tp2": ParallelConfig(tp=2), "tp2ep2": ParallelConfig(tp=2, ep=2), "dp2ep2": ParallelConfig(dp=2, ep=2)}
 
 
 def whole_model():

@@ -28,8 +28,17 @@ The wire, per message (rank 0 -> all):
 Runners: every StepRunner rank 0 builds over a parallel model announces itself ("hello": its
 cache slots, blocks and block size, the cache tensors' shapes, the model config and layout);
 each follower allocates the same caches for it and checks its own model matches, and rank 0's
-constructor raises ValueError naming the follower and the difference if not. A follower keeps
-a runner's caches until rank 0 stops it.
+constructor raises ValueError naming the follower and the difference if not (config, layout,
+numerics, dtype, a compiled model's decode buckets). A follower keeps a runner's caches until
+rank 0 stops it. A compiled model's decode warm-up (`StepRunner.spmd.warmup(max_blocks)`, what
+`serve --compile` runs) is one more message: every rank compiles and captures its buckets
+together, since the warm-up steps run the model's collectives.
+
+Scope: tensor-parallel attention (every rank runs the same batch). A data-parallel-attention
+model runs too, but as a replicated batch: every rank runs rank 0's sequences (correct, equal
+token counts by construction, no data-parallel speed-up). Rank 0 spreading requests over the dp
+ranks (each with its own sequences, steps padded to equal token counts, logits gathered for
+sampling) is not built; speculative decoding refuses a parallel model.
 
 Failures: a request the Engine rejects never reaches a broadcast (validation happens before
 scheduling), and a step's inputs are checked (shapes, dtypes) on rank 0 before it is sent. An
