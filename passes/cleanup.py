@@ -6,8 +6,8 @@ value's own dtype, `view` to the same shape. Then dead-code elimination.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .base import GraphPass, cast_dtype, is_call
 

@@ -2,12 +2,13 @@
 call and the other ranks follow it.
 
 In this process: the wire format (a step's tensors through header + flat payload and back),
-`--parallel` parsing, world size 1 touching no collective, and the role errors. As multi-process
-jobs (gloo on CPU, tests/parallel/engine_worker.py): the mixed Engine scenario and a Session
-under TP2, TP2+EP2 and DP2+EP2 (replicated batch) give exactly the token ids of one process over the whole model, every rank
-exits 0; a killed follower, a killed rank 0 and a failing lead function end every rank with a
-clear error within the timeout; `v41graph serve --parallel` answers like one process and stops
-cleanly on SIGINT.
+`--parallel` parsing, world size 1 touching no collective, the role errors and the engine loop's
+fatal path. As multi-process jobs (gloo on CPU, tests/parallel/engine_worker.py): the mixed
+Engine scenario and a Session under TP2, TP2+EP2 and DP2+EP2 (replicated batch) give exactly the
+token ids of one process over the whole model, and every rank exits 0; a follower whose model
+differs is named by rank 0's Engine; a killed follower, a killed rank 0 and a failing lead
+function end every rank with a clear error within the timeout; `v41graph serve --parallel`
+answers like one process and stops cleanly on SIGINT.
 
 The engine job runs through torchrun (`python -m torch.distributed.run`). The failure and
 serving jobs start each rank as a plain process with the environment torchrun would give it

@@ -119,9 +119,7 @@ class _Channel:
     def __init__(self):
         self.world = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        # the payload travels where the model's collectives do
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if dist.get_backend() == "nccl" else torch.device("cpu"))
+        self.nccl = dist.get_backend() == "nccl"
 
     def send_header(self, values: list[int]) -> None:
         dist.broadcast(torch.tensor(values, dtype=torch.int64), 0, group=self.control)
@@ -144,8 +142,12 @@ class _Channel:
         dist.all_gather_object(out, obj, group=self.control)
         return out
 
+    def payload_device(self, model_device: torch.device) -> torch.device:
+        """Where a step's payload travels: with the model's collectives (its GPU under NCCL,
+        the host under gloo)."""
+        return model_device if self.nccl else torch.device("cpu")
+
     def broadcast_payload(self, flat: torch.Tensor) -> torch.Tensor:
-        flat = flat.to(self.device)
         dist.broadcast(flat, 0, group=self.world)
         return flat
 
@@ -293,7 +295,7 @@ class StepLeader:
         try:
             self.channel.send_header(header)
             flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
-            self.channel.broadcast_payload(flat)
+            self.channel.broadcast_payload(flat.to(self.channel.payload_device(runner.device)))
             logits = run_model(runner.model, runner.caches, ids, positions, meta, decode=decode,
                                decoder_replay=decoder_replay)
         except Exception as e:   # noqa: BLE001  (the other ranks are mid-step: the job is over)
@@ -417,7 +419,7 @@ def follow(model) -> int:
             if kind != STEP:
                 raise ParallelJobError(f"{where}: unknown message kind {kind} from rank 0")
             flat = torch.empty(sum(_numel(header, i) for i in range(len(_STEP_TENSORS))), dtype=torch.int64,
-                               device=channel.device)
+                               device=channel.payload_device(device))
             flat = channel.broadcast_payload(flat)
             step = _step_from(header, flat, device)
             caches = runners.get(header[1])
