@@ -241,6 +241,24 @@ def test_a_killed_follower_ends_rank_0_with_an_error(tmp_path):
     assert r0["error_time"] - died < STEP_TIMEOUT_S
 
 
+def test_a_hung_follower_ends_rank_0_at_the_timeout(tmp_path):
+    """A follower that is alive but stops answering (asleep before its step's collectives):
+    rank 0's step fails at the process-group timeout, not later and not never."""
+    out = tmp_path / "hang"
+    procs = _start_ranks([sys.executable, str(WORKER), "--mode", "hang-follower", "--die-after", "3",
+                          "--timeout", str(STEP_TIMEOUT_S), "--out", str(out)])
+    try:
+        [(code0, log0)] = _wait_all(procs[:1])
+    finally:
+        procs[1].kill()                  # asleep for an hour: it never notices by itself
+        procs[1].wait()
+    assert code0 == 3, log0[-3000:]
+    r0 = _read(out, 0)
+    assert "step 3 failed" in r0["error"] and "Timed out" in r0["error"]
+    waited = r0["error_time"] - float(Path(f"{out}.died").read_text())
+    assert STEP_TIMEOUT_S - 1 < waited < STEP_TIMEOUT_S + 10
+
+
 def test_a_killed_rank_0_ends_the_followers_with_an_error(tmp_path):
     out, [(code0, _), (code1, log1)] = _failure_job(tmp_path, "kill-leader")
     assert code0 == -signal.SIGKILL

@@ -7,6 +7,8 @@ MASTER_ADDR, MASTER_PORT) when the test must control single ranks.
                        parallel model while the other ranks follow; rank 0 writes both outputs
   --mode kill-follower rank 1 kills itself (SIGKILL) after --die-after steps; rank 0 keeps
                        stepping an Engine and must fail with ParallelJobError
+  --mode hang-follower rank 1 stops answering (sleeps) instead: rank 0 must fail at the
+                       process-group timeout
   --mode kill-leader   rank 0 kills itself after --die-after engine steps; the followers must fail
   --mode lead-fails    rank 0's lead function raises after --die-after steps; the followers must
                        fail naming it
@@ -145,7 +147,7 @@ def run_failure_mode(args, state, whole):
                 result["last_step_time"] = time.time()
         spmd.run(local, lead)
     else:
-        if args.mode == "kill-follower":      # die inside the follower loop, mid-run
+        if args.mode in ("kill-follower", "hang-follower"):   # die / hang in the follower loop, mid-run
             real_run = spmd.run_model
             count = [0]
 
@@ -153,6 +155,8 @@ def run_failure_mode(args, state, whole):
                 if count[0] == args.die_after:
                     with open(f"{args.out}.died", "w") as f:
                         f.write(str(time.time()))
+                    if args.mode == "hang-follower":
+                        time.sleep(3600)     # alive, never joins the step's collectives
                     os.kill(os.getpid(), signal.SIGKILL)
                 count[0] += 1
                 return real_run(*a, **kw)
@@ -163,7 +167,8 @@ def run_failure_mode(args, state, whole):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", default="engine", choices=("engine", "kill-follower", "kill-leader", "lead-fails"))
+    ap.add_argument("--mode", default="engine",
+                    choices=("engine", "kill-follower", "hang-follower", "kill-leader", "lead-fails"))
     ap.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["tp2"])
     ap.add_argument("--max-tokens", type=int, default=6)
     ap.add_argument("--steps", type=int, default=3, help="Session decode steps")
