@@ -282,6 +282,13 @@ class StepRunner:
         self.allocator = BlockAllocator(self.num_blocks)
         self.decode_batch = DecodeBatch(max_batch_size, self.max_blocks, self.device) \
             if persistent_metadata else None
+        # A model of several ranks: this is rank 0, whose every model call is first broadcast to
+        # the other ranks, which make it on their own caches (v41graph.parallel.spmd). None at
+        # world size 1 (the model then has no ParallelState).
+        self.spmd = None
+        if getattr(base, "parallel", None) is not None:
+            from v41graph.parallel.spmd import leader_for
+            self.spmd = leader_for(self)
 
     def host_inputs(self, slots: Sequence[int], starts: Sequence[int], chunks: Sequence[Sequence[int]],
                     blocks: Sequence[Sequence[int]]):
@@ -305,10 +312,21 @@ class StepRunner:
 
     def call_model(self, ids, positions, meta, *, decode: bool, decoder_replay=None):
         """The step's model call: a decode step through `model.decode` (a compiled model's
-        captured buckets), any other step through `model(...)`."""
-        with torch.no_grad():
-            if decode:
-                return self.model.decode(ids, positions, self.caches, meta)
-            if decoder_replay is None:
-                return self.model(ids, positions, self.caches, meta)
-            return self.model(ids, positions, self.caches, meta, decoder_replay=decoder_replay)
+        captured buckets), any other step through `model(...)`; on rank 0 of a parallel model
+        broadcast to every rank first."""
+        if self.spmd is not None:
+            return self.spmd.call_model(ids, positions, meta, decode=decode, decoder_replay=decoder_replay)
+        return run_model(self.model, self.caches, ids, positions, meta, decode=decode,
+                         decoder_replay=decoder_replay)
+
+
+def run_model(model, caches, ids, positions, meta, *, decode: bool, decoder_replay=None):
+    """A step's model call, the same on every rank of a parallel job (the one place a step
+    reaches the model): a decode step through `model.decode` (a compiled model's captured
+    buckets), any other step through `model(...)`."""
+    with torch.no_grad():
+        if decode:
+            return model.decode(ids, positions, caches, meta)
+        if decoder_replay is None:
+            return model(ids, positions, caches, meta)
+        return model(ids, positions, caches, meta, decoder_replay=decoder_replay)

@@ -207,6 +207,9 @@ class Engine(StepRunner):
         self.tokenizer = _resolve_tokenizer(tokenizer, model)
         self.sampler = BatchSampler(self.config.vocab_size, max_batch_size, self.device, logprobs_mode)
         self.spec = None
+        if speculative is not None and self.spmd is not None:
+            raise ValueError("speculative decoding does not run on a parallel model yet (its draft "
+                             "and verify calls bypass the broadcast steps)")
         if speculative is not None:
             from .speculative import SpeculativeDecoder
             self.spec = SpeculativeDecoder(self, draft_head, speculative)

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from v41graph.parallel.spmd import ParallelJobError
 from v41graph.runtime.batch import CacheCapacityError
 from v41graph.runtime.engine import Engine, RequestError
 from v41graph.runtime.sampling import SamplingParams
@@ -54,6 +55,10 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="v41graph-engine", daemon=True)
         self.error: str | None = None                  # the last step failure, for /health
+        # A failure that ends serving (a parallel job's ranks out of step): the thread stops
+        # and calls on_fatal (the server's exit).
+        self.fatal: str | None = None
+        self.on_fatal: Callable[[], None] | None = None
         self._snapshot = self._counts()
 
     # ---------------------------------------------------------------- handler side (any thread)
@@ -97,6 +102,11 @@ class EngineLoop:
                         except Exception:   # noqa: BLE001  (the engine may be broken by now)
                             log.exception("abort after a failed step")
                         sub.loop = None      # nothing more to this request's handler
+                    if isinstance(e, ParallelJobError):
+                        self.fatal = self.error
+                        if self.on_fatal is not None:
+                            self.on_fatal()
+                        break
             self._release_finished()
             self._snapshot = self._counts()
         for sub in list(self._live.values()):            # shutting down: abort what is left

@@ -25,5 +25,12 @@ def add_serve_arguments(p) -> None:
                         "bucket compiled before the server starts listening (slow start)")
     p.add_argument("--compile-prefill", action="store_true",
                    help="with --compile: prefill and mixed steps compiled too (default: eager)")
+    p.add_argument("--parallel", default=None, metavar="tp=N,dp=N,ep=N",
+                   help="run as one rank of a torchrun job over this layout (e.g. tp=2,ep=2: "
+                        "torchrun --nproc-per-node 2 -m v41graph.tools.cli serve --parallel tp=2,ep=2 ...): "
+                        "rank 0 serves HTTP, the other ranks run its steps")
+    p.add_argument("--parallel-timeout", type=float, default=120.0, metavar="S",
+                   help="with --parallel: seconds a collective may wait for a rank before the job "
+                        "ends with an error (default 120)")
     p.add_argument("--log-level", default="info",
                    help="uvicorn's log level: critical, error, warning, info, debug (default info)")

@@ -360,21 +360,26 @@ def compiled_for_serving(model, max_batch_size: int, compile_prefill: bool = Fal
                             compile_prefill=compile_prefill)
 
 
-def build_server(args):
+def build_server(args, model=None):
     """(uvicorn.Server, app) for parsed `serve` arguments (options.add_serve_arguments): the
-    checkpoint loaded, its Engine and app built; `server.run()` serves until stopped."""
+    checkpoint loaded (or `model`, already loaded: rank 0's share under --parallel), its Engine
+    and app built; `server.run()` serves until stopped."""
     import uvicorn
 
     from v41graph.weights.load import from_pretrained
 
-    model = from_pretrained(args.checkpoint, numerics=args.numerics, device=args.device)
+    if model is None:
+        model = from_pretrained(args.checkpoint, numerics=args.numerics, device=args.device)
     if args.compile_prefill and not args.compile:
         raise ValueError("--compile-prefill only applies with --compile")
     runner = compiled_for_serving(model, args.max_batch_size, args.compile_prefill) if args.compile else model
     engine = Engine(runner, args.max_batch_size, args.max_seq_len, block_size=args.block_size,
                     num_blocks=args.num_blocks)
     if args.compile:     # compile (and capture) every decode bucket before the first request
-        runner.warmup(engine.caches, engine.max_blocks)
+        if engine.spmd is not None:     # rank 0 of --parallel: every rank warms up together
+            engine.spmd.warmup(engine.max_blocks)
+        else:
+            runner.warmup(engine.caches, engine.max_blocks)
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     app = build_app(engine, name)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -383,6 +388,9 @@ def build_server(args):
 
 
 def serve_main(args) -> int:
+    if getattr(args, "parallel", None):       # one rank of a torchrun job (v41graph.parallel.spmd)
+        from v41graph.parallel.spmd import serve
+        return serve(args)
     server, _ = build_server(args)
     try:
         server.run()
