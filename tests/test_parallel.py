@@ -59,6 +59,22 @@ def test_layouts_that_do_not_divide_the_model_are_refused_naming_the_field():
         V41Model(cfg, ParallelState(ParallelConfig(tp=8), 0))
 
 
+def test_a_world_size_that_does_not_match_the_layout_is_refused_before_joining(monkeypatch):
+    """init_parallel compares torchrun's WORLD_SIZE with the layout before it creates a process
+    group (so every rank raises at once, none waits in a rendezvous or a collective)."""
+    import torch.distributed as dist
+    from v41graph.parallel import init_parallel
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"needs 2 processes but WORLD_SIZE is 3 .*--nproc-per-node 2"):
+        init_parallel(ParallelConfig(tp=2, ep=2))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    state = init_parallel(ParallelConfig())          # world size 1 without torchrun: no group
+    assert state.group is None and not dist.is_initialized()
+    with pytest.raises(TypeError, match="must be a ParallelConfig"):
+        init_parallel({"tp": 2})
+
+
 def test_world_size_one_builds_the_single_device_model():
     """The parallel layer is free at N = 1: no collective, the same modules and parameters."""
     cfg = tiny()
