@@ -21,7 +21,8 @@ from v41graph.runtime.session import Session
 
 ops = torch.ops.v41graph
 ALL = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize",
-       "fuse_ratio2_state_write", "hoist_engram", "dual_stream", "stream_check")
+       "fuse_ratio2_state_write", "hoist_engram", "dual_stream", "overlap_collectives",
+       "stream_check")
 # fp32 CPU: the fused op and the unfused pair compute the same expression; only BLAS
 # blocking may differ, so logits (|logit| ~ 1-5) agree to ~1e-5.
 ATOL = 1e-4
