@@ -4,7 +4,7 @@ call and the other ranks follow it.
 In this process: the wire format (a step's tensors through header + flat payload and back),
 `--parallel` parsing, world size 1 touching no collective, the role errors and the engine loop's
 fatal path. As multi-process jobs (gloo on CPU, tests/parallel/engine_worker.py): the mixed
-Engine scenario and a Session under TP2, TP2+EP2 and DP2+EP2 (replicated batch) give exactly the
+Engine scenario and a Session under TP2 and TP2+EP2 give exactly the
 token ids of one process over the whole model, and every rank exits 0; a follower whose model
 differs is named by rank 0's Engine; a killed follower, a killed rank 0 and a failing lead
 function end every rank with a clear error within the timeout; `v41graph serve --parallel`
@@ -192,17 +192,16 @@ def test_a_broken_job_stops_the_engine_loop(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ multi-process
-def test_engine_and_session_under_tp2_tp2_ep2_and_dp2_ep2_match_one_process(tmp_path):
+def test_engine_and_session_under_tp2_and_tp2_ep2_match_one_process(tmp_path):
     """Rank 0 runs the same mixed scenario (prompt lengths 5..40, greedy and seeded sampling,
     a rejected request, a request added mid-run and one aborted, a lone sequence at the end)
-    over the whole model in-process and over the parallel model (under DP2 every rank runs rank
-    0's batch: replicated); the tokens must be equal, the
+    over the whole model in-process and over the parallel model; the tokens must be equal, the
     follower must have run exactly rank 0's model calls, and torchrun's exit status 0 says every
     rank shut down cleanly."""
     out = tmp_path / "engine"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                             str(WORKER), "--mode", "engine", "--layout", "tp2", "tp2ep2", "dp2ep2",
+                             str(WORKER), "--mode", "engine", "--layout", "tp2", "tp2ep2",
                              "--max-tokens", "5", "--steps", "3", "--out", str(out)],
                             env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     [(code, log)] = _wait_all([proc])
@@ -212,7 +211,7 @@ def test_engine_and_session_under_tp2_tp2_ep2_and_dp2_ep2_match_one_process(tmp_
     assert ref["engine"]["rejected"] and "outside the vocabulary" in ref["engine"]["rejected"][0]
     assert ref["engine"]["finish"]["mid_greedy"] == "abort"
     assert sorted(ref["engine"]["tokens"]) == ["added_seeded", "long_seeded", "mid_greedy", "short_greedy"]
-    for layout in ("tp2", "tp2ep2", "dp2ep2"):
+    for layout in ("tp2", "tp2ep2"):
         got = r0["layouts"][layout]
         assert got["engine"]["tokens"] == ref["engine"]["tokens"], layout
         assert got["engine"]["finish"] == ref["engine"]["finish"], layout

@@ -1,7 +1,9 @@
 """One rank of the multi-process checks, started by tests/test_parallel.py through torchrun
 (gloo, CPU). For every layout asked for it builds the tiny model whole (same seed on every
 rank) and as this rank's share, runs the same prefill + decode steps through both and writes
-what it measured to {--out}.rank{r}.json; the test compares the numbers. All layouts of one job
+what it measured to {--out}.rank{r}.json; the test compares the numbers. Under tensor
+parallelism rank 0 drives the share's steps through the SPMD runtime (v41graph.parallel.spmd)
+and the other rank follows, so only rank 0 reports those layouts. All layouts of one job
 share the world-size-2 process group (a ParallelState per layout), so one torchrun start and
 one whole-model reference serve them all."""
 from __future__ import annotations
@@ -11,6 +13,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
@@ -20,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import v41graph  # noqa: E402
 from v41graph.model.layers import default_dtype  # noqa: E402
 from v41graph.model.model import V41Model, init_random_  # noqa: E402
-from v41graph.parallel import ParallelConfig, ParallelState, init_parallel, shutdown  # noqa: E402
+from v41graph.parallel import ParallelConfig, ParallelState, init_parallel, shutdown, spmd  # noqa: E402
 from v41graph.parallel.build import shard_model  # noqa: E402
 
 LAYOUTS = {"tp2": ParallelConfig(tp=2), "tp2ep2": ParallelConfig(tp=2, ep=2),
@@ -40,19 +43,28 @@ def prompts_for(rank: int, data_parallel: bool):
     return [torch.randint(3, 250, (k,), generator=g).tolist() for k in (5, 19, 40)]
 
 
-def run_session(model, prompts, steps: int, compiled: bool, tokens=None):
+def run_share(local, prompts, steps: int, compiled: bool, tokens, rank: int):
+    """run_session over this rank's share: under data-parallel attention on every rank (each
+    its own prompts); under tensor parallelism rank 0 drives the steps through the SPMD
+    runtime and the other ranks follow them (they return None)."""
+    runner = v41graph.compile(local, backend="auto", capture=False) if compiled else local
+    if local.parallel.attention == "dp":
+        return run_session(runner, prompts, steps, tokens)
+    return spmd.run(runner, lambda: run_session(runner, prompts, steps, tokens))
+
+
+def run_session(model, prompts, steps: int, tokens=None):
     """Logits of the prefill and of `steps` decode steps [steps + 1, B, V], and the prefill's
     per-layer residual streams (model.debug). Decode feeds `tokens` [steps, B] when given (the
     reference run's greedy tokens: both runs then see the same inputs at every step, and a
     near tie that flips one argmax does not send the runs down different continuations), else
     its own greedy tokens."""
-    model.debug = {}
-    # gloo's collectives cannot be captured in a CUDA graph: compiled without capture there
-    runner = v41graph.compile(model, backend="auto", capture=False) if compiled else model
-    sess = v41graph.Session(runner, max_batch_size=len(prompts), max_seq_len=96, block_size=16)
+    base = model.model if isinstance(model, v41graph.CompiledModel) else model
+    base.debug = {}
+    sess = v41graph.Session(model, max_batch_size=len(prompts), max_seq_len=96, block_size=16)
     logits = [sess.prefill(prompts)]
-    layers = {k: v.float() for k, v in model.debug.items() if k.startswith("block_out.")}
-    model.debug = None
+    layers = {k: v.float() for k, v in base.debug.items() if k.startswith("block_out.")}
+    base.debug = None
     for i in range(steps):
         ids = logits[-1].argmax(-1) if tokens is None else tokens[i]
         logits.append(sess.decode(ids.tolist()))
@@ -106,28 +118,33 @@ def main():
         refs = {}
         runs = [(name, False) for name in layouts.split(",")] + [(name, True) for name in compiled if i == 0]
         for name, compile_it in runs:
+            t0 = time.perf_counter()
             layout = LAYOUTS[name]
             dp = layout.attention == "dp"
             prompts = prompts_for(rank, dp)
             with torch.no_grad():
                 if dp not in refs:
-                    ref, ref_layers = run_session(whole, prompts, args.steps, compiled=False)
+                    ref, ref_layers = run_session(whole, prompts, args.steps)
                     tokens, floor = ref.argmax(-1)[:-1], None
                     # The whole model's own noise floor: the same prompts one at a time (a
                     # different batch composition changes GEMM shapes and so roundings).
                     if args.noise_floor:
-                        alone = [run_session(whole, [p], args.steps, False, tokens[:, i:i + 1])
+                        alone = [run_session(whole, [p], args.steps, tokens[:, i:i + 1])
                                  for i, p in enumerate(prompts)]
                         alone_layers = {k: torch.cat([a[1][k] for a in alone]) for k in ref_layers}
                         floor = compare(ref, torch.cat([a[0] for a in alone], 1), ref_layers, alone_layers)
                     refs[dp] = ref, ref_layers, tokens, floor
                 ref, ref_layers, tokens, floor = refs[dp]
                 local = shard_model(whole, ParallelState(layout, rank, dist.group.WORLD))
-                got, got_layers = run_session(local, prompts, args.steps, compile_it, tokens)
+                got = run_share(local, prompts, args.steps, compile_it, tokens, rank)
+            if got is None:           # a follower of rank 0's steps
+                continue
+            got, got_layers = got
             result[f"{name}{'-compiled' if compile_it else ''}/{check}"] = dict(
                 compare(ref, got, ref_layers, got_layers), noise_floor=floor,
                 params_local=sum(p.numel() for p in local.parameters()),
-                params_whole=sum(p.numel() for p in whole.parameters()))
+                params_whole=sum(p.numel() for p in whole.parameters()),
+                seconds=time.perf_counter() - t0)
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump(result, f, indent=1)
     shutdown()

@@ -524,6 +524,10 @@ def serve(args) -> int:
     Returns the exit status: 0 after a clean stop (SIGINT / SIGTERM to rank 0: it stops the
     followers), 1 after a failure of the job."""
     layout = parse_layout(args.parallel)
+    if layout.attention == "dp":
+        raise ValueError(f"serve --parallel {args.parallel}: data-parallel attention is not served yet (rank 0 "
+                         "would have to split the requests over the dp ranks and keep their steps the same "
+                         "size); use a tensor-parallel layout (tp=N, ep=1 or N)")
     device = args.device
     if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is None:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"    # one GPU per rank

@@ -282,11 +282,15 @@ class StepRunner:
         self.allocator = BlockAllocator(self.num_blocks)
         self.decode_batch = DecodeBatch(max_batch_size, self.max_blocks, self.device) \
             if persistent_metadata else None
-        # A model of several ranks: this is rank 0, whose every model call is first broadcast to
-        # the other ranks, which make it on their own caches (v41graph.parallel.spmd). None at
-        # world size 1 (the model then has no ParallelState).
+        # A model of several ranks with tensor-parallel attention: this is rank 0, whose every
+        # model call is first broadcast to the other ranks, which make it on their own caches
+        # (v41graph.parallel.spmd). None at world size 1 (the model then has no ParallelState)
+        # and under data-parallel attention, where every rank drives its own sequences (the
+        # same number of tokens per step on every rank is then the caller's rule, as the
+        # model's: its expert all-to-all has fixed shapes).
         self.spmd = None
-        if getattr(base, "parallel", None) is not None:
+        parallel = getattr(base, "parallel", None)
+        if parallel is not None and parallel.attention == "tp":
             from v41graph.parallel.spmd import leader_for
             self.spmd = leader_for(self)
 
