@@ -87,12 +87,16 @@ def test_world_size_one_builds_the_single_device_model():
     assert str(one) == str(single)
 
 
-def test_a_rank_without_a_process_group_says_so_at_its_first_collective():
+def test_a_rank_without_a_process_group_says_so():
     whole = init_random_(V41Model(tiny()), seed=0).eval()
-    local = shard_model(whole, ParallelState(ParallelConfig(tp=2), 1))
-    sess = v41graph.Session(local, max_batch_size=1, max_seq_len=32, block_size=16)
+    local = shard_model(whole, ParallelState(ParallelConfig(tp=2), 0))
     with pytest.raises(RuntimeError, match="has no process group: build it with init_parallel"):
-        sess.prefill([[5, 6, 7]])
+        local._embed(torch.tensor([5, 6, 7]))          # the model's first collective
+    with pytest.raises(RuntimeError, match="SPMD runtime needs the process group of init_parallel"):
+        v41graph.Session(local, max_batch_size=1, max_seq_len=32, block_size=16)
+    follower = shard_model(whole, ParallelState(ParallelConfig(tp=2), 1))
+    with pytest.raises(ValueError, match="only rank 0 runs a Session or Engine"):
+        v41graph.Session(follower, max_batch_size=1, max_seq_len=32, block_size=16)
 
 
 # ----------------------------------------------------------------------------- shares
