@@ -43,11 +43,14 @@ def prompts_for(rank: int, data_parallel: bool):
     return [torch.randint(3, 250, (k,), generator=g).tolist() for k in (5, 19, 40)]
 
 
+CAPTURE = False    # --nccl: NCCL collectives capture; gloo's cannot
+
+
 def run_share(local, prompts, steps: int, compiled: bool, tokens, rank: int):
     """run_session over this rank's share: under data-parallel attention on every rank (each
     its own prompts); under tensor parallelism rank 0 drives the steps through the SPMD
     runtime and the other ranks follow them (they return None)."""
-    runner = v41graph.compile(local, backend="auto", capture=False) if compiled else local
+    runner = v41graph.compile(local, backend="auto", capture=CAPTURE) if compiled else local
     if local.parallel.attention == "dp":
         return run_session(runner, prompts, steps, tokens)
     return spmd.run(runner, lambda: run_session(runner, prompts, steps, tokens))
@@ -87,6 +90,8 @@ def main():
                     help="CHECK=LAYOUT,LAYOUT;CHECK=... (checks: %s)" % ", ".join(CHECKS))
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--device", default="cpu", help="cuda: every rank on the one GPU, collectives through gloo")
+    ap.add_argument("--nccl", action="store_true",
+                    help="one GPU per rank (cuda:LOCAL_RANK), NCCL, compiled shares captured (a multi-GPU machine)")
     ap.add_argument("--compiled", default="",
                     help="LAYOUT,...: also run these layouts' shares through v41graph.compile (first check only)")
     ap.add_argument("--noise-floor", action="store_true",
@@ -96,7 +101,13 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    state = init_parallel(LAYOUTS["tp2"])          # the world-size-2 group every layout below shares
+    global CAPTURE
+    CAPTURE = args.nccl
+    if args.nccl:
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(args.device)
+    # the world-size-2 group every layout below shares
+    state = init_parallel(LAYOUTS["tp2"], backend="nccl" if args.nccl else "gloo")
     rank = dist.get_rank()
     result = {}
     if args.load:
