@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import v41graph
+from processes import free_port
 from v41graph.model.model import V41Model, init_random_
 from v41graph.parallel import ParallelConfig, ParallelState
 from v41graph.parallel.build import load_parallel_model, shard_model
@@ -192,12 +192,6 @@ def test_a_missing_shard_file_is_named_before_anything_is_read(checkpoint, tmp_p
 
 
 # ----------------------------------------------------------------------------- multi-process
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(tmp_path, *args, timeout=600) -> list[dict]:
     pytest.importorskip("torch.distributed")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -205,7 +199,7 @@ def run_workers(tmp_path, *args, timeout=600) -> list[dict]:
     out = tmp_path / "result"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_CBWR="COMPATIBLE")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(WORKER), "--out", str(out), *args]
+           "--master-port", str(free_port()), str(WORKER), "--out", str(out), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]

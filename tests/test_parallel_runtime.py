@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import v41graph
+from processes import wait_until_healthy
 from v41graph.model.metadata import build_metadata, positions_of
 from v41graph.model.model import V41Model, init_random_
 from v41graph.parallel import ParallelConfig, ParallelState
@@ -294,15 +295,7 @@ def test_serve_parallel_answers_like_one_process_and_stops_cleanly(tp_checkpoint
                           "--parallel", "tp=2,ep=2", "--port", str(http_port), "--max-seq-len", "64",
                           "--log-level", "warning", "--parallel-timeout", "60"])
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert all(p.poll() is None for p in procs), [p.communicate()[0].decode()[-2000:] for p in procs]
-            try:
-                health = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).json()
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "v41graph serve --parallel did not come up"
-                time.sleep(0.5)
+        health = wait_until_healthy(http_port, procs, "v41graph serve --parallel")
         assert health["status"] == "ok"
         r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions",
                        json={"prompt": "Hello there", "max_tokens": 4, "temperature": 0}, timeout=120)

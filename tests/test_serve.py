@@ -28,6 +28,7 @@ from v41graph.runtime.sampling import SamplingParams
 for _mod in ("fastapi", "uvicorn", "httpx", "transformers"):
     pytest.importorskip(_mod, reason="the server tests need the [serve] packages")
 import httpx  # noqa: E402
+from processes import free_port, wait_until_healthy  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -452,24 +453,13 @@ def test_engine_loop_refuses_what_the_pool_can_never_hold(tiny_model):
 
 # ================================================================================ the command itself
 def test_serve_command_starts_and_stops(tiny_checkpoint):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "v41graph.tools.cli", "serve", str(tiny_checkpoint),
                              "--port", str(port), "--max-seq-len", "64", "--log-level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                h = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "v41graph serve did not come up"
-                time.sleep(0.5)
+        h = wait_until_healthy(port, [proc], "v41graph serve")
         assert h["status"] == "ok" and h["free_blocks"] == h["total_blocks"] > 0
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                        json={"prompt": "Hi", "max_tokens": 2}, timeout=120)

@@ -157,7 +157,7 @@ def _slice_part(t: torch.Tensor, part: Part, packed_fp4: bool) -> torch.Tensor:
         return t
     dim = part.dim % t.dim()
     half = 2 if packed_fp4 and dim == t.dim() - 1 else 1
-    return _cat([t.narrow(dim, a // half, (b - a) // half) for a, b in part.ranges], dim).clone()
+    return _cat([t.narrow(dim, a // half, (b - a) // half) for a, b in part.ranges], dim)   # a copy
 
 
 _EXPERT_INDEX = re.compile(r"^(layers\.\d+\.ffn\.experts\.)(\d+)(\..*)$")
