@@ -142,6 +142,16 @@ def test_parse_layout():
             spmd.parse_layout(bad)
 
 
+def test_serve_refuses_data_parallel_attention_before_joining(tmp_path):
+    """`serve --parallel dp=...` is not built (rank 0 would have to split the requests over the
+    dp ranks): refused with a clear error before any process group exists."""
+    from v41graph.tools.cli import _parser
+    args = _parser().parse_args(["serve", str(tmp_path), "--parallel", "dp=2,ep=2"])
+    with pytest.raises(ValueError, match="data-parallel attention is not served yet"):
+        spmd.serve(args)
+    assert not dist.is_initialized()
+
+
 def test_world_size_one_broadcasts_nothing(monkeypatch):
     """A model built with a ParallelState of one rank is the single-device model: its Engine
     has no leader and never reaches torch.distributed."""
