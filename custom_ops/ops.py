@@ -178,6 +178,38 @@ def _(parts, candidate_rows, candidate_positions, score_dtype, topk):
     return parts.new_empty((parts.shape[0], topk), dtype=torch.int64)
 
 
+# ----------------------------------------------------------------------------- quantized GEMMs
+# The checkpoint's weight formats computed as stored (numerics="released"): the reference is
+# DeepSeek's arithmetic (activation FP8 QDQ per 32 with pow2 scales, fp32 partial per 32-wide
+# K block times both scales); on CUDA Triton kernels dequantize weight tiles in registers.
+@custom_op(f"{_NS}::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] times an FP8 E4M3 weight (uint8 bytes [N, K]) with one E8M0 scale per 32x32
+    block (uint8 [ceil(N/32), K/32]); result [..., N] in out_dtype (float32: the fp32 sums
+    before the final cast, for a row-parallel split)."""
+    return ref.fp8_linear(x, weight, scale, out_dtype)
+
+
+@fp8_linear.register_fake
+def _(x, weight, scale, out_dtype):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
+@custom_op(f"{_NS}::mxfp4_moe", mutates_args=())
+def mxfp4_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w13: torch.Tensor,
+              s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float) -> torch.Tensor:
+    """The routed experts of one MoE over stacked MXFP4 weights: [N, d] fp32, the sum over each
+    token's chosen experts (chosen [N, topk] indexes the stack; the stack size E = held
+    elsewhere) of weight * expert(x) (reference.mxfp4_moe). Static shapes, no host sync."""
+    return ref.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit)
+
+
+@mxfp4_moe.register_fake
+def _(x, weights, chosen, w13, s13, w2, s2, limit):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------- Engram
 @custom_op(f"{_NS}::engram_hash", mutates_args=())
 def engram_hash(compressed_ids: torch.Tensor, history: torch.Tensor, multipliers: torch.Tensor,

@@ -8,9 +8,10 @@ Index conventions: a row index of -1 means "empty" (skipped on write, score -inf
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .codecs import (dequant_fp4_e4m3, dequant_fp4_ue8m0, dequant_fp8_ue8m0, e8m0_to_float,
-                     quant_fp4_e4m3, quant_fp4_ue8m0, quant_fp8_ue8m0)
+from .codecs import (dequant_fp4_e4m3, dequant_fp4_ue8m0, dequant_fp8_ue8m0, e2m1_decode, e8m0_to_float,
+                     quant_fp4_e4m3, quant_fp4_ue8m0, quant_fp8_ue8m0, unpack_fp4)
 
 
 # ----------------------------------------------------------------------------- cache writes
@@ -473,3 +474,91 @@ def mhc_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h
         comb = comb / (_sum_in_order(comb, -1) + eps)
         comb = comb / (_sum_in_order(comb, -2) + eps)
     return pre, post, comb
+
+
+# ----------------------------------------------------------------------------- quantized GEMMs
+# DeepSeek's reference arithmetic for the checkpoint's FP8 / FP4 weights: the activation is
+# quantized to FP8 E4M3 per 32 along K with a power-of-two (UE8M0) scale, and the GEMM sums
+# fp32 partials per 32-wide K block times both scales, cast to the output dtype at the end.
+QUANT_BLOCK = 32
+
+
+def blockwise_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
+                   w_scale: torch.Tensor) -> torch.Tensor:
+    """sum_k fp32(A_k . W_k^T) * a_scale_k * w_scale_k over 32-wide K blocks, in block order.
+
+    a_q [M, K] and w_q [N, K] hold the quantized values as fp32; a_scale [M, K/32];
+    w_scale [N, K/32] (already expanded to rows). Scales are powers of two, so only the
+    partial sums and the running fp32 add round.
+    """
+    m, k = a_q.shape
+    nk = k // QUANT_BLOCK
+    a_blocks = a_q.view(m, nk, QUANT_BLOCK).transpose(0, 1)
+    w_blocks = w_q.view(w_q.shape[0], nk, QUANT_BLOCK).transpose(0, 1)
+    partials = torch.bmm(a_blocks, w_blocks.transpose(1, 2))        # [nk, M, N]
+    scales = a_scale.t().unsqueeze(-1) * w_scale.t().unsqueeze(1)   # [nk, M, N]
+    acc = torch.zeros((m, w_q.shape[0]), dtype=torch.float32, device=a_q.device)
+    for i in range(nk):
+        acc = acc + partials[i] * scales[i]
+    return acc
+
+
+def fp8_weight_values(weight: torch.Tensor, scale: torch.Tensor):
+    """FP8 E4M3 weight bytes [N, K] + E8M0 per 32x32 block [ceil(N/32), K/32] -> (codes as
+    fp32 [N, K], scales expanded to one row per output [N, K/32])."""
+    s = e8m0_to_float(scale).repeat_interleave(QUANT_BLOCK, 0)[: weight.shape[0]]
+    return weight.view(torch.float8_e4m3fn).float(), s
+
+
+def fp4_weight_values(weight: torch.Tensor, scale: torch.Tensor):
+    """FP4 E2M1 weight packed [N, K/2] (even element in the low nibble) + E8M0 per 32 along K
+    [N, K/32] (the MXFP4 layout) -> (codes as fp32 [N, K], scales [N, K/32])."""
+    return e2m1_decode(unpack_fp4(weight)), e8m0_to_float(scale)
+
+
+def quantized_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] times a quantized weight (fp32 codes w_q [N, K], row scales [N, K/32]) in the
+    reference arithmetic; result [..., N] in out_dtype."""
+    shape = x.shape
+    a_q, a_s = quant_fp8_ue8m0(x.reshape(-1, shape[-1]), QUANT_BLOCK)
+    y = blockwise_gemm(a_q.float(), e8m0_to_float(a_s), w_q, w_scale)
+    return y.to(out_dtype).view(*shape[:-1], w_q.shape[0])
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """The checkpoint's FP8 block-scaled projection in the reference arithmetic."""
+    return quantized_linear(x, *fp8_weight_values(weight, scale), out_dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None):
+    """The clamped SwiGLU in fp32, times the routing weight (before w2) when given."""
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    h = F.silu(gate) * up
+    if weight is not None:
+        h = weight * h
+    return h
+
+
+def mxfp4_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w13: torch.Tensor,
+              s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float) -> torch.Tensor:
+    """[N, d] fp32: sum over each token's chosen experts of weight * expert(x), every expert in
+    the reference arithmetic exactly as moe.Expert computes it (gate and up rounded to x's
+    dtype, h = weight * SwiGLU rounded to x's dtype, w2's output in x's dtype), summed in fp32
+    in ascending expert order. Stacked MXFP4 experts: w13 [E, 2I, d/2] (w1 rows, then w3 rows)
+    + s13 [E, 2I, d/32]; w2 [E, d, I/2] + s2 [E, d, I/32]. chosen [N, topk] indexes the stack;
+    the value E marks an expert held elsewhere (skipped). The specification is the loop: every
+    expert runs on every token with a zero weight for tokens that did not pick it."""
+    n_exp, inter = w13.shape[0], w13.shape[1] // 2
+    dense_w = torch.zeros(x.shape[0], n_exp + 1, dtype=torch.float32, device=x.device)
+    dense_w = dense_w.scatter(1, chosen, weights)[:, :n_exp]
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(n_exp):
+        gate = quantized_linear(x, *fp4_weight_values(w13[e, :inter], s13[e, :inter]), x.dtype).float()
+        up = quantized_linear(x, *fp4_weight_values(w13[e, inter:], s13[e, inter:]), x.dtype).float()
+        h = swiglu(gate, up, limit, dense_w[:, e:e + 1]).to(x.dtype)
+        y = y + quantized_linear(h, *fp4_weight_values(w2[e], s2[e]), x.dtype)
+    return y

@@ -144,7 +144,7 @@ class DSparkHead(nn.Module):
         self.noise_id = config.dspark_noise_token_id
 
     def set_numerics(self, numerics: str) -> "DSparkHead":
-        """"reference" or "fast", as V41Model.set_numerics."""
+        """"reference", "released" or "fast", as V41Model.set_numerics."""
         set_linear_numerics(self, numerics)
         return self
 

@@ -1,9 +1,15 @@
 """Building blocks shared by the model: RMSNorm, the quantization-aware Linear, RoPE.
 
 Numerics modes (set per model, see `V41Model.set_numerics`):
-  "reference"  DeepSeek's reference arithmetic: FP8/FP4 weights stay quantized, activations are
-               fake-quantized to FP8 per 32 along K (pow2 scales), and the GEMM sums fp32
-               partials per 32-wide K block times both scales, cast to the activation dtype.
+  "reference"  DeepSeek's reference arithmetic (custom_ops/reference.py, pure torch on every
+               device): FP8/FP4 weights stay quantized, activations are quantized to FP8 per 32
+               along K (pow2 scales), and the GEMM sums fp32 partials per 32-wide K block times
+               both scales, cast to the activation dtype.
+  "released"   the same arithmetic through the `fp8_linear` / `mxfp4_moe` ops: weights stay in
+               their checkpoint bytes on the device (no dense copy); on CUDA Triton kernels
+               dequantize the weight tiles in registers and fuse the activation quantization
+               (they differ from the reference only in summation order); elsewhere the ops run
+               the reference, so on the CPU "released" is "reference" bit for bit.
   "fast"       weights are dequantized once to the compute dtype and F.linear does the rest.
 """
 from __future__ import annotations
@@ -16,9 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from v41graph.custom_ops import codecs
+from v41graph.custom_ops import reference as ref
+from v41graph.custom_ops.reference import QUANT_BLOCK  # noqa: F401  (K-block of the blockwise GEMM)
 from v41graph.custom_ops.reference import rms_norm as rms_norm_reference
 
-QUANT_BLOCK = 32  # K-block of activation quantization and of the blockwise GEMM
+NUMERICS = ("reference", "released", "fast")
 
 
 @contextlib.contextmanager
@@ -44,26 +52,6 @@ class RMSNorm(nn.Module):
         # plain torch ops (the compiler's fuse_rmsnorm / P1 passes match them in the graph);
         # the same function is the reference of the v41graph::rms_norm op
         return rms_norm_reference(x, self.weight, self.eps)
-
-
-def blockwise_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor,
-                   w_scale: torch.Tensor) -> torch.Tensor:
-    """sum_k fp32(A_k . W_k^T) * a_scale_k * w_scale_k over 32-wide K blocks, in block order.
-
-    a_q [M, K] and w_q [N, K] hold the quantized values as fp32; a_scale [M, K/32];
-    w_scale [N, K/32] (already expanded to rows). Scales are powers of two, so only the
-    partial sums and the running fp32 add round.
-    """
-    m, k = a_q.shape
-    nk = k // QUANT_BLOCK
-    a_blocks = a_q.view(m, nk, QUANT_BLOCK).transpose(0, 1)
-    w_blocks = w_q.view(w_q.shape[0], nk, QUANT_BLOCK).transpose(0, 1)
-    partials = torch.bmm(a_blocks, w_blocks.transpose(1, 2))        # [nk, M, N]
-    scales = a_scale.t().unsqueeze(-1) * w_scale.t().unsqueeze(1)   # [nk, M, N]
-    acc = torch.zeros((m, w_q.shape[0]), dtype=torch.float32, device=a_q.device)
-    for i in range(nk):
-        acc = acc + partials[i] * scales[i]
-    return acc
 
 
 def weight_fmt(config, fmt: str) -> str:
@@ -108,28 +96,16 @@ class Linear(nn.Module):
             return codecs.dequant_fp8_weight(self.weight.view(torch.float8_e4m3fn), self.scale)
         return codecs.dequant_fp4_weight(self.weight, self.scale)
 
-    def _weight_q_and_row_scales(self):
-        """Quantized values as fp32 and the E8M0 scales expanded to one row per output."""
-        if self.fmt == "fp8":
-            w_q = self.weight.view(torch.float8_e4m3fn).float()
-            s = codecs.e8m0_to_float(self.scale).repeat_interleave(32, 0)[: self.out_features]
-        else:
-            w_q = codecs.e2m1_decode(codecs.unpack_fp4(self.weight))
-            s = codecs.e8m0_to_float(self.scale)
-        return w_q, s
-
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype, or in `out_dtype`: a row-parallel split asks
         for fp32 partial sums, which the reference GEMM then returns before its final cast."""
         if self.fmt == "dense":
             y = F.linear(x, self.weight.to(x.dtype) if self.weight.dtype != x.dtype else self.weight)
-        elif self.numerics == "reference":
-            shape = x.shape
-            x2 = x.reshape(-1, shape[-1])
-            a_q, a_s = codecs.quant_fp8_ue8m0(x2, QUANT_BLOCK)
-            w_q, w_s = self._weight_q_and_row_scales()
-            y = blockwise_gemm(a_q.float(), codecs.e8m0_to_float(a_s), w_q, w_s)
-            return y.to(out_dtype or x.dtype).view(*shape[:-1], self.out_features)
+        elif self.numerics == "released" and self.fmt == "fp8":
+            return torch.ops.v41graph.fp8_linear(x, self.weight, self.scale, out_dtype or x.dtype)
+        elif self.numerics in ("reference", "released"):   # FP4 outside the MoE op: the reference
+            values = (ref.fp8_weight_values if self.fmt == "fp8" else ref.fp4_weight_values)(self.weight, self.scale)
+            return ref.quantized_linear(x, *values, out_dtype or x.dtype)
         else:
             if self._dense_cache is None or self._dense_cache.dtype != x.dtype:
                 self._dense_cache = self.dequantized_weight().to(x.dtype)
@@ -138,10 +114,10 @@ class Linear(nn.Module):
 
 
 def set_linear_numerics(module: nn.Module, numerics: str) -> None:
-    """Put every Linear under `module` in "reference" or "fast" numerics. Their dense-weight
-    caches are dropped: they may predate a weight (re)load, and "reference" does not use them."""
-    if numerics not in ("reference", "fast"):
-        raise ValueError(f"numerics must be 'reference' or 'fast', got {numerics!r}")
+    """Put every Linear under `module` in one of NUMERICS. Their dense-weight caches are
+    dropped: they may predate a weight (re)load, and only "fast" uses them."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     for m in module.modules():
         if isinstance(m, Linear):
             m.numerics = numerics

@@ -98,7 +98,9 @@ class V41Model(nn.Module):
 
     # ------------------------------------------------------------------ numerics
     def set_numerics(self, numerics: str) -> "V41Model":
-        """"reference" (DeepSeek's blockwise FP8 GEMM arithmetic) or "fast"."""
+        """"reference" (DeepSeek's blockwise FP8 GEMM arithmetic, pure torch), "released" (the
+        same arithmetic on the checkpoint bytes through the fp8_linear / mxfp4_moe ops: Triton
+        on CUDA) or "fast" (weights dequantized once to the compute dtype): layers.py."""
         set_linear_numerics(self, numerics)
         self.numerics = numerics
         return self

@@ -30,10 +30,15 @@ whole model with `set_moe_impl`):
              op's meta function accepts bf16 only);
   "emulate"  `grouped_mm_emulated`, a pure-torch, static-shape, traceable stand-in with the
              same call contract (any dtype and device; E full-size GEMMs, for tests).
-The loop stays the specification: fp8/fp4 weight formats always use it.
+  "mxfp4"    (chosen automatically, not settable) MXFP4 experts in numerics="released": the
+             `mxfp4_moe` op over the stacked checkpoint bytes (reference.mxfp4_moe, the loop's
+             arithmetic; on CUDA two Triton grouped GEMMs that dequantize the FP4 tiles in
+             registers: custom_ops/triton/moe_fp4.py).
+The loop stays the specification: FP8/FP4 weights in "reference" or "fast" numerics use it.
 
 Stacked weights (packing): `MoE.pack_experts_()` allocates w13 [E, 2*inter, d] (w1 rows then
-w3 rows) and w2 [E, d, inter], copies the experts' weights in and re-points every expert
+w3 rows) and w2 [E, d, inter] (MXFP4 experts: their packed bytes [E, 2*inter, d/2] and
+[E, d, inter/2], and the E8M0 scales stacked the same way), copies the experts' weights in and re-points every expert
 Linear's parameter `.data` at its slice. Memory is not doubled; `state_dict()` (names, shapes,
 values), `load_state_dict` and the loader's in-place loading keep working and write through
 to the stacks, and the loop reads the same numbers. Packing happens
@@ -51,6 +56,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from v41graph.custom_ops.reference import swiglu
 
 from .config import V41Config
 from .layers import Linear, weight_fmt
@@ -123,17 +130,6 @@ class Expert(nn.Module):
         return self.w2(swiglu(gate, up, self.limit, weight).to(x.dtype), out_dtype=out_dtype)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None):
-    """The clamped SwiGLU in fp32, times the routing weight (before w2) when given."""
-    if limit > 0:
-        up = up.clamp(-limit, limit)
-        gate = gate.clamp(max=limit)
-    h = F.silu(gate) * up
-    if weight is not None:
-        h = weight * h
-    return h
-
-
 class MoE(nn.Module):
     grouped_impl: str = "auto"     # see the module docstring; an instance attribute overrides
 
@@ -163,63 +159,82 @@ class MoE(nn.Module):
         # names, and the expert parameters are views into these). None until packed.
         self._w13: torch.Tensor | None = None      # [E, 2*inter, d]: w1 rows, then w3 rows
         self._w2: torch.Tensor | None = None       # [E, d, inter]
+        self._s13: torch.Tensor | None = None      # MXFP4: E8M0 scales [E, 2*inter, d/32]
+        self._s2: torch.Tensor | None = None       # MXFP4: [E, d, inter/32]
         self._native = False                       # stacks where torch's fused kernel runs
 
     # ------------------------------------------------------------------ packing
-    def _expert_weights(self):
-        """(w1, w3, w2) weight Parameters of every routed expert, read from the modules now."""
-        return [(e.w1._parameters["weight"], e.w3._parameters["weight"], e.w2._parameters["weight"])
+    def _expert_params(self, attr: str = "weight"):
+        """(w1, w3, w2) `attr` ("weight" or "scale") Parameters of every routed expert, read
+        from the modules now."""
+        return [(e.w1._parameters[attr], e.w3._parameters[attr], e.w2._parameters[attr])
                 for e in self.experts]
 
+    def _stacked_format(self) -> str | None:
+        """"dense" or "fp4" when every routed expert Linear has that format, else None."""
+        fmts = {lin.fmt for e in self.experts for lin in (e.w1, e.w3, e.w2)}
+        return fmts.pop() if len(fmts) == 1 and fmts <= {"dense", "fp4"} else None
+
     def can_pack(self) -> bool:
-        """Dense expert weights, all of one dtype and device, allocated (not meta)."""
-        if any(lin.fmt != "dense" for e in self.experts for lin in (e.w1, e.w3, e.w2)):
+        """Dense or MXFP4 expert weights (one format), of one dtype and device, allocated."""
+        fmt = self._stacked_format()
+        if fmt is None:
             return False
-        ws = [w for ws in self._expert_weights() for w in ws]
+        ws = [w for ws in self._expert_params() for w in ws]
+        if fmt == "fp4":
+            ws += [s for ss in self._expert_params("scale") for s in ss]
         return (not ws[0].is_meta and all(w.dtype == ws[0].dtype and w.device == ws[0].device for w in ws))
 
+    @staticmethod
+    def _stack(params) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy (w1, w3, w2)-like Parameters into a [E, 2*rows13, ...] and a [E, ...] stack and
+        re-point each Parameter's .data at its slice."""
+        p1, _, p2 = params[0]
+        i = p1.shape[0]
+        s13 = torch.empty(len(params), 2 * i, *p1.shape[1:], dtype=p1.dtype, device=p1.device)
+        s2 = torch.empty(len(params), *p2.shape, dtype=p2.dtype, device=p2.device)
+        for k, (q1, q3, q2) in enumerate(params):
+            s13[k, :i].copy_(q1)
+            s13[k, i:].copy_(q3)
+            s2[k].copy_(q2)
+        for k, (q1, q3, q2) in enumerate(params):
+            q1.data, q3.data, q2.data = s13[k, :i], s13[k, i:], s2[k]
+        return s13, s2
+
     def pack_experts_(self) -> "MoE":
-        """Stack the routed experts' weights (w13 [E, 2*inter, d], w2 [E, d, inter]) and make
-        each expert Linear's weight a view into the stacks (values unchanged, no extra memory
-        once the old per-expert storages are released)."""
+        """Stack the routed experts' weights (w13 [E, 2*inter, d], w2 [E, d, inter]; MXFP4: the
+        packed bytes and the scales) and make each expert Linear's parameters views into the
+        stacks (values unchanged, no extra memory once the old storages are released)."""
         if not self.can_pack():
-            raise ValueError("MoE.pack_experts_: needs dense expert weights of one dtype and device "
-                             "(fp8/fp4 formats run the loop)")
-        weights = self._expert_weights()
-        ref = weights[0][0]
-        e, i, d = len(self.experts), self.inter, ref.shape[1]
+            raise ValueError("MoE.pack_experts_: needs dense or MXFP4 expert weights of one format, dtype "
+                             "and device")
         with torch.no_grad():
-            w13 = torch.empty(e, 2 * i, d, dtype=ref.dtype, device=ref.device)
-            w2 = torch.empty(e, d, i, dtype=ref.dtype, device=ref.device)
-            for k, (p1, p3, p2) in enumerate(weights):
-                w13[k, :i].copy_(p1)
-                w13[k, i:].copy_(p3)
-                w2[k].copy_(p2)
-            for k, (p1, p3, p2) in enumerate(weights):
-                p1.data, p3.data, p2.data = w13[k, :i], w13[k, i:], w2[k]
-        self._w13, self._w2 = w13, w2
-        self._native = native_grouped_supported(ref.device, ref.dtype)
+            self._w13, self._w2 = self._stack(self._expert_params())
+            if self._stacked_format() == "fp4":
+                self._s13, self._s2 = self._stack(self._expert_params("scale"))
+        self._native = native_grouped_supported(self._w13.device, self._w13.dtype)
         return self
 
     def is_packed(self) -> bool:
-        """Stacks exist and every expert weight is still its slice of them."""
+        """Stacks exist and every expert weight (and MXFP4 scale) is still its slice of them."""
         if self._w13 is None:
             return False
-        i = self.inter
-        s13, s2 = self._w13.stride(0), self._w2.stride(0)
-        b13, b2 = self._w13.data_ptr(), self._w2.data_ptr()
-        size = self._w13.element_size()
-        for k, (p1, p3, p2) in enumerate(self._expert_weights()):
-            if (p1.device != self._w13.device or p1.dtype != self._w13.dtype
-                    or p1.data_ptr() != b13 + k * s13 * size
-                    or p3.data_ptr() != b13 + (k * s13 + i * self._w13.stride(1)) * size
-                    or p2.data_ptr() != b2 + k * s2 * size):
-                return False
+        stacks = [(self._w13, self._w2, self._expert_params())]
+        if self._s13 is not None:
+            stacks.append((self._s13, self._s2, self._expert_params("scale")))
+        for s13, s2, params in stacks:
+            i, size = s13.shape[1] // 2, s13.element_size()
+            for k, (p1, p3, p2) in enumerate(params):
+                if (p1.device != s13.device or p1.dtype != s13.dtype
+                        or p1.data_ptr() != s13.data_ptr() + k * s13.stride(0) * size
+                        or p3.data_ptr() != s13.data_ptr() + (k * s13.stride(0) + i * s13.stride(1)) * size
+                        or p2.data_ptr() != s2.data_ptr() + k * s2.stride(0) * size):
+                    return False
         return True
 
     def unpack_experts_(self) -> "MoE":
         """Forget the stacks (the expert parameters keep viewing them until replaced)."""
-        self._w13 = self._w2 = None
+        self._w13 = self._w2 = self._s13 = self._s2 = None
         self._native = False
         return self
 
@@ -233,6 +248,11 @@ class MoE(nn.Module):
         return result
 
     # ------------------------------------------------------------------ impl selection
+    def _released_mxfp4(self) -> bool:
+        """MXFP4 experts in numerics="released": the mxfp4_moe op runs them."""
+        w1 = self.experts[0].w1
+        return w1.fmt == "fp4" and w1.numerics == "released"
+
     def _no_autograd(self) -> bool:
         return not (torch.is_grad_enabled() and self.experts[0].w1.weight.requires_grad)
 
@@ -244,6 +264,8 @@ class MoE(nn.Module):
             raise ValueError(f"MoE.grouped_impl must be one of {GROUPED_IMPLS}, got {impl!r}")
         if impl == "loop":
             return False
+        if self._released_mxfp4():
+            return self.can_pack()
         if impl == "auto":                         # cheap checks first: this runs on every eager call
             w = self.experts[0].w1.weight
             device, dtype = device or w.device, dtype or w.dtype
@@ -261,6 +283,10 @@ class MoE(nn.Module):
             raise ValueError(f"MoE.grouped_impl must be one of {GROUPED_IMPLS}, got {impl!r}")
         if impl == "loop" or not self._no_autograd():
             return "loop"
+        if self._released_mxfp4():
+            if not torch.compiler.is_compiling() and not self.is_packed() and self.can_pack():
+                self.unpack_experts_().pack_experts_()
+            return "mxfp4" if self._s13 is not None else "loop"
         if not torch.compiler.is_compiling() and not self.is_packed():
             if not self.wants_grouped(x.device, x.dtype):
                 if impl != "auto":
@@ -319,7 +345,10 @@ class MoE(nn.Module):
             local = chosen - self.expert_ids.start
             chosen = torch.where((local >= 0) & (local < n_local), local, n_local)
         impl = self._select_impl(x)
-        if impl != "loop":
+        if impl == "mxfp4" and out_dtype is None:
+            return torch.ops.v41graph.mxfp4_moe(x, weights, chosen, self._w13, self._s13, self._w2,
+                                                self._s2, self.limit)
+        if impl not in ("loop", "mxfp4"):
             return self.routed_grouped(x, weights, chosen, impl)
         dense_w = torch.zeros(x.shape[0], n_local + 1, dtype=torch.float32, device=x.device)
         dense_w = dense_w.scatter(1, chosen, weights)[:, :n_local]
