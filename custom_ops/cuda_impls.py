@@ -7,7 +7,8 @@ V41GRAPH_DISABLE_TRITON=1 is set, the call runs the pure-torch reference (the sp
 on the GPU instead, so results never depend on which path ran beyond the stated tolerances.
 
 Registered: fused_wkv_rmsnorm, rms_norm, rope, window_kv_write, global_kv_write, index_k_write,
-sparse_attention, engram_gather, mhc_sinkhorn, fake_quant, fused_ratio2_compressor(_update)
+sparse_attention, engram_gather, mhc_sinkhorn, fake_quant, fp8_linear and mxfp4_moe (the released
+weight formats, dequantized in registers), fused_ratio2_compressor(_update)
 (cuBLAS projections + one Triton kernel for pooling, RMSNorm and the state-ring write); indexer_topk and
 indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place
 (bit-identical to the reference on the H200, fp32 and bf16), selection stays torch. (engram_hash and fused_pool_rmsnorm keep
@@ -67,6 +68,8 @@ _register_triton_first("rms_norm", "norms", 2, lambda x, weight, eps, cast_befor
 _register_triton_first("sparse_attention", "attention", 9, ref.sparse_attention_over_caches)   # all but the scale
 _register_triton_first("mhc_sinkhorn", "mhc", 4, ref.mhc_sinkhorn)
 _register_triton_first("fake_quant", "cache_writes", 3, fake_quant_reference)
+_register_triton_first("fp8_linear", "quant_gemm", 3, ref.fp8_linear)
+_register_triton_first("mxfp4_moe", "moe_fp4", 7, ref.mxfp4_moe)
 
 
 def _register_cache_write(op: str, block: int) -> None:

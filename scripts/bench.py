@@ -72,9 +72,11 @@ def log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- model and data
-def build_model(config: str, device: str) -> V41Model:
+def build_model(config: str, device: str, weights: str = "dense") -> V41Model:
+    """weights="dense": bf16 (fp32 on the CPU) copies of every projection; "released": the
+    checkpoint's FP8 / MXFP4 bytes, computed as stored (numerics="released")."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = getattr(v41graph.V41Config, config)(weight_format="dense",
+    cfg = getattr(v41graph.V41Config, config)(weight_format="checkpoint" if weights == "released" else "dense",
                                               torch_dtype=str(dtype).replace("torch.", ""))
     with default_dtype(dtype), torch.device(device):   # parameters and buffers on the device
         model = V41Model(cfg)
@@ -84,6 +86,8 @@ def build_model(config: str, device: str) -> V41Model:
         for e in model.engram:
             e.embed_weight.copy_(_random_bytes(e.embed_weight, g))
             e.embed_scale.fill_(127)
+    if weights == "released":
+        model.set_numerics("released")
     return model.eval().requires_grad_(False)
 
 
@@ -377,7 +381,10 @@ def run_prefill(model, runner, variant, n_tokens, args, device) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="bench", choices=("tiny", "bench"))
+    ap.add_argument("--config", default="bench", choices=("tiny", "bench", "bench_rank"))
+    ap.add_argument("--weights", choices=("dense", "released"), default=None,
+                    help="dense: bf16 copies of the projections (default for tiny / bench); released: the "
+                         "checkpoint's FP8 / MXFP4 bytes computed as stored (default for bench_rank)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", default="1,8,32,64", help="decode buckets (all are captured)")
     ap.add_argument("--contexts", default="4096,32768")
@@ -404,10 +411,12 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     t_build = time.perf_counter()
-    model = build_model(args.config, device)
+    weights = args.weights or ("released" if args.config == "bench_rank" else "dense")
+    model = build_model(args.config, device, weights)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(device)
-    log(f"{args.config} model on {device} built in {time.perf_counter() - t_build:.0f} s; "
-        f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    log(f"{args.config} model ({weights} weights, {weight_bytes / 2 ** 30:.2f} GiB) on {device} built in "
+        f"{time.perf_counter() - t_build:.0f} s; copy bandwidth {bw / 1e9:.0f} GB/s")
     global SHARE_DECODE_GRAPH
     SHARE_DECODE_GRAPH = args.shared
     rows, out = [], Path(args.out) if args.out else None
@@ -426,9 +435,13 @@ def main(argv=None) -> int:
         if out:   # after every variant: a killed run still leaves its numbers
             out.mkdir(parents=True, exist_ok=True)
             (out / "bench.json").write_text(json.dumps(
-                {"config": args.config, "device": device, "copy_bytes_per_s": bw,
+                {"config": args.config, "weights": weights, "weight_bytes": weight_bytes,
+                 "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+                 "device": device, "copy_bytes_per_s": bw,
                  "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                  "torch": torch.__version__, "rows": rows}, indent=1))
+    peak = f", peak device memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB" if device == "cuda" else ""
+    print(f"{args.config}, {weights} weights: {weight_bytes / 2 ** 30:.2f} GiB of parameters{peak}")
     print(f"{'kind':<7} {'ctx':>6} {'B':>3} {'variant':<21} {'ms':>9} {'tok/s':>9} "
           f"{'compile s':>9} {'floor':>6}")
     for r in rows:

@@ -15,6 +15,9 @@ Needs a CUDA GPU and Triton. Everything is measured side by side in one process:
     (each sequence owns `ctx` cache rows; 512 random rows per token; window rows read in place
     from each sequence's FP8 ring plus this call's fresh rows) and prefill T = 4096;
   - Engram gather from a device table and from a pinned host table (UVA) vs the copy ceilings;
+  - released formats (--only quant): fp8_linear vs the bf16 cuBLAS linear per model shape
+    (decode M = 1/8/64, prefill 4096, a sweep of the tile table) and the MXFP4 MoE of one EP8
+    rank (48 experts, top-6) vs the model's bf16 torch._grouped_mm path;
   - lightning indexer, decode: a Reindex layer (the P = 16384 listed candidates) vs a Full layer
     (all C positions) at contexts 64K..512K; the Reindex time must not grow with C.
 Each fast result is checked against its baseline before it is timed. Prints a short table last;
@@ -439,13 +442,139 @@ def bench_ratio2(tk, bw, quick):
             gbench(fused), nbytes, base_us=t_un, err=err, bw=bw, note=ring)
 
 
+# =============================================================================== released formats
+# The model's FP8 projections at bench_rank widths: (name, N, K)
+FP8_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
+              ("shared w1", 2304, 5120), ("shared w2", 5120, 2304)]
+
+
+def _fp8_sweep_configs(m: int, quick: bool):
+    bm = 16 if m <= 16 else (64 if m <= 64 else 128)
+    if m > 64:
+        return [(bm, 128, 64, 1, 8, 3), (bm, 128, 128, 1, 8, 3), (bm, 64, 64, 1, 4, 3), (bm, 256, 64, 1, 8, 3)]
+    out = []
+    for bn in ((64, 128) if quick else (32, 64, 128)):
+        for bk in (128, 256):
+            for split in (1, 2, 4, 8, 16):
+                for stages in ((4,) if quick else (3, 4)):
+                    out.append((bm, bn, bk, split, 4, stages))
+    return out
+
+
+def bench_quant(bw, quick):
+    """fp8_linear (the checkpoint's FP8 weights + E8M0/32x32, activation quantization fused) vs
+    the bf16 cuBLAS linear of the same shape, decode M = 1 / 8 / 64 and prefill M = 4096; then
+    the MXFP4 MoE (48 experts, top-6, 5120 x 2304: one EP8 rank's share) vs the model's bf16
+    torch._grouped_mm path over the same experts. Cold L2 per call (cbench). The FP8 rows sweep
+    the kernel's tile table (BEST = the fastest config, checked against the reference)."""
+    import torch.nn.functional as F
+    from v41graph import V41Config
+    from v41graph.custom_ops import reference as ref
+    from v41graph.custom_ops.triton import quant_gemm
+    from v41graph.model.layers import default_dtype
+    from v41graph.model.model import init_random_weights_
+    from v41graph.model.moe import MoE
+    ops = torch.ops.v41graph
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = FP8_SHAPES[:3] if quick else FP8_SHAPES
+    for name, n, k in shapes:
+        w = torch.randint(0, 256, (n, k), device="cuda", dtype=torch.uint8, generator=g) & 0xB7
+        sc = torch.randint(118, 126, ((n + 31) // 32, k // 32), device="cuda", dtype=torch.uint8, generator=g)
+        dense = (w.view(torch.float8_e4m3fn).float()
+                 * ref.fp8_weight_values(w, sc)[1].repeat_interleave(32, 1)).bfloat16()
+        wbytes = n * k + sc.numel()
+        for m in ((1, 8, 64, 4096) if name in ("wq_a", "wq_b", "wo_b") else (1, 8, 64)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            shape = f"{name} M={m} N={n} K={k}"
+            t_bf16 = cbench(lambda: F.linear(x, dense))
+            row("fp8_linear", shape, "bf16 cuBLAS F.linear (dense copy)", t_bf16, n * k * 2, bw=bw)
+            want = ref.fp8_linear(x, w, sc, torch.float32)
+            got = ops.fp8_linear(x, w, sc, torch.bfloat16)
+            err = rel(got.float(), want)
+            t_def = cbench(lambda: ops.fp8_linear(x, w, sc, torch.bfloat16))
+            row("fp8_linear", shape, f"triton (default {quant_gemm._config(m, n, k, x.device)})", t_def,
+                wbytes, base_us=t_bf16, err=err, bw=bw)
+            best = None
+            for cfg in _fp8_sweep_configs(m, quick):
+                try:
+                    t = cbench(lambda cfg=cfg: quant_gemm.fp8_linear(x, w, sc, torch.bfloat16, config=cfg), reps=4)
+                except Exception as e:   # noqa: BLE001  (a config Triton cannot build: skip it)
+                    say(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            if best is not None:
+                e_best = rel(quant_gemm.fp8_linear(x, w, sc, torch.float32, config=best[1]), want)
+                row("fp8_linear", shape, f"BEST {best[1]}", best[0], wbytes, base_us=t_bf16, err=e_best, bw=bw)
+            if m > 64:   # prefill alternative: QDQ the activation, dequantize the weight, cuBLAS
+                def dequant_cublas():
+                    a = ops.fake_quant(x, "fp8_ue8m0", 32)
+                    wd = (w.view(torch.float8_e4m3fn).to(torch.bfloat16)
+                          * ref.fp8_weight_values(w, sc)[1].repeat_interleave(32, 1).to(torch.bfloat16))
+                    return F.linear(a, wd)
+                err_d = rel(dequant_cublas().float(), want)
+                row("fp8_linear", shape, "fake_quant + dequantized weight + cuBLAS", cbench(dequant_cublas),
+                    wbytes, base_us=t_bf16, err=err_d, bw=bw)
+        del dense
+        torch.cuda.empty_cache()
+
+    # ---- MoE: one rank's 48 experts, top-6
+    def moe(fmt_cfg, numerics):
+        cfg = V41Config.bench(n_routed_experts=48, num_experts_per_tok=6, torch_dtype="bfloat16", **fmt_cfg)
+        with default_dtype(torch.bfloat16), torch.device("cuda"):
+            m = MoE(cfg)
+        init_random_weights_(m, torch.Generator(device="cuda").manual_seed(1))
+        for mod in m.modules():
+            if hasattr(mod, "numerics"):
+                mod.numerics = numerics
+        return m.eval().requires_grad_(False)
+    fp4 = moe({"weight_format": "checkpoint"}, "released").pack_experts_()
+    fp4_bytes = sum(t.numel() for t in (fp4._w13, fp4._s13, fp4._w2, fp4._s2))
+    per_expert = fp4_bytes / 48
+    dense = moe({"weight_format": "dense"}, "fast")
+    from v41graph.custom_ops.triton import moe_fp4
+    for tokens in ((1, 8, 64) if quick else (1, 8, 64, 4096)):
+        x = torch.randn(tokens, 5120, device="cuda", dtype=torch.bfloat16)
+        weights, chosen = fp4.gate(x)
+        touched = int(torch.unique(chosen).numel())
+        shape = f"MoE 48x(5120x2304) top-6 T={tokens} ({touched} experts)"
+        t_bf16 = cbench(lambda: dense.routed(x, weights, chosen), reps=4)
+        row("mxfp4_moe", shape, "bf16 torch._grouped_mm (model's grouped path)", t_bf16,
+            touched * per_expert * 4, bw=bw)
+        want = ref.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2, fp4._s2, 10.0) if tokens <= 64 else None
+        got = fp4.routed(x, weights, chosen)
+        err = rel(got, want) if want is not None else None
+        t_fp4 = cbench(lambda: fp4.routed(x, weights, chosen), reps=4)
+        row("mxfp4_moe", shape, f"triton (default {moe_fp4._config(tokens * 6 / 48)})", t_fp4,
+            touched * per_expert, base_us=t_bf16, err=err, bw=bw)
+        sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),
+                 (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3)] if tokens <= 64 else \
+                [(64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (64, 128, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3)]
+        if not quick:
+            best = None
+            for cfg in sweep:
+                try:
+                    t = cbench(lambda cfg=cfg: moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2,
+                                                                 fp4._s2, 10.0, config=cfg), reps=4)
+                except Exception as e:   # noqa: BLE001
+                    say(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            if best is not None:
+                got_b = moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2, fp4._s2, 10.0,
+                                          config=best[1])
+                row("mxfp4_moe", shape, f"BEST {best[1]}", best[0], touched * per_expert, base_us=t_bf16,
+                    err=rel(got_b, want) if want is not None else None, bw=bw)
+
+
 # =============================================================================== main
 def main():
     global LOG
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2")
+    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2,quant")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     LOG = open(os.path.join(args.out, "bench.log"), "w")
@@ -474,7 +603,8 @@ def main():
                 ("attn", lambda: bench_attention(attention, d2d, args.quick)),
                 ("engram", lambda: bench_engram(engram, d2d, h2d, args.quick)),
                 ("indexer", lambda: bench_indexer(indexer, d2d, args.quick)),
-                ("ratio2", lambda: bench_ratio2(compressor, d2d, args.quick))]
+                ("ratio2", lambda: bench_ratio2(compressor, d2d, args.quick)),
+                ("quant", lambda: bench_quant(d2d, args.quick))]
     for name, fn in sections:
         if only and name not in only:
             continue
@@ -502,7 +632,7 @@ def main():
     for r in ROWS:
         v = r["variant"]
         if (r["op"] == "ceiling" or "(default" in v or v.startswith("BEST") or v.startswith("graph:")
-                or (r["op"].endswith("_write") and v == "triton") or "PINNED" in v and "rpp=4" in v or r["op"] == "indexer"):
+                or (r["op"].endswith("_write") and v == "triton") or "PINNED" in v and "rpp=4" in v or r["op"] == "indexer" or v.startswith("bf16")):
             say(f"{r['op'][:18]:18s} {r['shape'][:34]:34s} {v[:52]:52s} {r['us']:>9} "
                 f"x{r.get('speedup', '')} {r.get('pct_copy_bw', '')}% err={r.get('rel_err', '')} {r.get('note', '')[:60]}")
     say(f"done in {time.time() - t0:.0f} s")

@@ -2,6 +2,7 @@
 
     python scripts/make_random_checkpoint.py --config tiny --out /tmp/v41_tiny
     python scripts/make_random_checkpoint.py --config bench --out /data/v41_bench --max-shard-gb 4
+    python scripts/make_random_checkpoint.py --config bench_rank --out /data/v41_rank   # 48 experts, ~49 GB
     python scripts/make_random_checkpoint.py --config my_config.json --out DIR --seed 3
     python scripts/make_random_checkpoint.py --config full --out DIR --dry-run   # plan only
 
@@ -29,19 +30,19 @@ from v41graph.weights.random_checkpoint import write_random_checkpoint
 
 
 def config_from_arg(name: str, weight_format: str | None) -> V41Config:
-    if name in ("tiny", "bench", "full"):
+    if name in ("tiny", "bench", "bench_rank", "full"):
         config = getattr(V41Config, name)()
         return dataclasses.replace(config, weight_format=weight_format or "checkpoint")
     path = Path(name)
     if not path.exists():
-        raise SystemExit(f"--config: {name!r} is not tiny, bench, full or an existing JSON file")
+        raise SystemExit(f"--config: {name!r} is not tiny, bench, bench_rank, full or an existing JSON file")
     config = V41Config.from_json(path)
     return dataclasses.replace(config, weight_format=weight_format) if weight_format else config
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="tiny | bench | full | path to a config.json")
+    ap.add_argument("--config", required=True, help="tiny | bench | bench_rank | full | path to a config.json")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-shard-gb", type=float, default=4.0, help="shard size limit (GiB)")

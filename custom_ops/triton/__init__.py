@@ -18,6 +18,8 @@ by tests/test_kernels_cuda.py.
   engram        engram_gather from a device or pinned host table
   mhc           mhc_sinkhorn: the mHC predictor's Sinkhorn rounds in registers
   compressor    ratio2_compressor (pooling, RMSNorm, state-ring write after cuBLAS projections)
+  quant_gemm    fp8_linear: FP8 block-scaled weights, activation FP8 quantization fused in
+  moe_fp4       mxfp4_moe: grouped gate+up+SwiGLU and down GEMMs over stacked MXFP4 experts
 
 Portability (triton-ascend): the E2M1 encode/decode are integer/bit arithmetic only; the FP8
 conversions use tl.float8e4nv and the wkv kernel uses atomics + cache modifiers, which are the

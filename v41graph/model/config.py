@@ -168,6 +168,14 @@ class V41Config:
         kwargs["engram_num_embeddings"] = [engram_table_rows(p) for p in primes]
         return cls(**kwargs)
 
+    @classmethod
+    def bench_rank(cls, **overrides: Any) -> "V41Config":
+        """One EP8 rank's share of the released model on one GPU: bench()'s real widths and
+        small Engram tables, 48 of the 384 routed experts per layer (top-6 of them) and the
+        released weight formats (FP8 E4M3 + E8M0/32x32 projections, MXFP4 experts): ~49 GB as
+        stored, what one of eight H200s holds of the 384-expert model's layers."""
+        return cls.bench(**{"n_routed_experts": 48, "weight_format": "checkpoint", **overrides})
+
     # ------------------------------------------------------------------ (de)serialisation
     # DeepSeek's reference `inference/config.json` names -> released HF names.
     REFERENCE_NAMES = {

@@ -1,0 +1,141 @@
+"""mxfp4_moe on CUDA: the routed experts of one MoE over their stacked MXFP4 checkpoint bytes
+(imported lazily by cuda_impls.py).
+
+  routing (torch)  each token's experts in ascending id order; the N*topk (token, expert) pairs
+                   sorted by expert (stable); group ends from a searchsorted (a fixed [E] int32
+                   tensor: no bincount, no host sync, so the step captures)
+  gate_up kernel   grid (I/BN, E): a program loops over its expert's pairs BM at a time, loads
+                   the tokens' rows (gathered through the pair -> token index), quantizes them
+                   per 32 to FP8 in registers, dequantizes the FP4 tiles of w1 and w3 (same rows)
+                   to bf16 and runs two dots; the epilogue rounds gate and up to x's dtype as
+                   the reference's Linear does, applies the clamped SwiGLU and the routing weight
+                   and stores h (x's dtype). An expert nobody picked reads no weights.
+  down kernel      grid (d/BN, E): h quantized per 32 at load, times w2; each row is stored at
+                   its (token, slot) position (x's dtype, as the reference's w2 returns)
+  combine (torch)  the topk slots summed in fp32 in ascending expert order: the loop's order.
+
+Pairs routed to an expert held elsewhere (chosen == E) sort past the last group and stay 0.
+The tile table comes from scripts/bench_ops.py --only quant on the H200.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import _FLOAT_DTYPES, _fp4_weight_tile, _qdq_fp8_blocks
+from .quant_gemm import _block_k, fp8_capable
+
+
+@triton.jit
+def _group_bounds(offs_ptr, e):
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    return start, tl.load(offs_ptr + e)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
+                    HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_n, e = tl.program_id(0), tl.program_id(1)
+    start, end = _group_bounds(offs_ptr, e)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_mask = n < I
+    gate_rows = e.to(tl.int64) * 2 * I + n           # w1 rows of expert e in the [E*2I] stack
+    up_rows = gate_rows + I                          # w3 rows
+    for m0 in range(start, end, BM):
+        r = m0 + tl.arange(0, BM)
+        r_mask = r < end
+        tok = tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
+            a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+            acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
+            acc_u = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, up_rows, n_mask, k0, D, BN, BK)), acc_u)
+        out_ty = h_ptr.dtype.element_ty
+        gate = acc_g.to(out_ty).to(tl.float32)       # w1(x), w3(x) return x's dtype
+        up = acc_u.to(out_ty).to(tl.float32)
+        if HAS_LIMIT:
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            gate = tl.minimum(gate, limit)
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
+        h = pw[:, None] * h
+        tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(out_ty),
+                 mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_n, e = tl.program_id(0), tl.program_id(1)
+    start, end = _group_bounds(offs_ptr, e)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_mask = n < D
+    rows = e.to(tl.int64) * D + n                    # w2 rows of expert e in the [E*d] stack
+    for m0 in range(start, end, BM):
+        r = m0 + tl.arange(0, BM)
+        r_mask = r < end
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(h_ptr + r[:, None].to(tl.int64) * I + k[None, :], mask=r_mask[:, None], other=0.0)
+            a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+            acc = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, rows, n_mask, k0, I, BN, BK)), acc)
+        dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        tl.store(out_ptr + dest[:, None] * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=r_mask[:, None] & n_mask[None, :])
+
+
+def mxfp4_moe_supported(x, weights, chosen, w13, s13, w2, s2) -> bool:
+    tensors = (x, weights, chosen, w13, s13, w2, s2)
+    if not (x.is_cuda and x.dtype in _FLOAT_DTYPES and x.dim() == 2 and all(t.device == x.device for t in tensors)
+            and w13.dtype == w2.dtype == s13.dtype == s2.dtype == torch.uint8
+            and all(t.is_contiguous() for t in (w13, s13, w2, s2))):
+        return False
+    e, two_i, d_half = w13.shape
+    i, d = two_i // 2, x.shape[1]
+    if (d % 32 or i % 32 or d_half * 2 != d or tuple(s13.shape) != (e, two_i, d // 32)
+            or tuple(w2.shape) != (e, d, i // 2) or tuple(s2.shape) != (e, d, i // 32)):
+        return False
+    return fp8_capable(x.device)
+
+
+def _config(pairs_per_expert: float):
+    """(BM, BN, BK_gate_up, BK_down, num_warps, num_stages) by the expected rows per expert."""
+    if pairs_per_expert <= 16:
+        return 16, 64, 128, 128, 4, 3
+    if pairs_per_expert <= 64:
+        return 64, 64, 64, 64, 4, 3
+    return 128, 64, 64, 64, 8, 3
+
+
+def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
+    """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages) overrides the table."""
+    n, k = chosen.shape
+    e, two_i, _ = w13.shape
+    i, d = two_i // 2, x.shape[1]
+    ids, order = chosen.sort(dim=-1)                                   # ascending expert per token
+    pair_w = weights.gather(1, order).reshape(-1).to(torch.float32)
+    flat = ids.reshape(-1)                                             # pair p = token * k + slot
+    perm = torch.argsort(flat, stable=True)                            # pairs grouped by expert
+    offs = torch.searchsorted(flat[perm], torch.arange(e, device=x.device, dtype=flat.dtype),
+                              right=True, out_int32=True)
+    tok = (perm // k).to(torch.int32)
+    bm, bn, bk1, bk2, warps, stages = config or _config(n * k / e)
+    bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
+    xc = x.contiguous()
+    h = torch.empty((n * k, i), device=x.device, dtype=x.dtype)
+    _gate_up_kernel[(triton.cdiv(i, bn), e)](
+        xc, tok, pair_w[perm].contiguous(), offs, w13, s13, h, d, i, float(limit),
+        HAS_LIMIT=limit > 0, BM=bm, BN=bn, BK=bk1, num_warps=warps, num_stages=stages)
+    pairs = torch.zeros((n * k, d), device=x.device, dtype=x.dtype)
+    _down_kernel[(triton.cdiv(d, bn), e)](h, perm.to(torch.int32), offs, w2, s2, pairs, d, i,
+                                          BM=bm, BN=bn, BK=bk2, num_warps=warps, num_stages=stages)
+    pairs = pairs.view(n, k, d)
+    y = torch.zeros((n, d), device=x.device, dtype=torch.float32)
+    for j in range(k):                                                 # fp32, ascending expert id
+        y = y + pairs[:, j]
+    return y

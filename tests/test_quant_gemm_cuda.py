@@ -1,0 +1,153 @@
+"""The released weight formats on CUDA: fp8_linear and mxfp4_moe (Triton) vs their pure-torch
+references (custom_ops/reference.py, DeepSeek's blockwise arithmetic).
+
+The kernels compute exact products (FP8/FP4 codes times power-of-two scales and the FP8
+quantized activation are exact in bf16) and sum them in fp32 in another order than the
+reference's per-32-block partials, so:
+  fp8_linear, fp32 output        rel < 1e-5 (summation order only), any input dtype
+  fp8_linear, bf16 output        every element within one bf16 ulp of the reference (plus
+                                 1e-6 of the largest output, where a sum cancels)
+  mxfp4_moe                      rel < 2e-3 (fp32) / 1.5e-2 (bf16): an order-level difference
+                                 before one of the reference's roundings (gate/up and h to x's
+                                 dtype, h's FP8 quantization) can move that element by a step
+Inputs are random bytes with random scales; outputs are poisoned first where the op takes
+them; the captured graphs must replay bit-identically to eager (no host sync, deterministic).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+triton = pytest.importorskip("triton")
+
+import v41graph.custom_ops  # noqa: E402,F401  (registers the ops and the CUDA kernels)
+from v41graph.custom_ops import reference as ref  # noqa: E402
+from v41graph.custom_ops.triton import moe_fp4, quant_gemm  # noqa: E402
+
+ops = torch.ops.v41graph
+DEV = "cuda"
+
+
+def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    o, w = out.detach().double().cpu(), want.detach().double().cpu()
+    assert torch.isfinite(o).all(), "non-finite output"
+    return ((o - w).norm() / w.norm().clamp_min(1e-300)).item()
+
+
+def fp8_weight(n: int, k: int, g: torch.Generator):
+    w = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8) & 0xB7      # no NaN codes
+    s = torch.randint(118, 126, (-(-n // 32), k // 32), generator=g, dtype=torch.uint8)
+    return w.to(DEV), s.to(DEV)
+
+
+def fp4_stack(e: int, rows: int, k: int, g: torch.Generator):
+    w = torch.randint(0, 256, (e, rows, k // 2), generator=g, dtype=torch.uint8)
+    s = torch.randint(118, 126, (e, rows, k // 32), generator=g, dtype=torch.uint8)
+    return w.to(DEV), s.to(DEV)
+
+
+def activations(m: int, k: int, dtype, g: torch.Generator):
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g).add(0.1)
+    x[:, : k // 4] *= 8.0                      # uneven 32-blocks: different activation scales
+    return x.to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k", [(1, 512, 5120), (8, 1280, 5120), (17, 4096, 1280), (64, 5120, 2304),
+                                   (300, 1280, 5120), (3, 48, 64), (5, 100, 96)])
+def test_fp8_linear_matches_reference(m, n, k, dtype):
+    g = torch.Generator().manual_seed(m * 7919 + n + k)
+    w, s = fp8_weight(n, k, g)
+    x = activations(m, k, dtype, g)
+    assert quant_gemm.fp8_linear_supported(x, w, s)
+    want32 = ref.fp8_linear(x, w, s, torch.float32)
+    got32 = ops.fp8_linear(x, w, s, torch.float32)
+    assert got32.dtype == torch.float32 and got32.shape == (m, n)
+    assert rel_err(got32, want32) < 1e-5
+    got = ops.fp8_linear(x, w, s, dtype)
+    assert got.dtype == dtype
+    want = want32.to(dtype).float()
+    # one ulp of the output dtype, plus the fp32 order difference where the sum cancels
+    ulp = want.abs() * (2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -20) + 1e-6 * want32.abs().max()
+    assert ((got.float() - want).abs() <= ulp).all()
+
+
+def test_fp8_linear_every_split_and_tile_config():
+    """Every config the table can return, forced on one shape, agrees with the reference."""
+    g = torch.Generator().manual_seed(5)
+    w, s = fp8_weight(640, 2048, g)
+    x = activations(24, 2048, torch.bfloat16, g)
+    want = ref.fp8_linear(x, w, s, torch.float32)
+    for bm, bn, bk, warps, stages in [(16, 64, 256, 4, 4), (64, 64, 128, 4, 4), (128, 128, 64, 8, 3),
+                                      (16, 128, 128, 4, 3), (32, 32, 32, 2, 2)]:
+        for split in (1, 2, 4, 8):
+            got = quant_gemm.fp8_linear(x, w, s, torch.float32, config=(bm, bn, bk, split, warps, stages))
+            assert rel_err(got, want) < 1e-5, (bm, bn, bk, split)
+
+
+def _routing(n: int, k: int, e: int, g: torch.Generator, held_elsewhere: bool = False):
+    scores = torch.rand(n, e + int(held_elsewhere), generator=g)
+    chosen = scores.topk(k, dim=-1).indices                       # e = an expert of another rank
+    weights = torch.rand(n, k, generator=g) + 0.1
+    return weights.to(DEV), chosen.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,e,d,i,elsewhere", [(1, 6, 48, 512, 256, False), (64, 6, 48, 512, 256, False),
+                                                 (400, 6, 16, 256, 128, False), (5, 2, 4, 64, 32, True),
+                                                 (33, 4, 8, 256, 96, True)])
+def test_mxfp4_moe_matches_reference(n, k, e, d, i, elsewhere, dtype):
+    g = torch.Generator().manual_seed(n * 31 + e + d)
+    w13, s13 = fp4_stack(e, 2 * i, d, g)
+    w2, s2 = fp4_stack(e, d, i, g)
+    x = activations(n, d, dtype, g)
+    weights, chosen = _routing(n, k, e, g, elsewhere)
+    args = (x, weights, chosen, w13, s13, w2, s2, 10.0)
+    assert moe_fp4.mxfp4_moe_supported(*args[:7])
+    got = ops.mxfp4_moe(*args)
+    want = ref.mxfp4_moe(*args)
+    assert got.dtype == torch.float32 and got.shape == (n, d)
+    assert rel_err(got, want) < (1.5e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_mxfp4_moe_unpicked_experts_and_no_limit():
+    """Experts nobody picked contribute nothing; limit 0 = plain SwiGLU (no clamp)."""
+    g = torch.Generator().manual_seed(9)
+    e, d, i = 8, 128, 64
+    w13, s13 = fp4_stack(e, 2 * i, d, g)
+    w2, s2 = fp4_stack(e, d, i, g)
+    x = activations(6, d, torch.float32, g)
+    chosen = torch.tensor([[1, 5]] * 6, device=DEV)               # 6 of 8 experts unpicked
+    weights = torch.rand(6, 2, generator=g).to(DEV)
+    for limit in (0.0, 0.5):
+        args = (x, weights, chosen, w13, s13, w2, s2, limit)
+        assert rel_err(ops.mxfp4_moe(*args), ref.mxfp4_moe(*args)) < 2e-3
+
+
+def test_released_ops_capture_replay_bit_identical():
+    g = torch.Generator().manual_seed(3)
+    w, s = fp8_weight(1024, 2048, g)
+    w13, s13 = fp4_stack(16, 256, 512, g)
+    w2, s2 = fp4_stack(16, 512, 128, g)
+    x = activations(8, 2048, torch.bfloat16, g)
+    xm = activations(8, 512, torch.bfloat16, g)
+    weights, chosen = _routing(8, 6, 16, g)
+
+    def step():
+        return ops.fp8_linear(x, w, s, torch.bfloat16), ops.mxfp4_moe(xm, weights, chosen, w13, s13, w2, s2, 10.0)
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()                                            # warm-up (Triton JIT) off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(eager, captured))
