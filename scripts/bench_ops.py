@@ -449,15 +449,17 @@ FP8_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), (
 
 
 def _fp8_sweep_configs(m: int, quick: bool):
+    """(BM, BN, SUB, split, num_warps, num_stages) candidates (quant_gemm._config's fields)."""
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
     if m > 64:
-        return [(bm, 128, 64, 1, 8, 3), (bm, 128, 128, 1, 8, 3), (bm, 64, 64, 1, 4, 3), (bm, 256, 64, 1, 8, 3)]
+        return [(128, 128, 2, 1, 8, 3), (128, 128, 4, 1, 8, 3), (128, 256, 2, 1, 8, 3), (64, 128, 4, 1, 4, 3),
+                (128, 64, 4, 1, 4, 4)]
     out = []
     for bn in ((64, 128) if quick else (32, 64, 128)):
-        for bk in (128, 256):
+        for sub in (2, 4):
             for split in (1, 2, 4, 8, 16):
                 for stages in ((4,) if quick else (3, 4)):
-                    out.append((bm, bn, bk, split, 4, stages))
+                    out.append((bm, bn, sub, split, 4, stages))
     return out
 
 
@@ -489,8 +491,7 @@ def bench_quant(bw, quick):
             t_bf16 = cbench(lambda: F.linear(x, dense))
             row("fp8_linear", shape, "bf16 cuBLAS F.linear (dense copy)", t_bf16, n * k * 2, bw=bw)
             want = ref.fp8_linear(x, w, sc, torch.float32)
-            got = ops.fp8_linear(x, w, sc, torch.bfloat16)
-            err = rel(got.float(), want)
+            err = rel(ops.fp8_linear(x, w, sc, torch.float32), want)
             t_def = cbench(lambda: ops.fp8_linear(x, w, sc, torch.bfloat16))
             row("fp8_linear", shape, f"triton (default {quant_gemm._config(m, n, k, x.device)})", t_def,
                 wbytes, base_us=t_bf16, err=err, bw=bw)
@@ -547,9 +548,10 @@ def bench_quant(bw, quick):
         t_fp4 = cbench(lambda: fp4.routed(x, weights, chosen), reps=4)
         row("mxfp4_moe", shape, f"triton (default {moe_fp4._config(tokens * 6 / 48)})", t_fp4,
             touched * per_expert, base_us=t_bf16, err=err, bw=bw)
-        sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),
-                 (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3)] if tokens <= 64 else \
-                [(64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (64, 128, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3)]
+        sweep = [(16, 64, 4, 4, 4, 3), (16, 128, 4, 4, 4, 3), (16, 32, 4, 4, 4, 4), (16, 64, 2, 2, 4, 4),
+                 (16, 64, 4, 4, 8, 3), (16, 128, 2, 2, 4, 4), (32, 64, 4, 4, 4, 3)] if tokens <= 64 else \
+                [(64, 64, 2, 2, 4, 3), (128, 64, 2, 2, 8, 3), (64, 128, 2, 2, 8, 3), (128, 128, 2, 2, 8, 3),
+                 (128, 128, 4, 4, 8, 3)]
         if not quick:
             best = None
             for cfg in sweep:

@@ -1,12 +1,13 @@
 """The released weight formats on CUDA: fp8_linear and mxfp4_moe (Triton) vs their pure-torch
 references (custom_ops/reference.py, DeepSeek's blockwise arithmetic).
 
-The kernels compute exact products (FP8/FP4 codes times power-of-two scales and the FP8
-quantized activation are exact in bf16) and sum them in fp32 in another order than the
-reference's per-32-block partials, so:
-  fp8_linear, fp32 output        rel < 1e-5 (summation order only), any input dtype
+The kernels run the reference's own formulation (E4M3 activation codes times the stored
+FP8/FP4 codes, one 32-wide K block per FP8 tensor-core dot, each partial times both scales
+into fp32, blocks in order); what differs is the sum of the 32 products inside the tensor
+core, whose accumulator is narrower than fp32, so:
+  fp8_linear, fp32 output        rel < 1e-4, any input dtype
   fp8_linear, bf16 output        every element within one bf16 ulp of the reference (plus
-                                 1e-6 of the largest output, where a sum cancels)
+                                 1e-4 of the largest output, where a sum cancels)
   mxfp4_moe                      rel < 2e-3 (fp32) / 1.5e-2 (bf16): an order-level difference
                                  before one of the reference's roundings (gate/up and h to x's
                                  dtype, h's FP8 quantization) can move that element by a step
@@ -28,6 +29,7 @@ from v41graph.custom_ops.triton import moe_fp4, quant_gemm  # noqa: E402
 
 ops = torch.ops.v41graph
 DEV = "cuda"
+FP32_OUT_REL = 1e-4     # see the module docstring
 
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
@@ -65,13 +67,15 @@ def test_fp8_linear_matches_reference(m, n, k, dtype):
     want32 = ref.fp8_linear(x, w, s, torch.float32)
     got32 = ops.fp8_linear(x, w, s, torch.float32)
     assert got32.dtype == torch.float32 and got32.shape == (m, n)
-    assert rel_err(got32, want32) < 1e-5
+    err = rel_err(got32, want32)
+    assert err < FP32_OUT_REL, err
     got = ops.fp8_linear(x, w, s, dtype)
     assert got.dtype == dtype
     want = want32.to(dtype).float()
     # one ulp of the output dtype, plus the fp32 order difference where the sum cancels
-    ulp = want.abs() * (2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -20) + 1e-6 * want32.abs().max()
-    assert ((got.float() - want).abs() <= ulp).all()
+    ulp = want.abs() * (2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -20) + FP32_OUT_REL * want32.abs().max()
+    worst = ((got.float() - want).abs() - ulp).max().item()
+    assert worst <= 0, worst
 
 
 def test_fp8_linear_every_split_and_tile_config():
@@ -80,11 +84,11 @@ def test_fp8_linear_every_split_and_tile_config():
     w, s = fp8_weight(640, 2048, g)
     x = activations(24, 2048, torch.bfloat16, g)
     want = ref.fp8_linear(x, w, s, torch.float32)
-    for bm, bn, bk, warps, stages in [(16, 64, 256, 4, 4), (64, 64, 128, 4, 4), (128, 128, 64, 8, 3),
-                                      (16, 128, 128, 4, 3), (32, 32, 32, 2, 2)]:
+    for bm, bn, sub, warps, stages in [(16, 64, 4, 4, 3), (64, 64, 4, 4, 3), (128, 128, 2, 8, 3),
+                                       (16, 128, 2, 4, 4), (32, 32, 1, 2, 2)]:
         for split in (1, 2, 4, 8):
-            got = quant_gemm.fp8_linear(x, w, s, torch.float32, config=(bm, bn, bk, split, warps, stages))
-            assert rel_err(got, want) < 1e-5, (bm, bn, bk, split)
+            err = rel_err(quant_gemm.fp8_linear(x, w, s, torch.float32, config=(bm, bn, sub, split, warps, stages)), want)
+            assert err < FP32_OUT_REL, (bm, bn, sub, split, err)
 
 
 def _routing(n: int, k: int, e: int, g: torch.Generator, held_elsewhere: bool = False):
@@ -109,7 +113,8 @@ def test_mxfp4_moe_matches_reference(n, k, e, d, i, elsewhere, dtype):
     got = ops.mxfp4_moe(*args)
     want = ref.mxfp4_moe(*args)
     assert got.dtype == torch.float32 and got.shape == (n, d)
-    assert rel_err(got, want) < (1.5e-2 if dtype == torch.bfloat16 else 2e-3)
+    err = rel_err(got, want)
+    assert err < (1.5e-2 if dtype == torch.bfloat16 else 2e-3), err
 
 
 def test_mxfp4_moe_unpicked_experts_and_no_limit():
