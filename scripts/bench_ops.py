@@ -449,17 +449,16 @@ FP8_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), (
 
 
 def _fp8_sweep_configs(m: int, quick: bool):
-    """(BM, BN, SUB, split, num_warps, num_stages) candidates (quant_gemm._config's fields)."""
+    """(BM, BN, BK, split, num_warps, num_stages) candidates (quant_gemm._config's fields)."""
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
     if m > 64:
-        return [(128, 128, 2, 1, 8, 3), (128, 128, 4, 1, 8, 3), (128, 256, 2, 1, 8, 3), (64, 128, 4, 1, 4, 3),
-                (128, 64, 4, 1, 4, 4)]
+        return [(128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3), (64, 128, 128, 1, 4, 3)]
     out = []
     for bn in ((64, 128) if quick else (32, 64, 128)):
-        for sub in (2, 4):
+        for bk in (128, 256):
             for split in (1, 2, 4, 8, 16):
                 for stages in ((4,) if quick else (3, 4)):
-                    out.append((bm, bn, sub, split, 4, stages))
+                    out.append((bm, bn, bk, split, 4, stages))
     return out
 
 
@@ -493,8 +492,11 @@ def bench_quant(bw, quick):
             want = ref.fp8_linear(x, w, sc, torch.float32)
             err = rel(ops.fp8_linear(x, w, sc, torch.float32), want)
             t_def = cbench(lambda: ops.fp8_linear(x, w, sc, torch.bfloat16))
-            row("fp8_linear", shape, f"triton (default {quant_gemm._config(m, n, k, x.device)})", t_def,
-                wbytes, base_us=t_bf16, err=err, bw=bw)
+            default = ("fake_quant + dequant kernel + cuBLAS" if m >= quant_gemm.PREFILL_ROWS
+                       else f"triton {quant_gemm._config(m, n, k, x.device)}")
+            err = rel(ops.fp8_linear(x, w, sc, torch.bfloat16).float(), want.bfloat16().float()) \
+                if m >= quant_gemm.PREFILL_ROWS else err
+            row("fp8_linear", shape, f"default: {default}", t_def, wbytes, base_us=t_bf16, err=err, bw=bw)
             best = None
             for cfg in _fp8_sweep_configs(m, quick):
                 try:
@@ -507,15 +509,6 @@ def bench_quant(bw, quick):
             if best is not None:
                 e_best = rel(quant_gemm.fp8_linear(x, w, sc, torch.float32, config=best[1]), want)
                 row("fp8_linear", shape, f"BEST {best[1]}", best[0], wbytes, base_us=t_bf16, err=e_best, bw=bw)
-            if m > 64:   # prefill alternative: QDQ the activation, dequantize the weight, cuBLAS
-                def dequant_cublas():
-                    a = ops.fake_quant(x, "fp8_ue8m0", 32)
-                    wd = (w.view(torch.float8_e4m3fn).to(torch.bfloat16)
-                          * ref.fp8_weight_values(w, sc)[1].repeat_interleave(32, 1).to(torch.bfloat16))
-                    return F.linear(a, wd)
-                err_d = rel(dequant_cublas().float(), want)
-                row("fp8_linear", shape, "fake_quant + dequantized weight + cuBLAS", cbench(dequant_cublas),
-                    wbytes, base_us=t_bf16, err=err_d, bw=bw)
         del dense
         torch.cuda.empty_cache()
 
@@ -546,12 +539,11 @@ def bench_quant(bw, quick):
         got = fp4.routed(x, weights, chosen)
         err = rel(got, want) if want is not None else None
         t_fp4 = cbench(lambda: fp4.routed(x, weights, chosen), reps=4)
-        row("mxfp4_moe", shape, f"triton (default {moe_fp4._config(tokens * 6 / 48)})", t_fp4,
+        row("mxfp4_moe", shape, f"default: triton {moe_fp4._config(tokens * 6 / 48)}", t_fp4,
             touched * per_expert, base_us=t_bf16, err=err, bw=bw)
-        sweep = [(16, 64, 4, 4, 4, 3), (16, 128, 4, 4, 4, 3), (16, 32, 4, 4, 4, 4), (16, 64, 2, 2, 4, 4),
-                 (16, 64, 4, 4, 8, 3), (16, 128, 2, 2, 4, 4), (32, 64, 4, 4, 4, 3)] if tokens <= 64 else \
-                [(64, 64, 2, 2, 4, 3), (128, 64, 2, 2, 8, 3), (64, 128, 2, 2, 8, 3), (128, 128, 2, 2, 8, 3),
-                 (128, 128, 4, 4, 8, 3)]
+        sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),
+                 (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3)] if tokens <= 64 else \
+                [(64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (64, 128, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3)]
         if not quick:
             best = None
             for cfg in sweep:
@@ -633,7 +625,7 @@ def main():
     say("\nSUMMARY (us; speedup vs the baseline named in the full table)")
     for r in ROWS:
         v = r["variant"]
-        if (r["op"] == "ceiling" or "(default" in v or v.startswith("BEST") or v.startswith("graph:")
+        if (r["op"] == "ceiling" or "(default" in v or v.startswith(("BEST", "graph:", "default:"))
                 or (r["op"].endswith("_write") and v == "triton") or "PINNED" in v and "rpp=4" in v or r["op"] == "indexer" or v.startswith("bf16")):
             say(f"{r['op'][:18]:18s} {r['shape'][:34]:34s} {v[:52]:52s} {r['us']:>9} "
                 f"x{r.get('speedup', '')} {r.get('pct_copy_bw', '')}% err={r.get('rel_err', '')} {r.get('note', '')[:60]}")

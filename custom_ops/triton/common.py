@@ -77,42 +77,51 @@ def _program_rows(index_ptr, n_rows, other, BR: tl.constexpr):
 
 
 # =============================================================================== quantized GEMM tiles
-# The checkpoint's FP8 / FP4 weights feed FP8 tensor-core dots as stored, one 32-wide K block
-# per dot, each partial times its activation and weight scales into an fp32 accumulator: the
-# reference's own formulation (reference.blockwise_gemm), in the same block order
-# (quant_gemm.py, moe_fp4.py).
+# The checkpoint's FP8 / FP4 weights are dequantized tile by tile in registers and fed to bf16
+# tensor-core dots: every FP8/FP4 code times its power-of-two scale is exact in bf16, and so is
+# the FP8-quantized activation, so the products are exact and only the fp32 summation order
+# differs from the reference's per-32-block partial sums (quant_gemm.py, moe_fp4.py).
 @triton.jit
-def _quant_fp8_block(x):
-    """x [BM, 32] fp32 -> (E4M3 codes [BM, 32], fp32 power-of-two scales [BM]): one UE8M0 scale
-    per row of 32 (codecs.quant_fp8_ue8m0: amax floor 1e-4, scale 2^ceil(log2(amax/448)))."""
-    amax = tl.max(tl.abs(x), axis=1)
+def _qdq_fp8_blocks(x, BM: tl.constexpr, BK: tl.constexpr):
+    """x [BM, BK] fp32 -> its FP8 E4M3 quantize-dequantize with one UE8M0 scale per 32 columns
+    (codecs.qdq_fp8_ue8m0: amax floor 1e-4, scale 2^ceil(log2(amax/448))), fp32, exact values."""
+    xb = tl.reshape(x, (BM, BK // 32, 32))
+    amax = tl.max(tl.abs(xb), axis=2)
     ex = _ceil_log2(tl.maximum(amax, 1e-4) * 0.002232142857142857)     # fp32(1/448)
-    q = x * _exp2i(-ex)[:, None]
-    return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), _exp2i(ex)
+    q = xb * _exp2i(-ex)[:, :, None]
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+    return tl.reshape(q * _exp2i(ex)[:, :, None], (BM, BK))
 
 
 @triton.jit
-def _e2m1_as_e4m3(c):
-    """E2M1 codes (int32 0..15) -> E4M3 bytes of the same values times 2^-6, exactly: the
-    exponent and mantissa bits drop into E4M3's low exponent and top mantissa bits (E2M1's
-    subnormal 0.5 lands on E4M3's subnormal 2^-7), the sign moves to bit 7."""
-    return (((c & 7) << 2) | ((c & 8) << 4)).to(tl.uint8)
+def _scaled_tile(v, scale_bytes, BN: tl.constexpr, BK: tl.constexpr):
+    """v [BN, BK] fp32 codes times their E8M0 scales [BN, BK/32] (one per 32 columns), as bf16."""
+    s = _exp2i(scale_bytes.to(tl.int32) - 127)
+    v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
+    return v.to(tl.bfloat16)
 
 
 @triton.jit
-def _fp4_block_as_e4m3(w_ptr, rows, row_mask, k0, K, BN: tl.constexpr):
-    """Columns k0..k0+32 of MXFP4 rows `rows` [BN] (int64; packed [N, K/2], even column in the
-    low nibble) as E4M3 [BN, 32] holding the E2M1 values times 2^-6."""
-    b = k0 // 2 + tl.arange(0, 16)
-    p = tl.load(w_ptr + rows[:, None] * (K // 2) + b[None, :], mask=row_mask[:, None], other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(_e2m1_as_e4m3(p & 15), _e2m1_as_e4m3(p >> 4)), (BN, 32))
-    return codes.to(tl.float8e4nv, bitcast=True)
+def _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows n [BN] (int64), columns k0..k0+BK of an FP8 E4M3 weight [N, K] with one E8M0 scale
+    per 32x32 block (s_ptr [ceil(N/32), K/32]), dequantized to bf16 [BN, BK]."""
+    k = k0 + tl.arange(0, BK)
+    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_mask[:, None], other=0)
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    s = tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
+    return _scaled_tile(w.to(tl.float8e4nv, bitcast=True).to(tl.float32), s, BN, BK)
 
 
 @triton.jit
-def _e8m0(scale_bytes, extra_exponent):
-    """E8M0 bytes -> fp32 2^(byte - 127 + extra_exponent)."""
-    return _exp2i(scale_bytes.to(tl.int32) - 127 + extra_exponent)
+def _fp4_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows n [BN] (int64), columns k0..k0+BK of an MXFP4 weight: E2M1 packed [N, K/2] (even
+    column in the low nibble) with one E8M0 scale per 32 along K (s_ptr [N, K/32]), as bf16."""
+    b = k0 // 2 + tl.arange(0, BK // 2)
+    p = tl.load(w_ptr + n[:, None] * (K // 2) + b[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(p & 15, p >> 4), (BN, BK))
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    s = tl.load(s_ptr + n[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
+    return _scaled_tile(_e2m1_decode(codes), s, BN, BK)
 
 
 def _capability_at_least(device: torch.device, major: int, minor: int) -> bool:

@@ -5,14 +5,12 @@
                    sorted by expert (stable); group ends from a searchsorted (a fixed [E] int32
                    tensor: no bincount, no host sync, so the step captures)
   gate_up kernel   grid (I/BN, E): a program loops over its expert's pairs BM at a time, loads
-                   the tokens' rows (gathered through the pair -> token index) and per 32-wide K
-                   block quantizes them to E4M3 in registers, maps the w1 and w3 FP4 codes to
-                   E4M3 bytes of the same values times 2^-6 (bit moves, exact) and runs FP8
-                   tensor-core dots whose partials are scaled into fp32 accumulators, as the
-                   reference's blockwise GEMM does per block; the epilogue rounds gate and up to x's dtype as
+                   the tokens' rows (gathered through the pair -> token index), quantizes them
+                   per 32 to FP8 in registers, dequantizes the FP4 tiles of w1 and w3 (same rows)
+                   to bf16 and runs two dots; the epilogue rounds gate and up to x's dtype as
                    the reference's Linear does, applies the clamped SwiGLU and the routing weight
                    and stores h (x's dtype). An expert nobody picked reads no weights.
-  down kernel      grid (d/BN, E): h quantized per 32 at load, times w2 the same way; each row is stored at
+  down kernel      grid (d/BN, E): h quantized per 32 at load, times w2; each row is stored at
                    its (token, slot) position (x's dtype, as the reference's w2 returns)
   combine (torch)  the topk slots summed in fp32 in ascending expert order: the loop's order.
 
@@ -25,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES, _e8m0, _fp4_block_as_e4m3, _quant_fp8_block
-from .quant_gemm import _sub_blocks, fp8_capable
+from .common import _FLOAT_DTYPES, _fp4_weight_tile, _qdq_fp8_blocks
+from .quant_gemm import _block_k, fp8_capable
 
 
 @triton.jit
@@ -36,17 +34,8 @@ def _group_bounds(offs_ptr, e):
 
 
 @triton.jit
-def _fp4_block_dot(q, a_s, w_ptr, s_ptr, rows, row_mask, k0, K, BN: tl.constexpr):
-    """One 32-wide K block: E4M3 activation codes q [BM, 32] (scales a_s [BM]) times MXFP4 rows
-    `rows` [BN], as an FP8 dot times both scales (2^6 undoes the E2M1 -> E4M3 mapping)."""
-    w = _fp4_block_as_e4m3(w_ptr, rows, row_mask, k0, K, BN)
-    w_s = _e8m0(tl.load(s_ptr + rows * (K // 32) + k0 // 32, mask=row_mask, other=127), 6)
-    return tl.dot(q, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
-                    HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SUB: tl.constexpr):
+                    HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n, e = tl.program_id(0), tl.program_id(1)
     start, end = _group_bounds(offs_ptr, e)
     n = pid_n * BN + tl.arange(0, BN)
@@ -56,16 +45,15 @@ def _gate_up_kernel(x_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I,
     for m0 in range(start, end, BM):
         r = m0 + tl.arange(0, BM)
         r_mask = r < end
-        x_rows = x_ptr + tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)[:, None] * D
+        tok = tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for k_step in range(0, D, 32 * SUB):
-            for j in tl.static_range(SUB):
-                k0 = k_step + 32 * j
-                a = tl.load(x_rows + (k0 + tl.arange(0, 32))[None, :], mask=r_mask[:, None], other=0.0)
-                q, a_s = _quant_fp8_block(a.to(tl.float32))
-                acc_g += _fp4_block_dot(q, a_s, w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN)
-                acc_u += _fp4_block_dot(q, a_s, w_ptr, s_ptr, up_rows, n_mask, k0, D, BN)
+        for k0 in range(0, D, BK):
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
+            a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+            acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
+            acc_u = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, up_rows, n_mask, k0, D, BN, BK)), acc_u)
         out_ty = h_ptr.dtype.element_ty
         gate = acc_g.to(out_ty).to(tl.float32)       # w1(x), w3(x) return x's dtype
         up = acc_u.to(out_ty).to(tl.float32)
@@ -81,7 +69,7 @@ def _gate_up_kernel(x_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I,
 
 @triton.jit
 def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
-                 BM: tl.constexpr, BN: tl.constexpr, SUB: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n, e = tl.program_id(0), tl.program_id(1)
     start, end = _group_bounds(offs_ptr, e)
     n = pid_n * BN + tl.arange(0, BN)
@@ -90,14 +78,12 @@ def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
     for m0 in range(start, end, BM):
         r = m0 + tl.arange(0, BM)
         r_mask = r < end
-        h_rows = h_ptr + r[:, None].to(tl.int64) * I
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k_step in range(0, I, 32 * SUB):
-            for j in tl.static_range(SUB):
-                k0 = k_step + 32 * j
-                a = tl.load(h_rows + (k0 + tl.arange(0, 32))[None, :], mask=r_mask[:, None], other=0.0)
-                q, a_s = _quant_fp8_block(a.to(tl.float32))
-                acc += _fp4_block_dot(q, a_s, w_ptr, s_ptr, rows, n_mask, k0, I, BN)
+        for k0 in range(0, I, BK):
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(h_ptr + r[:, None].to(tl.int64) * I + k[None, :], mask=r_mask[:, None], other=0.0)
+            a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+            acc = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, rows, n_mask, k0, I, BN, BK)), acc)
         dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
         tl.store(out_ptr + dest[:, None] * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
@@ -118,17 +104,16 @@ def mxfp4_moe_supported(x, weights, chosen, w13, s13, w2, s2) -> bool:
 
 
 def _config(pairs_per_expert: float):
-    """(BM, BN, SUB_gate_up, SUB_down, num_warps, num_stages) by the expected rows per expert
-    (SUB: 32-wide K blocks per loop step)."""
+    """(BM, BN, BK_gate_up, BK_down, num_warps, num_stages) by the expected rows per expert."""
     if pairs_per_expert <= 16:
-        return 16, 64, 4, 4, 4, 3
+        return 16, 64, 128, 128, 8, 3
     if pairs_per_expert <= 64:
-        return 64, 64, 2, 2, 4, 3
-    return 128, 128, 2, 2, 8, 3
+        return 64, 64, 64, 64, 4, 3
+    return 128, 64, 64, 64, 8, 3
 
 
 def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
-    """`config` (BM, BN, SUB_gate_up, SUB_down, num_warps, num_stages) overrides the table."""
+    """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages) overrides the table."""
     n, k = chosen.shape
     e, two_i, _ = w13.shape
     i, d = two_i // 2, x.shape[1]
@@ -139,16 +124,16 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     offs = torch.searchsorted(flat[perm], torch.arange(e, device=x.device, dtype=flat.dtype),
                               right=True, out_int32=True)
     tok = (perm // k).to(torch.int32)
-    bm, bn, sub1, sub2, warps, stages = config or _config(n * k / e)
-    sub1, sub2 = _sub_blocks(d, sub1), _sub_blocks(i, sub2)
+    bm, bn, bk1, bk2, warps, stages = config or _config(n * k / e)
+    bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
     xc = x.contiguous()
     h = torch.empty((n * k, i), device=x.device, dtype=x.dtype)
     _gate_up_kernel[(triton.cdiv(i, bn), e)](
         xc, tok, pair_w[perm].contiguous(), offs, w13, s13, h, d, i, float(limit),
-        HAS_LIMIT=limit > 0, BM=bm, BN=bn, SUB=sub1, num_warps=warps, num_stages=stages)
+        HAS_LIMIT=limit > 0, BM=bm, BN=bn, BK=bk1, num_warps=warps, num_stages=stages)
     pairs = torch.zeros((n * k, d), device=x.device, dtype=x.dtype)
     _down_kernel[(triton.cdiv(d, bn), e)](h, perm.to(torch.int32), offs, w2, s2, pairs, d, i,
-                                          BM=bm, BN=bn, SUB=sub2, num_warps=warps, num_stages=stages)
+                                          BM=bm, BN=bn, BK=bk2, num_warps=warps, num_stages=stages)
     pairs = pairs.view(n, k, d)
     y = torch.zeros((n, d), device=x.device, dtype=torch.float32)
     for j in range(k):                                                 # fp32, ascending expert id

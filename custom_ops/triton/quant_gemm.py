@@ -1,14 +1,15 @@
 """fp8_linear on CUDA: x times the checkpoint's FP8 E4M3 weight with E8M0 scales per 32x32
 block, the activation's FP8 quantization fused in (imported lazily by cuda_impls.py).
 
-One kernel for every shape: a program owns a [BM, BN] output tile and a share of K (split-K
-when the tile grid alone would leave SMs idle, as in decode). Per 32-wide K block it loads the
-activation block and quantizes it to E4M3 in registers (common._quant_fp8_block: the reference's
-codes and scale), loads the weight block's E4M3 bytes as they are stored, runs an FP8
-tensor-core dot and adds the partial times both scales to an fp32 accumulator: the reference's
-per-block formulation in the reference's block order. What can differ is the sum of the 32
-products inside the tensor core (its accumulation is narrower than fp32). Split-K partials go to an fp32 workspace [S, M, N] summed by torch in
+Decode and small batches (M < PREFILL_ROWS, or an fp32 result): one kernel; a program owns a [BM, BN] output tile and a share of K (split-K
+when the tile grid alone would leave SMs idle, as in decode); per BK step it loads the
+activation tile, quantizes it per 32 in registers (common._qdq_fp8_blocks), loads the FP8
+weight tile with its block scales and dequantizes it to bf16 (exact), and accumulates a bf16
+tensor-core dot in fp32. Split-K partials go to an fp32 workspace [S, M, N] summed by torch in
 a fixed order (deterministic; no atomics), then cast once, as the reference casts once.
+Prefill (M >= PREFILL_ROWS, a bf16/fp16 result): the weight is dequantized to a transient bf16
+copy by one kernel and the product runs in cuBLAS (`_fp8_linear_prefill`): on the H200 the
+Triton kernel reached only 0.33x of cuBLAS there.
 
 The tile table (`_config`) comes from scripts/bench_ops.py --only quant on the H200.
 """
@@ -20,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES, _capability_at_least, _e8m0, _num_sms, _quant_fp8_block, _rows
+from .common import (_FLOAT_DTYPES, _capability_at_least, _fp8_weight_tile, _num_sms,
+                     _qdq_fp8_blocks, _rows)
 
 _WARNED: set = set()
 
@@ -44,23 +46,20 @@ def fp8_capable(device: torch.device) -> bool:
 
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
-                       BM: tl.constexpr, BN: tl.constexpr, SUB: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BM + tl.arange(0, BM)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     m_mask, n_mask = m < M, n < N
-    x_rows = x_ptr + m[:, None].to(tl.int64) * K
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    for k_step in range(k_lo, k_hi, 32 * SUB):
-        for j in tl.static_range(SUB):          # one 32-wide K block per dot, as the reference
-            k0 = k_step + 32 * j
-            k = k0 + tl.arange(0, 32)
-            q, a_s = _quant_fp8_block(tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32))
-            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_mask[:, None], other=0)
-            w_s = _e8m0(tl.load(s_ptr + (n // 32) * (K // 32) + k0 // 32, mask=n_mask, other=127), 0)
-            acc += tl.dot(q, tl.trans(w.to(tl.float8e4nv, bitcast=True))) * (a_s[:, None] * w_s[None, :])
+    for k0 in range(k_lo, k_hi, BK):
+        k = k0 + tl.arange(0, BK)
+        a = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=m_mask[:, None], other=0.0)
+        a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+        w = _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN, BK)
+        acc = tl.dot(a, tl.trans(w), acc)
     out = out_ptr + pid_k.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -76,47 +75,71 @@ def fp8_linear_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return fp8_capable(x.device)
 
 
-def _sub_blocks(k: int, largest: int) -> int:
-    """32-wide K blocks per loop step: the largest power of two <= `largest` dividing k / 32."""
-    sub = largest
-    while (k // 32) % sub:
-        sub //= 2
-    return sub
+def _block_k(k: int, largest: int) -> int:
+    bk = largest
+    while k % bk:
+        bk //= 2
+    return bk
 
 
 def _config(m: int, n: int, k: int, device: torch.device):
-    """(BM, BN, SUB, split, num_warps, num_stages) for an [m, k] x [n, k]^T product: split-K
-    until the grid covers the SMs twice (decode), one K range per tile for prefill."""
+    """(BM, BN, BK, split, num_warps, num_stages) for an [m, k] x [n, k]^T product: the best
+    configs of the H200 sweep (scripts/bench_ops.py --only quant), split-K until the grid
+    covers the SMs twice."""
     if m <= 16:
-        bm, bn, sub, warps, stages = 16, 64, 4, 4, 3
+        bm, bn, bk, warps, stages = 16, 128, _block_k(k, 128), 4, 3
     elif m <= 64:
-        bm, bn, sub, warps, stages = 64, 64, 4, 4, 3
+        bm, bn, bk, warps, stages = 64, 128, _block_k(k, 128), 4, 3
     else:
-        bm, bn, sub, warps, stages = 128, 128, 2, 8, 3
-    sub = _sub_blocks(k, sub)
+        bm, bn, bk, warps, stages = 128, 256, _block_k(k, 64), 8, 3
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    steps = k // (32 * sub)
+    steps = k // bk
     split = 1
     while tiles * split < 2 * _num_sms(device) and split * 2 <= steps and split < 16:
         split *= 2
-    return bm, bn, sub, split, warps, stages
+    return bm, bn, bk, split, warps, stages
+
+
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    k0 = tl.program_id(1) * BK
+    w = _fp8_weight_tile(w_ptr, s_ptr, n, n < N, k0, K, BN, BK)
+    k = k0 + tl.arange(0, BK)
+    tl.store(out_ptr + n[:, None] * K + k[None, :], w, mask=(n < N)[:, None])
+
+
+PREFILL_ROWS = 256   # from here on: dequantize the weight (transient bf16) + cuBLAS
+
+
+def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype):
+    """Prefill shapes: the activation quantized per 32 (the fake_quant op: exact values, so
+    bf16 holds them) times the weight dequantized to bf16 by one kernel (exact too), in
+    cuBLAS: the same products and an fp32 accumulation, at cuBLAS's speed, for a transient
+    bf16 copy of this one weight (freed after the call)."""
+    n, k = weight.shape
+    bk = _block_k(k, 128)
+    dense = torch.empty((n, k), device=x2.device, dtype=torch.bfloat16)
+    _fp8_dequant_kernel[(triton.cdiv(n, 64), k // bk)](weight, scale, dense, n, k, BN=64, BK=bk, num_warps=4)
+    a = torch.ops.v41graph.fake_quant(x2, "fp8_ue8m0", 32).to(torch.bfloat16)
+    return torch.nn.functional.linear(a, dense).to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                config=None) -> torch.Tensor:
-    """`config` (BM, BN, SUB, split, num_warps, num_stages) overrides the table (bench_ops' sweep)."""
+    """`config` (BM, BN, BK, split, num_warps, num_stages) overrides the table (bench_ops' sweep)."""
     x2 = _rows(x)
     m, k = x2.shape
     n = weight.shape[0]
-    bm, bn, sub, split, warps, stages = config or _config(m, n, k, x.device)
-    sub = _sub_blocks(k, sub)
-    step = 32 * sub
-    k_per_split = triton.cdiv(k // step, split) * step
+    if config is None and m >= PREFILL_ROWS and out_dtype in (torch.bfloat16, torch.float16):
+        return _fp8_linear_prefill(x2, weight, scale, out_dtype).view(*x.shape[:-1], n)
+    bm, bn, bk, split, warps, stages = config or _config(m, n, k, x.device)
+    k_per_split = triton.cdiv(k // bk, split) * bk
     split = triton.cdiv(k, k_per_split)
     out = torch.empty((split, m, n) if split > 1 else (m, n), device=x.device,
                       dtype=torch.float32 if split > 1 else out_dtype)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    _fp8_linear_kernel[grid](x2, weight, scale, out, m, n, k, k_per_split, BM=bm, BN=bn, SUB=sub,
+    _fp8_linear_kernel[grid](x2, weight, scale, out, m, n, k, k_per_split, BM=bm, BN=bn, BK=bk,
                              num_warps=warps, num_stages=stages)
     if split > 1:
         out = out.sum(0).to(out_dtype)
