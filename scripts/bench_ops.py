@@ -492,7 +492,7 @@ def bench_quant(bw, quick):
             want = ref.fp8_linear(x, w, sc, torch.float32)
             err = rel(ops.fp8_linear(x, w, sc, torch.float32), want)
             t_def = cbench(lambda: ops.fp8_linear(x, w, sc, torch.bfloat16))
-            default = ("fake_quant + dequant kernel + cuBLAS" if m >= quant_gemm.PREFILL_ROWS
+            default = ("QDQ kernel + dequant kernel + cuBLAS" if m >= quant_gemm.PREFILL_ROWS
                        else f"triton {quant_gemm._config(m, n, k, x.device)}")
             err = rel(ops.fp8_linear(x, w, sc, torch.bfloat16).float(), want.bfloat16().float()) \
                 if m >= quant_gemm.PREFILL_ROWS else err

@@ -109,19 +109,28 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.co
     tl.store(out_ptr + n[:, None] * K + k[None, :], w, mask=(n < N)[:, None])
 
 
+@triton.jit
+def _qdq_rows_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    offs = m[:, None].to(tl.int64) * K + k[None, :]
+    x = tl.load(x_ptr + offs, mask=(m < M)[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _qdq_fp8_blocks(x, BM, BK).to(tl.bfloat16), mask=(m < M)[:, None])
+
+
 PREFILL_ROWS = 256   # from here on: dequantize the weight (transient bf16) + cuBLAS
 
 
 def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype):
-    """Prefill shapes: the activation quantized per 32 (the fake_quant op: exact values, so
-    bf16 holds them) times the weight dequantized to bf16 by one kernel (exact too), in
+    """Prefill shapes: the activation quantized per 32 (exact values, so bf16 holds them) times the weight dequantized to bf16 by one kernel (exact too), in
     cuBLAS: the same products and an fp32 accumulation, at cuBLAS's speed, for a transient
     bf16 copy of this one weight (freed after the call)."""
     n, k = weight.shape
     bk = _block_k(k, 128)
     dense = torch.empty((n, k), device=x2.device, dtype=torch.bfloat16)
     _fp8_dequant_kernel[(triton.cdiv(n, 64), k // bk)](weight, scale, dense, n, k, BN=64, BK=bk, num_warps=4)
-    a = torch.ops.v41graph.fake_quant(x2, "fp8_ue8m0", 32).to(torch.bfloat16)
+    a = torch.empty((x2.shape[0], k), device=x2.device, dtype=torch.bfloat16)
+    _qdq_rows_kernel[(triton.cdiv(x2.shape[0], 32), k // bk)](x2, a, x2.shape[0], k, BM=32, BK=bk, num_warps=4)
     return torch.nn.functional.linear(a, dense).to(out_dtype)
 
 
