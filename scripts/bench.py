@@ -414,6 +414,7 @@ def main(argv=None) -> int:
     weights = args.weights or ("released" if args.config == "bench_rank" else "dense")
     model = build_model(args.config, device, weights)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    built_bytes = torch.cuda.memory_allocated() if device == "cuda" else None   # weights + buffers
     bw = copy_bandwidth(device)
     log(f"{args.config} model ({weights} weights, {weight_bytes / 2 ** 30:.2f} GiB) on {device} built in "
         f"{time.perf_counter() - t_build:.0f} s; copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -436,11 +437,13 @@ def main(argv=None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             (out / "bench.json").write_text(json.dumps(
                 {"config": args.config, "weights": weights, "weight_bytes": weight_bytes,
+                 "device_bytes_after_build": built_bytes,
                  "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
                  "device": device, "copy_bytes_per_s": bw,
                  "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                  "torch": torch.__version__, "rows": rows}, indent=1))
-    peak = f", peak device memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB" if device == "cuda" else ""
+    peak = (f", {built_bytes / 2 ** 30:.2f} GiB allocated after the build, peak device memory "
+            f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB") if device == "cuda" else ""
     print(f"{args.config}, {weights} weights: {weight_bytes / 2 ** 30:.2f} GiB of parameters{peak}")
     print(f"{'kind':<7} {'ctx':>6} {'B':>3} {'variant':<21} {'ms':>9} {'tok/s':>9} "
           f"{'compile s':>9} {'floor':>6}")
