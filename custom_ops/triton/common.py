@@ -79,9 +79,8 @@ def _program_rows(index_ptr, n_rows, other, BR: tl.constexpr):
 # =============================================================================== quantized GEMM tiles
 # The checkpoint's FP8 / FP4 weights are dequantized tile by tile in registers and fed to bf16
 # tensor-core dots: every FP8/FP4 code times its power-of-two scale is exact in bf16, and so is
-# the FP8-quantized activation (quantized once per call by quant_gemm.qdq_rows), so the
-# products are exact and only the fp32 summation order differs from the reference's
-# per-32-block partial sums (quant_gemm.py, moe_fp4.py).
+# the FP8-quantized activation, so the products are exact and only the fp32 summation order
+# differs from the reference's per-32-block partial sums (quant_gemm.py, moe_fp4.py).
 @triton.jit
 def _qdq_fp8_blocks(x, BM: tl.constexpr, BK: tl.constexpr):
     """x [BM, BK] fp32 -> its FP8 E4M3 quantize-dequantize with one UE8M0 scale per 32 columns
@@ -95,27 +94,34 @@ def _qdq_fp8_blocks(x, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows n [BN] (int64), columns k0..k0+BK of an FP8 E4M3 weight [N, K] with one E8M0 scale
-    per 32x32 block (s_ptr [ceil(N/32), K/32]), dequantized to bf16 [BN, BK]. Each element
-    loads its own scale byte (L1 hits: 32 neighbours share it) so no tile is reshaped."""
-    k = k0 + tl.arange(0, BK)
-    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_mask[:, None], other=0)
-    s = tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + (k // 32)[None, :], mask=n_mask[:, None], other=127)
-    return (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _exp2i(s.to(tl.int32) - 127)).to(tl.bfloat16)
+def _scaled_tile(v, scale_bytes, BN: tl.constexpr, BK: tl.constexpr):
+    """v [BN, BK] fp32 codes times their E8M0 scales [BN, BK/32] (one per 32 columns), as bf16."""
+    s = _exp2i(scale_bytes.to(tl.int32) - 127)
+    v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
+    return v.to(tl.bfloat16)
 
 
 @triton.jit
-def _fp4_weight_halves(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows n [BN] (int64), columns k0..k0+BK of an MXFP4 weight (E2M1 packed [N, K/2], even
-    column in the low nibble; one E8M0 scale per 32 along K, s_ptr [N, K/32]) as two bf16
-    tiles [BN, BK/2]: the even columns and the odd ones. Kept apart, not interleaved, so the
-    caller runs one dot per half against the matching activation columns (no shuffle)."""
-    j = tl.arange(0, BK // 2)
-    p = tl.load(w_ptr + n[:, None] * (K // 2) + (k0 // 2 + j)[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
-    s = tl.load(s_ptr + n[:, None] * (K // 32) + ((k0 + 2 * j) // 32)[None, :], mask=n_mask[:, None], other=127)
-    s = _exp2i(s.to(tl.int32) - 127)
-    return (_e2m1_decode(p & 15) * s).to(tl.bfloat16), (_e2m1_decode(p >> 4) * s).to(tl.bfloat16)
+def _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows n [BN] (int64), columns k0..k0+BK of an FP8 E4M3 weight [N, K] with one E8M0 scale
+    per 32x32 block (s_ptr [ceil(N/32), K/32]), dequantized to bf16 [BN, BK]."""
+    k = k0 + tl.arange(0, BK)
+    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_mask[:, None], other=0)
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    s = tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
+    return _scaled_tile(w.to(tl.float8e4nv, bitcast=True).to(tl.float32), s, BN, BK)
+
+
+@triton.jit
+def _fp4_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows n [BN] (int64), columns k0..k0+BK of an MXFP4 weight: E2M1 packed [N, K/2] (even
+    column in the low nibble) with one E8M0 scale per 32 along K (s_ptr [N, K/32]), as bf16."""
+    b = k0 // 2 + tl.arange(0, BK // 2)
+    p = tl.load(w_ptr + n[:, None] * (K // 2) + b[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(p & 15, p >> 4), (BN, BK))
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    s = tl.load(s_ptr + n[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
+    return _scaled_tile(_e2m1_decode(codes), s, BN, BK)
 
 
 def _capability_at_least(device: torch.device, major: int, minor: int) -> bool:

@@ -4,14 +4,13 @@
   routing (torch)  each token's experts in ascending id order; the N*topk (token, expert) pairs
                    sorted by expert (stable); group ends from a searchsorted (a fixed [E] int32
                    tensor: no bincount, no host sync, so the step captures)
-  qdq_rows         the tokens' activations quantized per 32 to FP8 once (exact in bf16)
   gate_up kernel   grid (I/BN, E): a program loops over its expert's pairs BM at a time, loads
-                   the tokens' quantized rows (gathered through the pair -> token index),
-                   dequantizes the FP4 tiles of w1 and w3 (same rows) to bf16 as even and odd
-                   columns (no interleaving shuffle) and runs a dot per half; the epilogue rounds gate and up to x's dtype as
+                   the tokens' rows (gathered through the pair -> token index), quantizes them
+                   per 32 to FP8 in registers, dequantizes the FP4 tiles of w1 and w3 (same rows)
+                   to bf16 and runs two dots; the epilogue rounds gate and up to x's dtype as
                    the reference's Linear does, applies the clamped SwiGLU and the routing weight
                    and stores h (x's dtype). An expert nobody picked reads no weights.
-  down kernel      grid (d/BN, E): h quantized per 32 (qdq_rows), times w2 the same way; each row is stored at
+  down kernel      grid (d/BN, E): h quantized per 32 at load, times w2; each row is stored at
                    its (token, slot) position (x's dtype, as the reference's w2 returns)
   combine (torch)  the topk slots summed in fp32 in ascending expert order: the loop's order.
 
@@ -24,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES, _fp4_weight_halves
-from .quant_gemm import _block_k, fp8_capable, qdq_rows
+from .common import _FLOAT_DTYPES, _fp4_weight_tile, _qdq_fp8_blocks
+from .quant_gemm import _block_k, fp8_capable
 
 
 @triton.jit
@@ -35,21 +34,8 @@ def _group_bounds(offs_ptr, e):
 
 
 @triton.jit
-def _fp4_dot(a_rows, r_mask, w_ptr, s_ptr, rows, n_mask, k0, K, acc, BN: tl.constexpr, BK: tl.constexpr):
-    """acc + the quantized activation rows (a_rows: row pointers into bf16 [., K]) at columns
-    k0..k0+BK times MXFP4 rows `rows` [BN]: the even and the odd columns as two dots."""
-    j = tl.arange(0, BK // 2)
-    a_even = tl.load(a_rows + (k0 + 2 * j)[None, :], mask=r_mask[:, None], other=0.0)
-    a_odd = tl.load(a_rows + (k0 + 2 * j + 1)[None, :], mask=r_mask[:, None], other=0.0)
-    w_even, w_odd = _fp4_weight_halves(w_ptr, s_ptr, rows, n_mask, k0, K, BN, BK)
-    acc = tl.dot(a_even, tl.trans(w_even), acc)
-    return tl.dot(a_odd, tl.trans(w_odd), acc)
-
-
-@triton.jit
-def _gate_up_kernel(a_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
+def _gate_up_kernel(x_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
                     HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """a: the tokens' activations quantized per 32 (qdq_rows), bf16 [N, D]."""
     pid_n, e = tl.program_id(0), tl.program_id(1)
     start, end = _group_bounds(offs_ptr, e)
     n = pid_n * BN + tl.arange(0, BN)
@@ -59,12 +45,15 @@ def _gate_up_kernel(a_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I,
     for m0 in range(start, end, BM):
         r = m0 + tl.arange(0, BM)
         r_mask = r < end
-        a_rows = a_ptr + tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)[:, None] * D
+        tok = tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, D, BK):
-            acc_g = _fp4_dot(a_rows, r_mask, w_ptr, s_ptr, gate_rows, n_mask, k0, D, acc_g, BN, BK)
-            acc_u = _fp4_dot(a_rows, r_mask, w_ptr, s_ptr, up_rows, n_mask, k0, D, acc_u, BN, BK)
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
+            a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+            acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
+            acc_u = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, up_rows, n_mask, k0, D, BN, BK)), acc_u)
         out_ty = h_ptr.dtype.element_ty
         gate = acc_g.to(out_ty).to(tl.float32)       # w1(x), w3(x) return x's dtype
         up = acc_u.to(out_ty).to(tl.float32)
@@ -79,9 +68,8 @@ def _gate_up_kernel(a_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I,
 
 
 @triton.jit
-def _down_kernel(a_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
+def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """a: h quantized per 32 (qdq_rows), bf16 [pairs, I], in sorted pair order."""
     pid_n, e = tl.program_id(0), tl.program_id(1)
     start, end = _group_bounds(offs_ptr, e)
     n = pid_n * BN + tl.arange(0, BN)
@@ -90,10 +78,12 @@ def _down_kernel(a_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
     for m0 in range(start, end, BM):
         r = m0 + tl.arange(0, BM)
         r_mask = r < end
-        a_rows = a_ptr + r[:, None].to(tl.int64) * I
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, I, BK):
-            acc = _fp4_dot(a_rows, r_mask, w_ptr, s_ptr, rows, n_mask, k0, I, acc, BN, BK)
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(h_ptr + r[:, None].to(tl.int64) * I + k[None, :], mask=r_mask[:, None], other=0.0)
+            a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+            acc = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, rows, n_mask, k0, I, BN, BK)), acc)
         dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
         tl.store(out_ptr + dest[:, None] * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
@@ -136,13 +126,13 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     tok = (perm // k).to(torch.int32)
     bm, bn, bk1, bk2, warps, stages = config or _config(n * k / e)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
-    xq = qdq_rows(x.contiguous())
+    xc = x.contiguous()
     h = torch.empty((n * k, i), device=x.device, dtype=x.dtype)
     _gate_up_kernel[(triton.cdiv(i, bn), e)](
-        xq, tok, pair_w[perm].contiguous(), offs, w13, s13, h, d, i, float(limit),
+        xc, tok, pair_w[perm].contiguous(), offs, w13, s13, h, d, i, float(limit),
         HAS_LIMIT=limit > 0, BM=bm, BN=bn, BK=bk1, num_warps=warps, num_stages=stages)
     pairs = torch.zeros((n * k, d), device=x.device, dtype=x.dtype)
-    _down_kernel[(triton.cdiv(d, bn), e)](qdq_rows(h), perm.to(torch.int32), offs, w2, s2, pairs, d, i,
+    _down_kernel[(triton.cdiv(d, bn), e)](h, perm.to(torch.int32), offs, w2, s2, pairs, d, i,
                                           BM=bm, BN=bn, BK=bk2, num_warps=warps, num_stages=stages)
     pairs = pairs.view(n, k, d)
     y = torch.zeros((n, d), device=x.device, dtype=torch.float32)

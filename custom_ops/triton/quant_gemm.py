@@ -1,14 +1,13 @@
 """fp8_linear on CUDA: x times the checkpoint's FP8 E4M3 weight with E8M0 scales per 32x32
-block (imported lazily by cuda_impls.py).
+block, the activation's FP8 quantization fused in (imported lazily by cuda_impls.py).
 
-The activation is quantized per 32 once per call (`qdq_rows`, one small kernel; its FP8
-values are exact in bf16). Decode and small batches (M < PREFILL_ROWS, or an fp32 result): one
-kernel; a program owns a [BM, BN] output tile and a share of K (split-K when the tile grid
-alone would leave SMs idle, as in decode); per BK step it loads the FP8 weight tile with its
-block scales, dequantizes it to bf16 in registers (exact) and accumulates a bf16 tensor-core
-dot in fp32. Split-K partials go to an fp32 workspace [S, M, N] summed by torch in
+Decode and small batches (M < PREFILL_ROWS, or an fp32 result): one kernel; a program owns a [BM, BN] output tile and a share of K (split-K
+when the tile grid alone would leave SMs idle, as in decode); per BK step it loads the
+activation tile, quantizes it per 32 in registers (common._qdq_fp8_blocks), loads the FP8
+weight tile with its block scales and dequantizes it to bf16 (exact), and accumulates a bf16
+tensor-core dot in fp32. Split-K partials go to an fp32 workspace [S, M, N] summed by torch in
 a fixed order (deterministic; no atomics), then cast once, as the reference casts once.
-Prefill (M >= PREFILL_ROWS, a bf16 result): the weight is dequantized to a transient bf16
+Prefill (M >= PREFILL_ROWS, a bf16/fp16 result): the weight is dequantized to a transient bf16
 copy by one kernel and the product runs in cuBLAS (`_fp8_linear_prefill`): on the H200 the
 Triton kernel reached only 0.33x of cuBLAS there.
 
@@ -46,9 +45,8 @@ def fp8_capable(device: torch.device) -> bool:
 
 
 @triton.jit
-def _fp8_linear_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """a: the activation already quantized per 32 (qdq_rows), bf16 [M, K]."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BM + tl.arange(0, BM)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -58,30 +56,12 @@ def _fp8_linear_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     for k0 in range(k_lo, k_hi, BK):
         k = k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=m_mask[:, None], other=0.0)
-        acc = tl.dot(a, tl.trans(_fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN, BK)), acc)
+        a = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=m_mask[:, None], other=0.0)
+        a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+        w = _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN, BK)
+        acc = tl.dot(a, tl.trans(w), acc)
     out = out_ptr + pid_k.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _qdq_rows_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
-    k = tl.program_id(1) * BK + tl.arange(0, BK)
-    offs = m[:, None].to(tl.int64) * K + k[None, :]
-    x = tl.load(x_ptr + offs, mask=(m < M)[:, None], other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _qdq_fp8_blocks(x, BM, BK).to(tl.bfloat16), mask=(m < M)[:, None])
-
-
-def qdq_rows(x2: torch.Tensor) -> torch.Tensor:
-    """Contiguous x [M, K] (K % 32 == 0) through FP8 E4M3 with one UE8M0 scale per 32 and back,
-    as bf16 (the values are exact in bf16): the activation every quantized GEMM here reads."""
-    m, k = x2.shape
-    out = torch.empty((m, k), device=x2.device, dtype=torch.bfloat16)
-    if m:
-        bk = _block_k(k, 128)
-        _qdq_rows_kernel[(triton.cdiv(m, 16), k // bk)](x2, out, m, k, BM=16, BK=bk, num_warps=4)
-    return out
 
 
 def fp8_linear_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -129,18 +109,29 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.co
     tl.store(out_ptr + n[:, None] * K + k[None, :], w, mask=(n < N)[:, None])
 
 
+@triton.jit
+def _qdq_rows_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    offs = m[:, None].to(tl.int64) * K + k[None, :]
+    x = tl.load(x_ptr + offs, mask=(m < M)[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _qdq_fp8_blocks(x, BM, BK).to(tl.bfloat16), mask=(m < M)[:, None])
+
+
 PREFILL_ROWS = 256   # from here on: dequantize the weight (transient bf16) + cuBLAS
 
 
-def _fp8_linear_prefill(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype):
-    """Prefill shapes: the quantized activation a (bf16) times the weight dequantized to bf16
-    by one kernel (exact), in cuBLAS: the same products and an fp32 accumulation at cuBLAS's
-    speed, for a transient bf16 copy of this one weight (freed after the call)."""
+def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype):
+    """Prefill shapes: the activation quantized per 32 (exact values, so bf16 holds them) times the weight dequantized to bf16 by one kernel (exact too), in
+    cuBLAS: the same products and an fp32 accumulation, at cuBLAS's speed, for a transient
+    bf16 copy of this one weight (freed after the call)."""
     n, k = weight.shape
     bk = _block_k(k, 128)
-    dense = torch.empty((n, k), device=a.device, dtype=torch.bfloat16)
+    dense = torch.empty((n, k), device=x2.device, dtype=torch.bfloat16)
     _fp8_dequant_kernel[(triton.cdiv(n, 64), k // bk)](weight, scale, dense, n, k, BN=64, BK=bk, num_warps=4)
-    return torch.nn.functional.linear(a, dense)
+    a = torch.empty((x2.shape[0], k), device=x2.device, dtype=torch.bfloat16)
+    _qdq_rows_kernel[(triton.cdiv(x2.shape[0], 32), k // bk)](x2, a, x2.shape[0], k, BM=32, BK=bk, num_warps=4)
+    return torch.nn.functional.linear(a, dense).to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
@@ -149,16 +140,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     x2 = _rows(x)
     m, k = x2.shape
     n = weight.shape[0]
-    a = qdq_rows(x2)
-    if config is None and m >= PREFILL_ROWS and out_dtype == torch.bfloat16:
-        return _fp8_linear_prefill(a, weight, scale, out_dtype).view(*x.shape[:-1], n)
+    if config is None and m >= PREFILL_ROWS and out_dtype in (torch.bfloat16, torch.float16):
+        return _fp8_linear_prefill(x2, weight, scale, out_dtype).view(*x.shape[:-1], n)
     bm, bn, bk, split, warps, stages = config or _config(m, n, k, x.device)
     k_per_split = triton.cdiv(k // bk, split) * bk
     split = triton.cdiv(k, k_per_split)
     out = torch.empty((split, m, n) if split > 1 else (m, n), device=x.device,
                       dtype=torch.float32 if split > 1 else out_dtype)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    _fp8_linear_kernel[grid](a, weight, scale, out, m, n, k, k_per_split, BM=bm, BN=bn, BK=bk,
+    _fp8_linear_kernel[grid](x2, weight, scale, out, m, n, k, k_per_split, BM=bm, BN=bn, BK=bk,
                              num_warps=warps, num_stages=stages)
     if split > 1:
         out = out.sum(0).to(out_dtype)
