@@ -155,3 +155,25 @@ def test_released_ops_capture_replay_bit_identical():
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+
+
+def test_from_pretrained_streams_the_checkpoint_bytes_to_the_gpu():
+    """device="cuda", numerics="released": the quantized weights land on the GPU as stored
+    (uint8, the checkpoint's shapes) and the device holds the parameters' bytes, nothing more
+    than 2 % (buffers) beyond them: no dense copy anywhere."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from golden_path import GOLDEN_DIR
+    from v41graph.model.layers import Linear
+    from v41graph.weights.load import from_pretrained
+    if not (GOLDEN_DIR / "model.safetensors").is_file():
+        pytest.skip(f"golden checkpoint not found at {GOLDEN_DIR}")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    model = from_pretrained(GOLDEN_DIR, numerics="released", device="cuda")
+    held = torch.cuda.memory_allocated() - base
+    quantized = [m for m in model.modules() if isinstance(m, Linear) and m.fmt != "dense"]
+    assert quantized and all(m.weight.is_cuda and m.weight.dtype == torch.uint8 for m in quantized)
+    on_gpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda)
+    assert on_gpu <= held <= 1.02 * on_gpu + (2 << 20)      # + one allocator block of slack

@@ -266,6 +266,8 @@ class MoE(nn.Module):
             return False
         if self._released_mxfp4():
             return self.can_pack()
+        if self._stacked_format() != "dense":      # the grouped GEMMs below take dense weights
+            return False
         if impl == "auto":                         # cheap checks first: this runs on every eager call
             w = self.experts[0].w1.weight
             device, dtype = device or w.device, dtype or w.dtype

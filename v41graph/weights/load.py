@@ -153,12 +153,15 @@ def _set_param(model: nn.Module, param_name: str, data: torch.Tensor) -> nn.Para
     return p
 
 
-def _allocate(model: nn.Module, param_name: str, pin: bool = False) -> nn.Parameter:
+def _allocate(model: nn.Module, param_name: str, pin: bool = False, device=None) -> nn.Parameter:
+    """The parameter's storage to load into: a new one (pinned host memory, or on `device`)
+    for the large parameters the model was built without; small ones stay where they are."""
     module, attr = _owner(model, param_name)
     old = module._parameters[attr]
     if not old.is_meta and not pin and old.is_contiguous():
         return old
-    return _set_param(model, param_name, torch.empty(old.shape, dtype=old.dtype, pin_memory=pin))
+    return _set_param(model, param_name, torch.empty(old.shape, dtype=old.dtype, pin_memory=pin,
+                                                     device=None if pin else device))
 
 
 def _model_targets(model: V41Model, specs: Mapping[str, TensorSpec], dequantize: bool):
@@ -219,8 +222,19 @@ def _dequantize(ckpt: Checkpoint, spec: TensorSpec, specs) -> torch.Tensor:
     return _dequant_fp8(w, s) if spec.kind == "fp8" else _dequant_fp4(w, s)
 
 
+def _read_into(ckpt: Checkpoint, name: str, p: torch.Tensor) -> None:
+    """Tensor `name`'s bytes into p: straight from the file on the CPU; through a host buffer of
+    this one tensor elsewhere (a GPU parameter: the checkpoint's bytes go to the device as they
+    are, and the host never holds more than the tensor being copied)."""
+    if p.device.type == "cpu":
+        ckpt.read_into(name, p.data)
+    else:
+        p.data.copy_(ckpt.read_into(name, torch.empty(p.shape, dtype=p.dtype)))
+
+
 def _load_into_model(model: V41Model, ckpt: Checkpoint, specs: Mapping[str, TensorSpec],
-                     dequantize: bool = False, engram_storage: str = "memory", progress=None) -> None:
+                     dequantize: bool = False, engram_storage: str = "memory", progress=None,
+                     device=None) -> None:
     if engram_storage not in ("memory", "pinned", "mmap"):
         raise ValueError(f"engram_storage must be 'memory', 'pinned' or 'mmap', got {engram_storage!r}")
     pin = engram_storage == "pinned"
@@ -244,12 +258,12 @@ def _load_into_model(model: V41Model, ckpt: Checkpoint, specs: Mapping[str, Tens
             if table and engram_storage == "mmap":
                 _set_param(model, target, ckpt.memmap(name).view(torch.uint8))
             elif dequantize and spec.kind in ("fp8", "fp4"):
-                p = _allocate(model, target)
+                p = _allocate(model, target, device=device)
                 p.copy_(_dequantize(ckpt, spec, specs))
             else:
-                p = _allocate(model, target, pin=pin and table)
+                p = _allocate(model, target, pin=pin and table, device=None if table else device)
                 if info.torch_dtype == p.dtype or (p.dtype == torch.uint8 and ST_DTYPES[info.dtype][1] == 1):
-                    ckpt.read_into(name, p.data)
+                    _read_into(ckpt, name, p)
                 else:                                   # e.g. BF16 norm -> fp32 parameter
                     p.copy_(ckpt.read(name).to(p.dtype))
         done += info.nbytes
@@ -291,12 +305,15 @@ def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize
     `model.safetensors.index.json` + shards or `model.safetensors`; or one .safetensors file).
 
     numerics="reference" keeps DeepSeek's arithmetic (bf16 activations, blockwise FP8 GEMMs);
+    "released" the same arithmetic on the checkpoint's bytes through the fp8_linear / mxfp4_moe
+    ops (Triton kernels on CUDA; the weights stay FP8 / MXFP4 on the device, no dense copy);
     "fast" dequantizes weights to the compute dtype once.
     dequantize=True builds the model with weight_format="dense" and fills every FP8/FP4
     projection with its exact dequantized values (Engram tables stay FP8).
     engram_storage: "memory" | "pinned" (page-locked, when CUDA is available) | "mmap"
     (copy-on-write mapping of the shard; pages are read on first use).
-    device: where everything but the Engram tables goes (default: stay on the CPU);
+    device: where everything but the Engram tables goes (default: stay on the CPU); the large
+    tensors are allocated there and filled tensor by tensor (no host copy of the model);
     engram_device: move the tables too.
     parallel: a v41graph.parallel.ParallelState: this rank's share of the model, reading only
     its parts of the checkpoint (v41graph.parallel.build.load_parallel_model; Engram tables in
@@ -328,7 +345,7 @@ def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize
     try:
         model_config = dataclasses.replace(config, weight_format="dense") if dequantize else config
         model = _build_empty_model(model_config)
-        _load_into_model(model, ckpt, specs, dequantize, engram_storage, progress)
+        _load_into_model(model, ckpt, specs, dequantize, engram_storage, progress, device)
     finally:
         ckpt.close()
     _load_engram_token_map(model, ckpt.root, config)
