@@ -13,8 +13,10 @@ Ops with a torch_npu equivalent:
 Ops without one keep the pure-torch reference (it runs on NPU tensors through torch_npu's
 aten kernels): the cache writes (FP8 / FP4 E2M1 with UE8M0 or E4M3 scales have no torch_npu
 quantize op with these exact formats), sparse_attention (the seed's P2: SparseFlashMla compiles
-BF16 only), indexer_topk, indexer_topk_candidates, engram_hash, engram_gather. The Triton
-kernels in triton/ are the starting point for triton-ascend versions of those.
+BF16 only), indexer_topk, indexer_topk_candidates, engram_hash, engram_gather, fp8_linear and
+mxfp4_moe (torch_npu.npu_quant_matmul / npu_grouped_matmul on A2/A3 take int8/int4 with
+per-channel and per-token scales, not E4M3 / E2M1 with E8M0 per 32: README, "Released weight
+formats"). The Triton kernels in triton/ are the starting point for triton-ascend versions.
 """
 from __future__ import annotations
 
