@@ -17,9 +17,10 @@ def add_serve_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=16, help="cache block size in tokens (default 16)")
     p.add_argument("--num-blocks", type=int, default=None, help="cache blocks (default: every slot at max-seq-len)")
     p.add_argument("--device", default=None, help="torch device of the model (default: stay on the CPU)")
-    p.add_argument("--numerics", default="fast", choices=("fast", "reference"),
-                   help="weight arithmetic: fast (weights dequantized once) or reference "
-                        "(DeepSeek's blockwise FP8 GEMMs); default fast")
+    p.add_argument("--numerics", default="fast", choices=("fast", "reference", "released"),
+                   help="weight arithmetic: fast (weights dequantized once), reference (DeepSeek's "
+                        "blockwise FP8 GEMMs) or released (the same on the checkpoint's FP8 / MXFP4 "
+                        "bytes, Triton kernels on CUDA: no dense copy); default fast")
     p.add_argument("--compile", action="store_true",
                    help="decode steps through v41graph.compile (captured CUDA graphs on a GPU), every "
                         "bucket compiled before the server starts listening (slow start)")
