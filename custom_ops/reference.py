@@ -543,6 +543,22 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     return h
 
 
+def pairs_by_expert(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int):
+    """The N*topk (token, expert) pairs of a routing grouped by expert, with static shapes and
+    no host sync (the grouped MoE paths). Returns (ids [N, topk]: each token's experts in
+    ascending order, the order the loop adds them; pair p = token * topk + slot of that order;
+    pair_w [N*topk] fp32: each pair's routing weight; perm [N*topk]: the pairs sorted by expert,
+    stable; offs [n_experts] int32: cumulative group ends, from a searchsorted rather than a
+    bincount, so no data-dependent shape). Experts >= n_experts sort past the last group."""
+    ids, order = chosen.sort(dim=-1)
+    pair_w = weights.gather(1, order).reshape(-1).to(torch.float32)
+    flat = ids.reshape(-1)
+    perm = torch.argsort(flat, stable=True)
+    offs = torch.searchsorted(flat[perm], torch.arange(n_experts, device=chosen.device, dtype=flat.dtype),
+                              right=True, out_int32=True)
+    return ids, pair_w, perm, offs
+
+
 def mxfp4_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w13: torch.Tensor,
               s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float) -> torch.Tensor:
     """[N, d] fp32: sum over each token's chosen experts of weight * expert(x), every expert in

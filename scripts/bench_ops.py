@@ -626,7 +626,8 @@ def main():
     for r in ROWS:
         v = r["variant"]
         if (r["op"] == "ceiling" or "(default" in v or v.startswith(("BEST", "graph:", "default:"))
-                or (r["op"].endswith("_write") and v == "triton") or "PINNED" in v and "rpp=4" in v or r["op"] == "indexer" or v.startswith("bf16")):
+                or (r["op"].endswith("_write") and v == "triton") or "PINNED" in v and "rpp=4" in v
+                or r["op"] == "indexer" or v.startswith("bf16")):
             say(f"{r['op'][:18]:18s} {r['shape'][:34]:34s} {v[:52]:52s} {r['us']:>9} "
                 f"x{r.get('speedup', '')} {r.get('pct_copy_bw', '')}% err={r.get('rel_err', '')} {r.get('note', '')[:60]}")
     say(f"done in {time.time() - t0:.0f} s")

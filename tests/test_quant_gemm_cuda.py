@@ -86,7 +86,8 @@ def test_fp8_linear_every_split_and_tile_config():
     for bm, bn, bk, warps, stages in [(16, 64, 256, 4, 4), (64, 64, 128, 4, 4), (128, 128, 64, 8, 3),
                                       (16, 128, 128, 4, 3), (32, 32, 32, 2, 2), (128, 256, 64, 8, 3)]:
         for split in (1, 2, 4, 8, 16):
-            err = rel_err(quant_gemm.fp8_linear(x, w, s, torch.float32, config=(bm, bn, bk, split, warps, stages)), want)
+            config = (bm, bn, bk, split, warps, stages)
+            err = rel_err(quant_gemm.fp8_linear(x, w, s, torch.float32, config=config), want)
             assert err < FP32_OUT_REL, (bm, bn, bk, split, err)
 
 

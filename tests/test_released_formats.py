@@ -136,7 +136,8 @@ def _bad_copy(tmp_path, edit):
     (lambda t: t.__setitem__("layers.0.ffn.experts.0.w1.scale", t["layers.0.ffn.experts.0.w1.scale"].float()),
      "wrong dtype: layers.0.ffn.experts.0.w1.scale in model.safetensors is F32, expected F8_E8M0"),
     # an FP4 weight with one column missing (odd K)
-    (lambda t: t.__setitem__("layers.0.ffn.experts.0.w2.weight", t["layers.0.ffn.experts.0.w2.weight"][:, :-1].contiguous()),
+    (lambda t: t.__setitem__("layers.0.ffn.experts.0.w2.weight",
+                             t["layers.0.ffn.experts.0.w2.weight"][:, :-1].contiguous()),
      "wrong shape: layers.0.ffn.experts.0.w2.weight"),
 ], ids=["scale-block", "scale-dtype", "fp4-odd-k"])
 def test_malformed_quantized_tensors_are_refused_before_any_allocation(tmp_path, edit, message):

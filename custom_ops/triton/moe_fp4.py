@@ -1,9 +1,8 @@
 """mxfp4_moe on CUDA: the routed experts of one MoE over their stacked MXFP4 checkpoint bytes
 (imported lazily by cuda_impls.py).
 
-  routing (torch)  each token's experts in ascending id order; the N*topk (token, expert) pairs
-                   sorted by expert (stable); group ends from a searchsorted (a fixed [E] int32
-                   tensor: no bincount, no host sync, so the step captures)
+  routing (torch)  reference.pairs_by_expert: the N*topk (token, expert) pairs sorted by
+                   expert, group ends as a fixed [E] int32 tensor (no host sync: captures)
   gate_up kernel   grid (I/BN, E): a program loops over its expert's pairs BM at a time, loads
                    the tokens' rows (gathered through the pair -> token index), quantizes them
                    per 32 to FP8 in registers, dequantizes the FP4 tiles of w1 and w3 (same rows)
@@ -23,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import pairs_by_expert
 from .common import _FLOAT_DTYPES, _fp4_weight_tile, _qdq_fp8_blocks
 from .quant_gemm import _block_k, fp8_capable
 
@@ -117,12 +117,7 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     n, k = chosen.shape
     e, two_i, _ = w13.shape
     i, d = two_i // 2, x.shape[1]
-    ids, order = chosen.sort(dim=-1)                                   # ascending expert per token
-    pair_w = weights.gather(1, order).reshape(-1).to(torch.float32)
-    flat = ids.reshape(-1)                                             # pair p = token * k + slot
-    perm = torch.argsort(flat, stable=True)                            # pairs grouped by expert
-    offs = torch.searchsorted(flat[perm], torch.arange(e, device=x.device, dtype=flat.dtype),
-                              right=True, out_int32=True)
+    _, pair_w, perm, offs = pairs_by_expert(weights, chosen, e)
     tok = (perm // k).to(torch.int32)
     bm, bn, bk1, bk2, warps, stages = config or _config(n * k / e)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)

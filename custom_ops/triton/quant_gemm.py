@@ -1,15 +1,18 @@
 """fp8_linear on CUDA: x times the checkpoint's FP8 E4M3 weight with E8M0 scales per 32x32
 block, the activation's FP8 quantization fused in (imported lazily by cuda_impls.py).
 
-Decode and small batches (M < PREFILL_ROWS, or an fp32 result): one kernel; a program owns a [BM, BN] output tile and a share of K (split-K
-when the tile grid alone would leave SMs idle, as in decode); per BK step it loads the
-activation tile, quantizes it per 32 in registers (common._qdq_fp8_blocks), loads the FP8
-weight tile with its block scales and dequantizes it to bf16 (exact), and accumulates a bf16
-tensor-core dot in fp32. Split-K partials go to an fp32 workspace [S, M, N] summed by torch in
-a fixed order (deterministic; no atomics), then cast once, as the reference casts once.
-Prefill (M >= PREFILL_ROWS, a bf16/fp16 result): the weight is dequantized to a transient bf16
-copy by one kernel and the product runs in cuBLAS (`_fp8_linear_prefill`): on the H200 the
-Triton kernel reached only 0.33x of cuBLAS there.
+Decode and small batches (M < PREFILL_ROWS, or a result that is not bf16): one kernel. A
+program owns a [BM, BN] output tile and a share of K (split-K when the tile grid alone would
+leave SMs idle, as in decode); per BK step it loads the activation tile, quantizes it per 32 in
+registers (common._qdq_fp8_blocks), loads the FP8 weight tile with its block scales,
+dequantizes it to bf16 (exact) and accumulates a bf16 tensor-core dot in fp32. Split-K
+partials go to an fp32 workspace [S, M, N] summed by torch in a fixed order (deterministic;
+no atomics), then cast once, as the reference casts once.
+
+Prefill (M >= PREFILL_ROWS, a bf16 result): the activation is quantized by one kernel, the
+weight dequantized to a transient bf16 copy by another, and cuBLAS multiplies them
+(`_fp8_linear_prefill`): the Triton kernel reached only 0.20-0.34x of cuBLAS there on the
+H200, this path 0.71-0.96x (docs/BENCHMARKS.md, eighth session).
 
 The tile table (`_config`) comes from scripts/bench_ops.py --only quant on the H200.
 """
@@ -121,17 +124,18 @@ def _qdq_rows_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
 PREFILL_ROWS = 256   # from here on: dequantize the weight (transient bf16) + cuBLAS
 
 
-def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype):
-    """Prefill shapes: the activation quantized per 32 (exact values, so bf16 holds them) times the weight dequantized to bf16 by one kernel (exact too), in
-    cuBLAS: the same products and an fp32 accumulation, at cuBLAS's speed, for a transient
-    bf16 copy of this one weight (freed after the call)."""
+def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Prefill shapes: the activation quantized per 32 (exact values, so bf16 holds them)
+    times the weight dequantized to bf16 (exact too), in cuBLAS: the same products and an fp32
+    accumulation at cuBLAS's speed, for a transient bf16 copy of this one weight."""
     n, k = weight.shape
     bk = _block_k(k, 128)
     dense = torch.empty((n, k), device=x2.device, dtype=torch.bfloat16)
     _fp8_dequant_kernel[(triton.cdiv(n, 64), k // bk)](weight, scale, dense, n, k, BN=64, BK=bk, num_warps=4)
     a = torch.empty((x2.shape[0], k), device=x2.device, dtype=torch.bfloat16)
-    _qdq_rows_kernel[(triton.cdiv(x2.shape[0], 32), k // bk)](x2, a, x2.shape[0], k, BM=32, BK=bk, num_warps=4)
-    return torch.nn.functional.linear(a, dense).to(out_dtype)
+    _qdq_rows_kernel[(triton.cdiv(x2.shape[0], 32), k // bk)](x2, a, x2.shape[0], k, BM=32, BK=bk,
+                                                               num_warps=4)
+    return torch.nn.functional.linear(a, dense)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
@@ -140,8 +144,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     x2 = _rows(x)
     m, k = x2.shape
     n = weight.shape[0]
-    if config is None and m >= PREFILL_ROWS and out_dtype in (torch.bfloat16, torch.float16):
-        return _fp8_linear_prefill(x2, weight, scale, out_dtype).view(*x.shape[:-1], n)
+    if config is None and m >= PREFILL_ROWS and out_dtype == torch.bfloat16:
+        return _fp8_linear_prefill(x2, weight, scale).view(*x.shape[:-1], n)
     bm, bn, bk, split, warps, stages = config or _config(m, n, k, x.device)
     k_per_split = triton.cdiv(k // bk, split) * bk
     split = triton.cdiv(k, k_per_split)

@@ -38,8 +38,8 @@ The loop stays the specification: FP8/FP4 weights in "reference" or "fast" numer
 
 Stacked weights (packing): `MoE.pack_experts_()` allocates w13 [E, 2*inter, d] (w1 rows then
 w3 rows) and w2 [E, d, inter] (MXFP4 experts: their packed bytes [E, 2*inter, d/2] and
-[E, d, inter/2], and the E8M0 scales stacked the same way), copies the experts' weights in and re-points every expert
-Linear's parameter `.data` at its slice. Memory is not doubled; `state_dict()` (names, shapes,
+[E, d, inter/2], and the E8M0 scales stacked the same way), copies the experts' weights in and
+re-points every expert Linear's parameter `.data` at its slice. Memory is not doubled; `state_dict()` (names, shapes,
 values), `load_state_dict` and the loader's in-place loading keep working and write through
 to the stacks, and the loop reads the same numbers. Packing happens
   * in `v41graph.compile` (`pack_moe_experts_(model)`, for every MoE whose selected impl is a
@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from v41graph.custom_ops.reference import swiglu
+from v41graph.custom_ops.reference import pairs_by_expert, swiglu
 
 from .config import V41Config
 from .layers import Linear, weight_fmt
@@ -315,14 +315,7 @@ class MoE(nn.Module):
         another rank holds (sorted past the last group, its rows computed by nobody, dropped)."""
         n, k = chosen.shape
         e, i = len(self.experts), self.inter
-        # Each token's experts in ascending id order: the order in which the loop adds them.
-        ids, order = chosen.sort(dim=-1)
-        pair_w = weights.gather(1, order).reshape(-1)                     # [T] fp32
-        flat = ids.reshape(-1)                                            # pair p = token * k + j
-        perm = torch.argsort(flat, stable=True)                           # pairs grouped by expert
-        sorted_ids = flat[perm]
-        offs = torch.searchsorted(sorted_ids, torch.arange(e, device=x.device, dtype=sorted_ids.dtype),
-                                  right=True, out_int32=True)             # [E] cumulative counts
+        ids, pair_w, perm, offs = pairs_by_expert(weights, chosen, e)
         w13, w2 = self._w13, self._w2
         if w13.dtype != x.dtype:                                          # as Linear does (explicit impls)
             w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
