@@ -87,3 +87,20 @@ def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [(r["kind"], r["variant"]) for r in rows] == [("error", "v41graph"), ("decode", "eager")]
     assert rows[0]["error"] == "RuntimeError: capture failed"
+
+
+def test_bench_released_weights_run_the_released_ops(tmp_path):
+    """--weights released builds the checkpoint-format model in numerics="released" (the FP8 /
+    MXFP4 bytes as parameters) and runs it; the floor counts those bytes."""
+    bench = _load("bench")
+    model = bench.build_model("tiny", "cpu", "released")
+    linears = [m for m in model.modules() if isinstance(m, v41graph.model.layers.Linear) and m.fmt != "dense"]
+    assert linears and {m.numerics for m in linears} == {"released"}
+    dense = bench.build_model("tiny", "cpu", "dense")
+    assert bench.floor_bytes(model, 1, 40) < bench.floor_bytes(dense, 1, 40)     # 1-byte / half-byte weights
+    assert bench.main(["--config", "tiny", "--weights", "released", "--device", "cpu", "--batches", "1",
+                       "--contexts", "40", "--prefill", "0", "--variants", "eager", "--steps", "1",
+                       "--warmup", "1", "--no-profile", "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "bench.json").read_text())
+    assert run["weights"] == "released" and run["weight_bytes"] == sum(
+        p.numel() * p.element_size() for p in model.parameters())
