@@ -58,12 +58,13 @@ def _e2m1_encode(v):
 
 @triton.jit
 def _e2m1_decode(c):
-    """E2M1 codes (int32 0..15) -> fp32, from the bits."""
-    m = c & 7
-    bits = tl.where(m >= 2, (((m >> 1) + 126) << 23) | ((m & 1) << 22),
-                    tl.where(m == 1, 126 << 23, 0))
-    bits = bits | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+    """E2M1 codes (int32 0..15) -> fp32, exactly. The magnitude bits moved to an fp16's low
+    exponent and top mantissa bits give the value times 2^-14 (E2M1's subnormal 0.5 lands on
+    an fp16 subnormal), the sign goes to bit 15; fp16 -> fp32 and the times 2^14 are exact.
+    Eight instructions per code instead of the ~14 of a select chain (the FP4 decode bounds the
+    MXFP4 MoE and the FP4 attention kernels)."""
+    h = ((c & 7) << 9) | ((c & 8) << 12)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
 
 @triton.jit
