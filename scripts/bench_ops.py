@@ -15,7 +15,7 @@ Needs a CUDA GPU and Triton. Everything is measured side by side in one process:
     (each sequence owns `ctx` cache rows; 512 random rows per token; window rows read in place
     from each sequence's FP8 ring plus this call's fresh rows) and prefill T = 4096;
   - Engram gather from a device table and from a pinned host table (UVA) vs the copy ceilings;
-  - released formats (--only quant): fp8_linear vs the bf16 cuBLAS linear per model shape
+  - released formats (--only fp8,mxfp4, or quant for both): fp8_linear vs the bf16 cuBLAS linear per model shape
     (decode M = 1/8/64, prefill 4096, a sweep of the tile table) and the MXFP4 MoE of one EP8
     rank (48 experts, top-6) vs the model's bf16 torch._grouped_mm path;
   - lightning indexer, decode: a Reindex layer (the P = 16384 listed candidates) vs a Full layer
@@ -462,19 +462,14 @@ def _fp8_sweep_configs(m: int, quick: bool):
     return out
 
 
-def bench_quant(bw, quick):
+def bench_fp8_linear(bw, quick):
     """fp8_linear (the checkpoint's FP8 weights + E8M0/32x32, activation quantization fused) vs
-    the bf16 cuBLAS linear of the same shape, decode M = 1 / 8 / 64 and prefill M = 4096; then
-    the MXFP4 MoE (48 experts, top-6, 5120 x 2304: one EP8 rank's share) vs the model's bf16
-    torch._grouped_mm path over the same experts. Cold L2 per call (cbench). The FP8 rows sweep
-    the kernel's tile table (BEST = the fastest config, checked against the reference)."""
+    the bf16 cuBLAS linear of the same shape, decode M = 1 / 8 / 64 and prefill M = 4096. Cold
+    L2 per call (cbench). The rows sweep the kernel's tile table (BEST = the fastest config,
+    checked against the reference)."""
     import torch.nn.functional as F
-    from v41graph import V41Config
     from v41graph.custom_ops import reference as ref
     from v41graph.custom_ops.triton import quant_gemm
-    from v41graph.model.layers import default_dtype
-    from v41graph.model.model import init_random_weights_
-    from v41graph.model.moe import MoE
     ops = torch.ops.v41graph
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = FP8_SHAPES[:3] if quick else FP8_SHAPES
@@ -512,7 +507,18 @@ def bench_quant(bw, quick):
         del dense
         torch.cuda.empty_cache()
 
-    # ---- MoE: one rank's 48 experts, top-6
+
+
+def bench_mxfp4_moe(bw, quick):
+    """The MXFP4 MoE (48 experts, top-6, 5120 x 2304: one EP8 rank's share) vs the model's bf16
+    torch._grouped_mm path over the same experts, 1 / 8 / 64 tokens (+ 4096 and a tile sweep
+    without --quick). Both are the model's own MoE.routed. Cold L2 per call (cbench)."""
+    from v41graph import V41Config
+    from v41graph.custom_ops import reference as ref
+    from v41graph.model.layers import default_dtype
+    from v41graph.model.model import init_random_weights_
+    from v41graph.model.moe import MoE
+
     def moe(fmt_cfg, numerics):
         cfg = V41Config.bench(n_routed_experts=48, num_experts_per_tok=6, torch_dtype="bfloat16", **fmt_cfg)
         with default_dtype(torch.bfloat16), torch.device("cuda"):
@@ -568,7 +574,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2,quant")
+    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2,fp8,mxfp4 "
+                         "(quant = fp8,mxfp4)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     LOG = open(os.path.join(args.out, "bench.log"), "w")
@@ -591,14 +598,15 @@ def main():
     say("env:", json.dumps(env))
     t0 = time.time()
     d2d, h2d = ceilings()
-    only = set(filter(None, args.only.split(",")))
+    only = set(filter(None, args.only.replace("quant", "fp8,mxfp4").split(",")))
     sections = [("wkv", lambda: bench_wkv(norms, d2d, args.quick)),
                 ("writes", lambda: bench_writes(cache_writes, d2d, args.quick)),
                 ("attn", lambda: bench_attention(attention, d2d, args.quick)),
                 ("engram", lambda: bench_engram(engram, d2d, h2d, args.quick)),
                 ("indexer", lambda: bench_indexer(indexer, d2d, args.quick)),
                 ("ratio2", lambda: bench_ratio2(compressor, d2d, args.quick)),
-                ("quant", lambda: bench_quant(d2d, args.quick))]
+                ("fp8", lambda: bench_fp8_linear(d2d, args.quick)),
+                ("mxfp4", lambda: bench_mxfp4_moe(d2d, args.quick))]
     for name, fn in sections:
         if only and name not in only:
             continue
