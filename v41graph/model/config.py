@@ -276,7 +276,7 @@ def _read_json(path: Path) -> dict:
 
 
 # ============================================================================ validation
-QUANT_BLOCK = 32     # activation / cache quantization block along a row (layers.QUANT_BLOCK)
+QUANT_BLOCK = 32     # activation / cache quantization block along a row (reference.QUANT_BLOCK)
 
 _POSITIVE = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -23,7 +23,6 @@ from torch import nn
 
 from v41graph.custom_ops import codecs
 from v41graph.custom_ops import reference as ref
-from v41graph.custom_ops.reference import QUANT_BLOCK  # noqa: F401  (K-block of the blockwise GEMM)
 from v41graph.custom_ops.reference import rms_norm as rms_norm_reference
 
 NUMERICS = ("reference", "released", "fast")
@@ -104,8 +103,8 @@ class Linear(nn.Module):
         elif self.numerics == "released" and self.fmt == "fp8":
             return torch.ops.v41graph.fp8_linear(x, self.weight, self.scale, out_dtype or x.dtype)
         elif self.numerics in ("reference", "released"):   # FP4 outside the MoE op: the reference
-            values = (ref.fp8_weight_values if self.fmt == "fp8" else ref.fp4_weight_values)(self.weight, self.scale)
-            return ref.quantized_linear(x, *values, out_dtype or x.dtype)
+            decode = ref.fp8_weight_values if self.fmt == "fp8" else ref.fp4_weight_values
+            return ref.quantized_linear(x, *decode(self.weight, self.scale), out_dtype or x.dtype)
         else:
             if self._dense_cache is None or self._dense_cache.dtype != x.dtype:
                 self._dense_cache = self.dequantized_weight().to(x.dtype)
