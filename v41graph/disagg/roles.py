@@ -104,12 +104,13 @@ def config_fingerprint(config: V41Config) -> str:
 
 
 def handover_fingerprint(model) -> bytes:
-    """16 bytes that P and D compare before a hand-over: the config's fingerprint and the bytes
-    of the weights both roles hold and that make the hand-over's contents (the decoder start's
-    global-KV build, the embedding). Two workers loaded from different checkpoints, or with
-    another layer plan, differ here."""
+    """16 bytes that P and D compare before a hand-over: 8 of the config's fingerprint (layer
+    plan, sizes, formats), then 8 of a hash of the weights both roles hold that make the
+    hand-over's contents (the embedding and the decoder start's global-KV build). Workers
+    loaded from different checkpoints differ in the second half, with another config or layer
+    plan in the first."""
     config = model.config
-    h = hashlib.sha256(config_fingerprint(config).encode())
+    h = hashlib.sha256()
     dec = decoder_start(config)
     params = dict(model.named_parameters())
     names = ["embed.weight"] + sorted(n for n in params if n.startswith(f"layers.{dec}.")
@@ -120,4 +121,13 @@ def handover_fingerprint(model) -> bytes:
             raise ValueError(f"handover_fingerprint: {n} is not loaded on this worker")
         h.update(n.encode())
         h.update(t.contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.digest()[:16]
+    return bytes.fromhex(config_fingerprint(config))[:8] + h.digest()[:8]
+
+
+def fingerprint_mismatch(mine: bytes, theirs: bytes) -> str | None:
+    """None if equal, else which half differs, in words."""
+    if theirs == mine:
+        return None
+    if theirs[:8] != mine[:8]:
+        return "another config or layer plan"
+    return "the same config but other weights (another checkpoint)"
