@@ -43,8 +43,10 @@ def _fingerprint_bytes(a: int, b: int) -> bytes:
 class Sender:
     """P's side: every message an `isend` to `dst`; the tensors are kept until `wait()`."""
 
-    def __init__(self, dst: int, group=None):
+    def __init__(self, dst: int, group=None, isend=None):
+        """isend: the transport (default torch.distributed.isend; tests pass a recorder)."""
         self.dst, self.group = dst, group
+        self._isend = isend if isend is not None else dist.isend
         self._works, self._keep = [], []
         self.bytes = {"header": 0, "prompt": 0, "parts": 0}
         self.wait_s = 0.0
@@ -55,7 +57,7 @@ class Sender:
         header = torch.tensor([MAGIC, kind, request_id, a, b, c, d, n], dtype=torch.int64)
         tensors = [header] if payload is None else [header, payload.contiguous()]
         for t in tensors:
-            self._works.append(dist.isend(t, self.dst, group=self.group))
+            self._works.append(self._isend(t, self.dst, group=self.group))
             self._keep.append(t)
         self.bytes["header"] += HEADER_BYTES
         self.bytes[what] += n

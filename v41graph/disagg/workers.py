@@ -117,38 +117,58 @@ class DecodeWorker(Session):
         self.fingerprint = handover_fingerprint(self.base)
 
     def admit(self, seq: int, handover: Handover) -> torch.Tensor:
-        """Start sequence `seq` from a hand-over: check it (fingerprint, every part's size),
-        write it into this worker's caches, run the decoder layers over the replay input.
-        Returns the first token's logits [V]. A bad hand-over raises HandoverError and leaves
-        every cache and sequence as it was."""
-        if not isinstance(handover, Handover):
-            raise TypeError(f"admit: expected a Handover, got {type(handover).__name__}")
-        what = f"request {handover.request_id}"
-        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self.max_batch_size:
-            raise ValueError(f"admit: sequence id {seq!r} outside 0..{self.max_batch_size - 1}")
-        _check_fingerprint(self.fingerprint, handover.fingerprint, what)
-        cfg, n = self.config, handover.prompt_len
-        if n < 1:
-            raise HandoverError(f"{what}: empty prompt")
-        if n > self.max_seq_len:
-            raise CacheCapacityError(f"{what}: {n} prompt tokens exceed max_seq_len {self.max_seq_len}")
-        need = math.ceil(n / self.block_size)
-        free = self.allocator.num_free + len(self.blocks[seq])
-        if need > free:
-            raise CacheCapacityError(f"{what}: needs {need} cache blocks, {free} free")
-        # Every part is checked before any state changes (the slot's old sequence is released
-        # only once the hand-over is known to fit).
-        dtype = self.base.compute_dtype
-        parts, fields = check(cfg, handover, dtype, what)
-        self.release(seq)
-        self.blocks[seq] = self.allocator.allocate(need)
-        replay = write_into(self.caches, cfg, parts, fields, seq, self.blocks[seq], n)
-        meta = build_metadata([seq], [0], [n], [self.blocks[seq]], self.max_blocks, device=self.device)
+        """Start sequence `seq` from a hand-over; the first token's logits [V]
+        (admit_batch of one)."""
+        return self.admit_batch([seq], [handover])[0]
+
+    def admit_batch(self, seqs, handovers) -> torch.Tensor:
+        """Start these sequences from their hand-overs: check each (fingerprint, every part's
+        size, capacity), write them into this worker's caches, run the decoder layers over
+        their replay inputs in one flat batch (as one process's prefill of the same batch
+        does: the same rows in every GEMM, so the same bits). Returns the first tokens' logits
+        [B, V]. A bad hand-over raises HandoverError naming its request before any state
+        changes (admit the others without it)."""
+        seqs = token_ids_list(seqs, "seqs")
+        handovers = list(handovers)
+        if len(seqs) != len(handovers) or not seqs:
+            raise ValueError(f"admit_batch: {len(seqs)} sequence ids for {len(handovers)} hand-overs")
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"admit_batch: sequence ids repeat: {seqs}")
+        cfg, dtype = self.config, self.base.compute_dtype
+        checked, need_total, free = [], 0, self.allocator.num_free
+        for seq, h in zip(seqs, handovers):
+            if not isinstance(h, Handover):
+                raise TypeError(f"admit: expected a Handover, got {type(h).__name__}")
+            what = f"request {h.request_id}"
+            if not 0 <= seq < self.max_batch_size:
+                raise ValueError(f"admit: sequence id {seq} outside 0..{self.max_batch_size - 1}")
+            _check_fingerprint(self.fingerprint, h.fingerprint, what)
+            n = h.prompt_len
+            if n < 1:
+                raise HandoverError(f"{what}: empty prompt")
+            if n > self.max_seq_len:
+                raise CacheCapacityError(f"{what}: {n} prompt tokens exceed max_seq_len {self.max_seq_len}")
+            need_total += math.ceil(n / self.block_size)
+            free += len(self.blocks[seq])
+            checked.append(check(cfg, h, dtype, what))      # every part, before any state changes
+        if need_total > free:
+            raise CacheCapacityError(f"admitting requests {[h.request_id for h in handovers]} needs "
+                                     f"{need_total} cache blocks, {free} free")
+        streams, pres = [], []
+        for seq, h, (parts, fields) in zip(seqs, handovers, checked):
+            self.release(seq)
+            self.blocks[seq] = self.allocator.allocate(math.ceil(h.prompt_len / self.block_size))
+            replay = write_into(self.caches, cfg, parts, fields, seq, self.blocks[seq], h.prompt_len)
+            streams.append(replay["streams"])
+            pres.append(replay["pre"])
+        lens = [h.prompt_len for h in handovers]
+        meta = build_metadata(seqs, [0] * len(seqs), lens, [self.blocks[s] for s in seqs], self.max_blocks,
+                              device=self.device)
         sub, keep = replay_metadata(meta, cfg.sliding_window)
         positions = positions_of(meta)[keep]
         with torch.no_grad():
-            logits = self.base.decode_replay(replay["streams"], replay["pre"].to(torch.float32), positions,
-                                             self.caches, sub)
-        self.seq_lens[seq] = n
+            logits = self.base.decode_replay(torch.cat(streams), torch.cat(pres), positions, self.caches, sub)
+        for seq, n in zip(seqs, lens):
+            self.seq_lens[seq] = n
         self.last_prefill_mode = "replay"
-        return logits[0]
+        return logits
