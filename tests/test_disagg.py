@@ -302,3 +302,28 @@ def test_two_processes_over_gloo(ckpt, tmp_path):
     assert "request 4: P sent" in by[4]["error"]
     assert "unknown request id" in by[99]["error"]
     assert p["bytes"] == d["bytes"]          # every message sent arrived, byte for byte
+
+
+# ----------------------------------------------------------------------------- D's Engine
+def test_decode_engine_admits_handovers_alongside_plain_requests(models):
+    """DecodeEngine: two hand-over requests (5 and 30 tokens) and one plain prompt give the
+    greedy tokens of a plain Engine over the whole model (bounded replay prefill); a bad
+    hand-over is refused at add_handover and changes nothing."""
+    from v41graph.disagg.engine import DecodeEngine
+    from v41graph import SamplingParams
+    prompts = [_prompt(5, 21), _prompt(30, 22), _prompt(19, 23)]
+    params = SamplingParams(max_tokens=12)
+    ref = v41graph.Engine(models["both"], 4, 96, block_size=16, prefill_mode="replay", tokenizer=False)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    p = PrefillWorker(models["prefill"], 2, 96, block_size=16)
+    hs = p.prefill(prompts[:2], [0, 1])
+    eng = DecodeEngine(models["decode"], 4, 96, block_size=16, tokenizer=False)
+    bad = Handover(9, hs[0].prompt_ids, hs[0].fingerprint, {k: v for k, v in hs[0].parts.items() if k != "replay"})
+    with pytest.raises(HandoverError, match="request 9: truncated transfer"):
+        eng.add_handover(bad, params)
+    assert not eng.has_unfinished()
+    rids = [eng.add_handover(h, params) for h in hs] + [eng.add_request(prompts[2], params)]
+    while eng.has_unfinished():
+        eng.step()
+    assert [eng.release(r).token_ids for r in rids] == want
+    assert eng.stats["handover_admissions"] == 2 and eng.num_free_blocks == eng.num_blocks
