@@ -327,3 +327,31 @@ def test_decode_engine_admits_handovers_alongside_plain_requests(models):
         eng.step()
     assert [eng.release(r).token_ids for r in rids] == want
     assert eng.stats["handover_admissions"] == 2 and eng.num_free_blocks == eng.num_blocks
+
+
+def test_launcher_loops_in_one_process(models):
+    """The launcher's two loops (v41graph.disagg.launch: run_prefill on P, run_decode on D)
+    over a recorded transport: every request's greedy tokens equal a plain Engine's, a request
+    whose hand-over failed on the way is reported alone."""
+    from v41graph import SamplingParams
+    from v41graph.disagg.engine import DecodeEngine
+    from v41graph.disagg.launch import run_decode, run_prefill
+    prompts = [_prompt(n, 30 + n) for n in (3, 17, 40)]
+    params = SamplingParams(max_tokens=6)
+    ref = v41graph.Engine(models["both"], 4, 96, block_size=16, prefill_mode="replay", tokenizer=False)
+    want = [o.token_ids for o in ref.generate(prompts, params)]
+    sender, sent = _recorded_sender()
+    info = run_prefill(PrefillWorker(models["prefill"], 1, 96, block_size=16), sender, prompts)
+    eng = DecodeEngine(models["decode"], 2, 96, block_size=16, tokenizer=False)
+    rx = Receiver(eng.config, eng.base.compute_dtype, eng.fingerprint)
+    msgs = _messages(sent)
+    # request 1's BEGIN carries another model's fingerprint
+    i = next(k for k, (h, _) in enumerate(msgs) if h[1] == 1 and h[2] == 1)
+    msgs[i] = (msgs[i][0][:5] + [0, 0] + msgs[i][0][7:], msgs[i][1])
+    arrivals = (r for h, pl in msgs for r in rx.feed(h, pl))
+    records = []
+    run_decode(eng, arrivals, params, records.append)
+    by = {r["request_id"]: r for r in records}
+    assert by[0]["token_ids"] == want[0] and by[2]["token_ids"] == want[2]
+    assert "another config or layer plan" in by[1]["error"]
+    assert info["bytes"] == rx.bytes and eng.num_free_blocks == eng.num_blocks
