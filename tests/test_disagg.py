@@ -355,3 +355,18 @@ def test_launcher_loops_in_one_process(models):
     assert by[0]["token_ids"] == want[0] and by[2]["token_ids"] == want[2]
     assert "another config or layer plan" in by[1]["error"]
     assert info["bytes"] == rx.bytes and eng.num_free_blocks == eng.num_blocks
+
+
+def test_compiled_decode_worker_continues_a_handover(models):
+    """D's decode steps through v41graph.compile (our passes, the decode bucket; CPU: not
+    captured) after a hand-over: the same logits as the eager D at every step (~25 s: one
+    trace of the tiny decode graph)."""
+    [h] = PrefillWorker(models["prefill"], 1, 96, block_size=16).prefill([_prompt(30, 40)], [0])
+    eager = DecodeWorker(models["decode"], 1, 96)
+    compiled = DecodeWorker(v41graph.compile(models["decode"], batch_sizes=(1,), compile_prefill=False), 1, 96)
+    a, b = eager.admit(0, h)[None], compiled.admit(0, h)[None]
+    assert torch.equal(a, b)
+    for step in range(STEPS):
+        tok = a.argmax(-1, keepdim=True)
+        a, b = eager.decode(tok), compiled.decode(tok)
+        assert torch.equal(a, b), f"decode step {step}"

@@ -9,8 +9,8 @@ model).
 
 A hand-over request waits for a slot and its blocks like any other (FIFO). The step that
 admits it writes its hand-over into the caches and runs the decoder layers over the replay
-inputs of every request admitted in that step (one batched call, V41Model.decode_replay), then
-samples each one's first token; from the next step it decodes with the others.
+inputs of every request admitted in that step (one batched call, V41Model.decode_replay),
+samples each one's first token, and then runs its decode batch, these requests included.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ class DecodeEngine(Engine):
         self.base = eager_model(model)
         self.fingerprint = handover_fingerprint(self.base)
         self.handovers: dict = {}          # request id -> (checked parts, fields)
+        self._started: list = []           # this step's events of started hand-overs
 
     def add_handover(self, handover: Handover, params=None, callback=None) -> int:
         """Queue a request that a prefill worker handed over. The hand-over is checked here
@@ -51,26 +52,21 @@ class DecodeEngine(Engine):
         self.handovers[rid] = checked
         return rid
 
-    def _add_prefill_chunks(self, batch: list, budget: int) -> list:
-        # A hand-over request's prompt is never prefilled: its admission step writes it.
-        pending = [r for r in self.running if r.request_id in self.handovers]
-        if not pending:
-            return super()._add_prefill_chunks(batch, budget)
-        saved = self.running
-        self.running = [r for r in saved if r.request_id not in self.handovers]
-        try:
-            return super()._add_prefill_chunks(batch, budget)
-        finally:
-            self.running = saved
-
     def _finish(self, req, reason: str) -> None:
         self.handovers.pop(req.request_id, None)
         super()._finish(req, reason)
 
     def step(self) -> list:
-        self._admit()
-        events = self._start_handovers()
-        return events + super().step()
+        self._started = []
+        events = super().step()
+        return self._started + events
+
+    def _admit(self) -> None:
+        # A hand-over request starts in the step that admits it, before the step's batch is
+        # scheduled: its prompt is then cached and its first token sampled, so the scheduler
+        # never gives it a prefill chunk (it decodes with the others in this same step).
+        super()._admit()
+        self._started += self._start_handovers()
 
     def _start_handovers(self) -> list:
         """Write the hand-overs of the requests admitted since the last step, run their

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from v41graph.model.config import V41Config
-from v41graph.model.kv_cache import COMPRESSOR_RING, ModelCaches
+from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.layer_plan import build_layer_plan
 
 from .roles import decoder_start
@@ -132,11 +132,13 @@ def _ring_positions(n: int, size: int, count: int) -> torch.Tensor:
     return torch.arange(n - count, n) % size
 
 
+_CACHE_FIELDS = {"global_kv": "global_kv", "global_scale": "global_scale", "index_k": "index_k",
+                 "index_scale": "index_scale", "ring": "compressor_state", "window_kv": "window_kv",
+                 "window_scale": "window_scale"}     # Field.kind -> ModelCaches attribute
+
+
 def _cache_tensor(caches: ModelCaches, kind: str, layer: int) -> torch.Tensor:
-    return {"global_kv": caches.global_kv, "global_scale": caches.global_scale,
-            "index_k": caches.index_k, "index_scale": caches.index_scale,
-            "ring": caches.compressor_state}[kind][layer] if kind not in ("window_kv", "window_scale") \
-        else (caches.window_kv if kind == "window_kv" else caches.window_scale)[layer]
+    return getattr(caches, _CACHE_FIELDS[kind])[layer]   # a dict by layer, or a list (window)
 
 
 def _rows_of(caches: ModelCaches, f: Field, slot: int, blocks: list[int], n: int, plan):
