@@ -283,7 +283,8 @@ def test_two_processes_over_gloo(ckpt, tmp_path):
     """P (rank 0, role prefill) and D (rank 1, role decode) over gloo: short and long prompts
     bit-identical to a Session replay prefill + 16 greedy steps on D's side; a request of
     another checkpoint's fingerprint, one with a part lost and an unknown request id fail
-    alone, the requests after them succeed."""
+    alone, the requests after them succeed; P leaving in the middle of a request (no STOP)
+    fails that request on D, which then ends normally."""
     out = tmp_path / "result"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_CBWR="COMPATIBLE")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -293,7 +294,7 @@ def test_two_processes_over_gloo(ckpt, tmp_path):
     p = json.loads(Path(f"{out}.rank0.json").read_text())
     d = json.loads(Path(f"{out}.rank1.json").read_text())
     by = {r["request_id"]: r for r in d["requests"]}
-    assert sorted(by) == [1, 2, 3, 4, 5, 6, 99]
+    assert sorted(by) == [1, 2, 3, 4, 5, 6, 7, 99]
     cfg = v41graph.V41Config.tiny()
     for rid in (1, 2, 5, 6):
         assert by[rid]["ok"] and by[rid]["first_equal"] and by[rid]["steps_equal"] == STEPS, by[rid]
@@ -301,6 +302,8 @@ def test_two_processes_over_gloo(ckpt, tmp_path):
     assert "the same config but other weights" in by[3]["error"]
     assert "request 4: P sent" in by[4]["error"]
     assert "unknown request id" in by[99]["error"]
+    assert "request 7: truncated transfer, 2 of 8 parts arrived before the transport from rank 0 failed" \
+        in by[7]["error"]
     assert p["bytes"] == d["bytes"]          # every message sent arrived, byte for byte
 
 

@@ -26,7 +26,7 @@ from v41graph.disagg.workers import DecodeWorker, PrefillWorker  # noqa: E402
 STEPS = 16
 # request id -> (prompt length, what P does to it)
 REQUESTS = {1: (5, None), 2: (30, None), 3: (12, "other checkpoint"), 4: (20, "lose part 2"),
-            5: (31, None), 6: (8, None)}
+            5: (31, None), 6: (8, None)}       # then request 7, which P leaves unfinished
 
 
 def prompt(rid: int) -> list:
@@ -52,7 +52,14 @@ def run_prefill(ckpt: str) -> dict:
     t0 = time.perf_counter()
     worker.prefill([prompt(2)], [0])
     stats["encode_alone_s"] = time.perf_counter() - t0
-    sender.stop()
+    # request 7 begins, two of its parts go out, then P is gone (no STOP): D must report 7 as
+    # truncated when its receive fails, and finish the rest
+    sender.part = real_part
+    ids = torch.arange(3, 23).tolist()
+    [h] = worker.prefill([ids], [7])
+    sender.begin(7, ids, worker.fingerprint, len(h.parts))
+    for i, data in enumerate(list(h.parts.values())[:2]):
+        sender.part(7, i, data)
     sender.wait()
     stats["bytes"] = sender.bytes
     stats["part_bytes"] = sum(sum(r["part_bytes"].values()) for r in stats["requests"].values())

@@ -190,13 +190,22 @@ class Receiver:
 
 
 def receive(receiver: Receiver, src: int, group=None):
-    """Yield (request_id, Handover | HandoverError) as they complete, until P's STOP."""
+    """Yield (request_id, Handover | HandoverError) as they complete, until P's STOP. If the
+    transport fails (P gone: gloo raises when its connection closes, or at the group's timeout)
+    the requests in flight come out as HandoverErrors and the iteration ends: what D already
+    admitted runs on."""
     while not receiver.stopped:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64)
-        dist.recv(header, src, group=group)
-        h = header.tolist()
-        payload = None
-        if h[0] == MAGIC and h[-1] > 0:
-            payload = torch.empty(h[-1], dtype=torch.uint8)
-            dist.recv(payload, src, group=group)
+        try:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            dist.recv(header, src, group=group)
+            h = header.tolist()
+            payload = None
+            if h[0] == MAGIC and h[-1] > 0:
+                payload = torch.empty(h[-1], dtype=torch.uint8)
+                dist.recv(payload, src, group=group)
+        except RuntimeError as e:          # torch.distributed's errors are RuntimeErrors
+            receiver.stopped = True
+            yield from receiver._fail_open(f"the transport from rank {src} failed ({type(e).__name__}: "
+                                           f"{str(e).splitlines()[0] if str(e) else ''})")
+            return
         yield from receiver.feed(h, payload)
