@@ -373,3 +373,18 @@ def test_compiled_decode_worker_continues_a_handover(models):
         tok = a.argmax(-1, keepdim=True)
         a, b = eager.decode(tok), compiled.decode(tok)
         assert torch.equal(a, b), f"decode step {step}"
+
+
+@pytest.mark.parametrize("numerics", ["reference", "fast"])
+def test_handover_in_the_released_formats(tmp_path_factory, numerics):
+    """bf16 activations, FP8/FP4 weights as released (bf16 replay streams in the hand-over):
+    still bit-identical, first token and 16 greedy steps."""
+    cfg = v41graph.V41Config.tiny(weight_format="checkpoint", torch_dtype="bfloat16")
+    ckpt = tmp_path_factory.mktemp("disagg_bf16")
+    write_random_checkpoint(cfg, ckpt, seed=2, progress=False)
+    load = lambda role: v41graph.from_pretrained(ckpt, role=role, numerics=numerics, progress=False)  # noqa: E731
+    models = {"both": load("both"), "prefill": load("prefill"), "decode": load("decode")}
+    ref, d, a, b, [h] = _reference_and_disagg(models, [_prompt(37, 5)])
+    assert torch.equal(a, b)
+    _decode_both(ref, d, a)
+    assert _group_bytes(cfg, h, torch.bfloat16) == _expected_bytes(cfg, 37, 2)

@@ -268,7 +268,8 @@ def _load_into_model(model: V41Model, ckpt: Checkpoint, specs: Mapping[str, Tens
     pbar.close()
     seconds = time.perf_counter() - t0
     _log.info("loaded %.2f GiB in %.1f s (%.2f GiB/s)", total / 2 ** 30, seconds, total / 2 ** 30 / max(seconds, 1e-9))
-    left = [n for n, p in model.named_parameters() if p.is_meta and n in set(targets.values())]
+    wanted = set(targets.values())
+    left = [n for n, p in model.named_parameters() if p.is_meta and n in wanted]
     if left:
         raise RuntimeError(f"parameters not loaded: {left}")
 
@@ -279,7 +280,7 @@ def place_model(model: V41Model, device, engram_device=None) -> V41Model:
     tables = {id(t) for e in model.engram for t in (e.embed_weight, e.embed_scale)}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is None:
+            if p is None or p.is_meta:       # meta: another worker role's tensor (not loaded)
                 continue
             dev = engram_device if id(p) in tables else device
             if dev is not None and p.device != torch.device(dev):
