@@ -120,12 +120,9 @@ def _expected_bytes(cfg, n, elsize):
 def _group_bytes(cfg, h: Handover, dtype):
     out = {"kv": 0, "ring": 0, "window": 0, "history": 0, "replay": 0}
     for part in layout(cfg, h.prompt_len, dtype):
-        data = h.parts[part.name]
-        assert data.numel() == part.nbytes
-        off = 0
+        assert h.parts[part.name].numel() == part.nbytes      # what was packed, byte for byte
         for f in part.fields:
             out[f.group] += f.nbytes
-            off += f.nbytes
     return out
 
 

@@ -22,9 +22,8 @@ from v41graph.model.metadata import build_metadata, positions_of, replay_metadat
 from v41graph.runtime.batch import eager_model
 from v41graph.runtime.engine import Engine
 
-from .handover import Handover, check, write_into
+from .handover import Handover, check, check_fingerprint, write_into
 from .roles import handover_fingerprint
-from .workers import _check_fingerprint
 
 __all__ = ["DecodeEngine"]
 
@@ -46,7 +45,7 @@ class DecodeEngine(Engine):
         if not isinstance(handover, Handover):
             raise TypeError(f"add_handover: expected a Handover, got {type(handover).__name__}")
         what = f"request {handover.request_id}"
-        _check_fingerprint(self.fingerprint, handover.fingerprint, what)
+        check_fingerprint(self.fingerprint, handover.fingerprint, what)
         checked = check(self.config, handover, self.base.compute_dtype, what)
         rid = self.add_request(handover.prompt_ids, params, callback)
         self.handovers[rid] = checked

@@ -37,7 +37,7 @@ from v41graph.model.config import V41Config
 from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.layer_plan import build_layer_plan
 
-from .roles import decoder_start
+from .roles import decoder_start, fingerprint_mismatch
 
 
 class HandoverError(ValueError):
@@ -115,6 +115,17 @@ def byte_counts(parts: list[Part]) -> dict:
             out[f.group] += f.nbytes
     out["total"] = sum(out.values())
     return out
+
+
+def check_fingerprint(mine: bytes, theirs: bytes, what: str) -> None:
+    """P's fingerprint (Handover.fingerprint) against this worker's: a HandoverError naming
+    which half differs (roles.fingerprint_mismatch)."""
+    if not isinstance(theirs, (bytes, bytearray)) or len(theirs) != len(mine):
+        raise HandoverError(f"{what}: fingerprint must be {len(mine)} bytes, got {theirs!r}")
+    why = fingerprint_mismatch(mine, bytes(theirs))
+    if why is not None:
+        raise HandoverError(f"{what}: P and D do not hold the same model ({why}: hand-over fingerprint "
+                            f"{bytes(theirs).hex()} vs this worker's {mine.hex()})")
 
 
 # ----------------------------------------------------------------------------- cache rows

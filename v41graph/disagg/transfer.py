@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .handover import Handover, HandoverError, layout
+from .handover import Handover, HandoverError, check_fingerprint, layout
 
 MAGIC = 0x50374B56          # "P7KV"
 BEGIN, PART, END, STOP = 1, 2, 3, 4
@@ -149,11 +149,11 @@ class Receiver:
             fp = _fingerprint_bytes(c, d)
             if rid in self.draining:
                 self.draining.discard(rid)
-            h = Handover(rid, payload.view(torch.int64).tolist() if n else [], fp)
             try:
-                if fp != self.fingerprint:
-                    from .workers import _check_fingerprint
-                    _check_fingerprint(self.fingerprint, fp, f"request {rid}")
+                if n != 8 * a or (a and payload is None):
+                    raise HandoverError(f"request {rid}: BEGIN says {a} prompt tokens but carries {n} bytes of ids")
+                h = Handover(rid, payload.view(torch.int64).tolist() if n else [], fp)
+                check_fingerprint(self.fingerprint, fp, f"request {rid}")
                 names = [p.name for p in layout(self.config, a, self.dtype)]
                 if b != len(names):
                     raise HandoverError(f"request {rid}: P sends {b} parts, this worker's layout has "

@@ -22,19 +22,10 @@ from v41graph.model.metadata import build_metadata, positions_of, replay_metadat
 from v41graph.runtime.batch import CacheCapacityError, StepRunner, eager_model, token_ids_list
 from v41graph.runtime.session import Session
 
-from .handover import Handover, HandoverError, check, layout, pack_part, write_into
-from .roles import fingerprint_mismatch, handover_fingerprint
+from .handover import Handover, HandoverError, check, check_fingerprint, layout, pack_part, write_into
+from .roles import handover_fingerprint
 
 __all__ = ["PrefillWorker", "DecodeWorker", "HandoverError"]
-
-
-def _check_fingerprint(mine: bytes, theirs: bytes, what: str) -> None:
-    if not isinstance(theirs, (bytes, bytearray)) or len(theirs) != len(mine):
-        raise HandoverError(f"{what}: fingerprint must be {len(mine)} bytes, got {theirs!r}")
-    why = fingerprint_mismatch(mine, bytes(theirs))
-    if why is not None:
-        raise HandoverError(f"{what}: P and D do not hold the same model ({why}: hand-over fingerprint "
-                            f"{bytes(theirs).hex()} vs this worker's {mine.hex()})")
 
 
 class PrefillWorker(StepRunner):
@@ -142,7 +133,7 @@ class DecodeWorker(Session):
             what = f"request {h.request_id}"
             if not 0 <= seq < self.max_batch_size:
                 raise ValueError(f"admit: sequence id {seq} outside 0..{self.max_batch_size - 1}")
-            _check_fingerprint(self.fingerprint, h.fingerprint, what)
+            check_fingerprint(self.fingerprint, h.fingerprint, what)
             n = h.prompt_len
             if n < 1:
                 raise HandoverError(f"{what}: empty prompt")
