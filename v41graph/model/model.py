@@ -165,6 +165,28 @@ class V41Model(nn.Module):
             raise ValueError(f"return_streams: layer {bad[0]} outside 0..{len(self.layers) - 1}")
         kept_streams = {}
         ctx = StepContext.build(metadata, caches, positions, self.debug)
+        streams, pre, engram_rows, history = self._embed_streams(input_ids, ctx)
+        for block in self.layers:
+            role = block.role
+            if decoder_replay is not None and role.layer_id == self.decoder_start:
+                streams, pre, engram_rows, ctx = self._enter_replay(block, streams, pre, engram_rows, ctx,
+                                                                    decoder_replay)
+                metadata = ctx.meta
+            streams, pre = self._block(block, streams, pre, engram_rows, ctx)
+            if role.layer_id in wanted:
+                kept_streams[role.layer_id] = streams
+        if history is not None:   # roll the Engram history last (P4 hoists the gathers before)
+            ops.state_write(caches.engram_history, metadata.seq_slot, history)
+        logits = self._logits(streams, pre, metadata, all_logits)
+        if wanted:
+            return logits, [kept_streams[i] for i in wanted]
+        return logits
+
+    # ------------------------------------------------------------------ forward's pieces
+    # (also what a prefill worker and a decode worker of v41graph.disagg run, in the same
+    # order: their two halves of a bounded-replay prefill are this forward, split)
+    def _embed_streams(self, input_ids: torch.Tensor, ctx: StepContext):
+        """(streams [N, hc, d], block 0's `pre`, Engram row ids or None, next Engram history)."""
         cfg = self.config
         engram_rows = history = None
         if len(self.engram):
@@ -175,28 +197,38 @@ class V41Model(nn.Module):
         # write, which a CUDA-graph capture would reject).
         one_hot = (torch.arange(cfg.hc_mult, device=h.device) == 0).to(torch.float32)
         pre = one_hot.expand(h.shape[0], cfg.hc_mult)
-        for block in self.layers:
-            role = block.role
-            if decoder_replay is not None and role.layer_id == self.decoder_start:
-                # Global KV of the decoder from every token, then continue on the replay segment.
-                block.attn.compress(block.attn_input(streams, pre), ctx)
-                metadata, keep = replay_metadata(metadata, decoder_replay)
-                ctx = StepContext.build(metadata, caches, positions[keep], self.debug)
-                ctx.precompressed.add(role.layer_id)
-                streams, pre = streams[keep], pre[keep]
-                engram_rows = engram_rows[keep] if engram_rows is not None else None
-            if role.engram_slot is not None:
-                streams = self.engram[role.engram_slot](streams, engram_rows[:, role.engram_slot])
-                if self.debug is not None:
-                    self.debug[f"engram_out.layer{role.layer_id}"] = streams
-            streams, pre = block(streams, pre, ctx)
-            if role.layer_id in wanted:
-                kept_streams[role.layer_id] = streams
+        return streams, pre, engram_rows, history
+
+    def _enter_replay(self, block: Block, streams, pre, engram_rows, ctx: StepContext, decoder_replay):
+        """At the decoder start of a bounded replay: the decoder's global KV from every token
+        (its Attention.compress), then the context, streams, pre and Engram rows of the replay
+        segment only."""
+        block.attn.compress(block.attn_input(streams, pre), ctx)
+        metadata, keep = replay_metadata(ctx.meta, decoder_replay)
+        ctx = self.replay_context(metadata, ctx.caches, ctx.positions[keep])
+        return streams[keep], pre[keep], (engram_rows[keep] if engram_rows is not None else None), ctx
+
+    def replay_context(self, metadata: AttentionMetadata, caches: ModelCaches, positions: torch.Tensor):
+        """The StepContext of the decoder layers in a bounded replay (metadata from
+        replay_metadata): the decoder start's KV is already written."""
+        ctx = StepContext.build(metadata, caches, positions, self.debug)
+        ctx.precompressed.add(self.decoder_start)
+        return ctx
+
+    def _block(self, block: Block, streams, pre, engram_rows, ctx: StepContext):
+        """One backbone layer: its Engram (if any) and its Block."""
+        role = block.role
+        if role.engram_slot is not None:
+            streams = self.engram[role.engram_slot](streams, engram_rows[:, role.engram_slot])
             if self.debug is not None:
-                self.debug[f"block_out.layer{role.layer_id}"] = streams
-                self.debug[f"block_pre_mix.layer{role.layer_id}"] = pre
-        if history is not None:   # roll the Engram history last (P4 hoists the gathers before)
-            ops.state_write(caches.engram_history, metadata.seq_slot, history)
+                self.debug[f"engram_out.layer{role.layer_id}"] = streams
+        streams, pre = block(streams, pre, ctx)
+        if self.debug is not None:
+            self.debug[f"block_out.layer{role.layer_id}"] = streams
+            self.debug[f"block_pre_mix.layer{role.layer_id}"] = pre
+        return streams, pre
+
+    def _logits(self, streams, pre, metadata: AttentionMetadata, all_logits: bool = False):
         if not all_logits:
             streams, pre = streams[metadata.logits_index], pre[metadata.logits_index]
         x = self.norm(collapse(streams, pre))
@@ -205,9 +237,47 @@ class V41Model(nn.Module):
         logits = F.linear(x.float(), self.head.float())
         if self.vocab_parallel:            # every rank gets the whole vocabulary's logits
             logits = self.parallel.all_gather(logits, dim=-1)
-        if wanted:
-            return logits, [kept_streams[i] for i in wanted]
         return logits
+
+    # ------------------------------------------------------------------ the two CED halves
+    def encode(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
+               metadata: AttentionMetadata, decoder_replay, on_layer=None):
+        """A prefill worker's half of `forward(..., decoder_replay=R)`: embedding, Engram and
+        the encoder layers over every token, the decoder start's global KV from every token,
+        the Engram history rolled. Returns (streams [M, hc, d], pre [M, hc], metadata,
+        positions [M]) of the replay segment entering the decoder start: the decoder's replay
+        input. on_layer(layer_id) is called after each encoder layer and after the decoder
+        start's KV is written (the caches of that layer are final for this call: a worker
+        starts sending them while the next layer computes). Eager only."""
+        check_step_inputs(input_ids, positions, metadata)
+        if decoder_replay is None:
+            raise ValueError("encode: decoder_replay is required (the decoder half runs elsewhere)")
+        ctx = StepContext.build(metadata, caches, positions, self.debug)
+        streams, pre, engram_rows, history = self._embed_streams(input_ids, ctx)
+        dec = self.decoder_start
+        for block in self.layers[:dec]:
+            streams, pre = self._block(block, streams, pre, engram_rows, ctx)
+            if on_layer is not None:
+                on_layer(block.role.layer_id)
+        streams, pre, _, ctx = self._enter_replay(self.layers[dec], streams, pre, None, ctx, decoder_replay)
+        if history is not None:
+            ops.state_write(caches.engram_history, metadata.seq_slot, history)
+        if on_layer is not None:
+            on_layer(dec)
+        return streams, pre, ctx.meta, ctx.positions
+
+    def decode_replay(self, streams: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
+                      caches: ModelCaches, metadata: AttentionMetadata) -> torch.Tensor:
+        """A decode worker's half: the decoder layers over the replay segment (what `encode`
+        returned, metadata from replay_metadata) with the decoder start's global KV already in
+        the caches; the logits of each sequence's last token [B, V]."""
+        if any(b.role.engram_slot is not None for b in self.layers[self.decoder_start:]):
+            raise NotImplementedError("decode_replay: Engram before a decoder layer needs the replay tokens' "
+                                      "row ids, which the hand-over does not carry")
+        ctx = self.replay_context(metadata, caches, positions)
+        for block in self.layers[self.decoder_start:]:
+            streams, pre = self._block(block, streams, pre, None, ctx)
+        return self._logits(streams, pre, metadata)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.vocab_parallel:

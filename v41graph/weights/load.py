@@ -164,13 +164,20 @@ def _allocate(model: nn.Module, param_name: str, pin: bool = False, device=None)
                                                      device=None if pin else device))
 
 
-def _model_targets(model: V41Model, specs: Mapping[str, TensorSpec], dequantize: bool):
+def _model_targets(model: V41Model, specs: Mapping[str, TensorSpec], dequantize: bool, keep=None):
     """official name -> our parameter name for every backbone tensor that is loaded; checks
-    that the model's parameters are exactly those, with matching shapes."""
+    that the model's parameters are exactly those, with matching shapes. keep(name) False: a
+    tensor this worker's role does not hold (ShardSpec.role); its parameter goes to the meta
+    device (no memory, and any use of it fails loudly)."""
     params = dict(model.named_parameters())
     targets, problems = {}, []
     for name, spec in specs.items():
         if name.startswith("mtp."):
+            continue
+        if keep is not None and not keep(name):
+            target = official_to_module_name(name, model)
+            if target in params:
+                _set_param(model, target, torch.empty_like(params.pop(target), device="meta"))
             continue
         if dequantize and spec.kind == "scale" and specs[spec.weight].kind in ("fp8", "fp4"):
             continue
@@ -234,15 +241,16 @@ def _read_into(ckpt: Checkpoint, name: str, p: torch.Tensor) -> None:
 
 def _load_into_model(model: V41Model, ckpt: Checkpoint, specs: Mapping[str, TensorSpec],
                      dequantize: bool = False, engram_storage: str = "memory", progress=None,
-                     device=None) -> None:
+                     device=None, keep=None) -> None:
     if engram_storage not in ("memory", "pinned", "mmap"):
         raise ValueError(f"engram_storage must be 'memory', 'pinned' or 'mmap', got {engram_storage!r}")
     pin = engram_storage == "pinned"
     if pin and not torch.cuda.is_available():
         warnings.warn("engram_storage='pinned' needs CUDA; Engram tables stay in ordinary host memory")
         pin = False
-    targets = _model_targets(model, specs, dequantize)
+    targets = _model_targets(model, specs, dequantize, keep)
     total = sum(ckpt.info(n).nbytes for n in targets)
+    model.loaded_bytes = total
     callback = progress if callable(progress) else None
     _log.info("loading %s: %d tensors, %.2f GiB", ckpt.root, len(targets), total / 2 ** 30)
     t0, done = time.perf_counter(), 0
@@ -273,7 +281,8 @@ def _load_into_model(model: V41Model, ckpt: Checkpoint, specs: Mapping[str, Tens
     pbar.close()
     seconds = time.perf_counter() - t0
     _log.info("loaded %.2f GiB in %.1f s (%.2f GiB/s)", total / 2 ** 30, seconds, total / 2 ** 30 / max(seconds, 1e-9))
-    left = [n for n, p in model.named_parameters() if p.is_meta]
+    wanted = set(targets.values())
+    left = [n for n, p in model.named_parameters() if p.is_meta and n in wanted]
     if left:
         raise RuntimeError(f"parameters not loaded: {left}")
 
@@ -284,7 +293,7 @@ def place_model(model: V41Model, device, engram_device=None) -> V41Model:
     tables = {id(t) for e in model.engram for t in (e.embed_weight, e.embed_scale)}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is None:
+            if p is None or p.is_meta:       # meta: another worker role's tensor (not loaded)
                 continue
             dev = engram_device if id(p) in tables else device
             if dev is not None and p.device != torch.device(dev):
@@ -300,7 +309,8 @@ def place_model(model: V41Model, device, engram_device=None) -> V41Model:
 # ============================================================================ from_pretrained
 def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize: bool = False,
                     engram_storage: str = "memory", device=None, engram_device=None,
-                    shard: ShardSpec | None = None, parallel=None, progress=None, **overrides) -> V41Model:
+                    shard: ShardSpec | None = None, parallel=None, role: str = "both", progress=None,
+                    **overrides) -> V41Model:
     """Build a model from a checkpoint in the official layout (directory with config.json and
     `model.safetensors.index.json` + shards or `model.safetensors`; or one .safetensors file).
 
@@ -320,19 +330,30 @@ def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize
     memory).
     shard: a ShardSpec; only world_size=1 (the identity) builds a V41Model (for more ranks use
     `parallel`, or load_sharded_state_dict for the raw tensors).
+    role: "both" (the whole model), "prefill" or "decode" (v41graph/disagg/roles.py): only that
+    worker's tensors are read (= shard=ShardSpec(role=role)); the parameters of the others stay
+    on the meta device. `model.role` and `model.loaded_bytes` (checkpoint bytes read) tell.
     progress: None (a tqdm bar on a terminal, none under `--quiet`: v41graph/progress.py),
     True/False (always / never a bar), or callback(done_bytes, total_bytes, name); the start
     and the end are logged (logger v41graph.weights.load, INFO) in every case.
     overrides: config fields to change (e.g. fake_quant=False).
     Raises CheckpointError (a ValueError) naming the file for any layout problem.
     """
+    from .sharding import ShardSpec
+    if shard is None:
+        shard = ShardSpec(role=role)
+    elif role != "both" and shard.role != role:
+        raise ValueError(f"from_pretrained: role={role!r} and shard.role={shard.role!r} disagree")
+    if parallel is not None and shard.role != "both":
+        raise NotImplementedError("from_pretrained: a prefill/decode role of a parallel rank is not built yet "
+                                  "(role= works with parallel=None)")
     if parallel is not None:
-        if dequantize or engram_storage != "memory" or engram_device is not None or shard is not None:
+        if dequantize or engram_storage != "memory" or engram_device is not None or shard.world_size != 1:
             raise ValueError("from_pretrained(parallel=...) loads the checkpoint's formats with Engram in memory: "
                              "dequantize, engram_storage, engram_device and shard are not supported with it")
         from v41graph.parallel.build import load_parallel_model
         return load_parallel_model(path, parallel, numerics, device=device, progress=progress, **overrides)
-    if shard is not None and shard.world_size != 1:
+    if shard.world_size != 1:
         raise NotImplementedError(
             f"from_pretrained(shard={shard}): a rank's model is built from its ParallelState: "
             f"from_pretrained(path, parallel=init_parallel(ParallelConfig(...))); "
@@ -345,11 +366,12 @@ def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize
     try:
         model_config = dataclasses.replace(config, weight_format="dense") if dequantize else config
         model = _build_empty_model(model_config)
-        _load_into_model(model, ckpt, specs, dequantize, engram_storage, progress, device)
+        keep = None if shard.role == "both" else (lambda name: shard.partition(name, specs, config) is not None)
+        _load_into_model(model, ckpt, specs, dequantize, engram_storage, progress, device, keep)
     finally:
         ckpt.close()
     _load_engram_token_map(model, ckpt.root, config)
-    model.checkpoint_dir = ckpt.root
+    model.checkpoint_dir, model.role = ckpt.root, shard.role
     if device is not None or engram_device is not None:
         place_model(model, device, engram_device)
     return model.set_numerics(numerics).eval()

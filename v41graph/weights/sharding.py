@@ -13,6 +13,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
+from v41graph.disagg.roles import check_role, role_holds
 from v41graph.model.config import V41Config
 
 from .checkpoint import Progress, progress_default
@@ -54,6 +55,8 @@ class ShardSpec:
                       (distributed with expert_parallel, else every rank has them all)
       replicated:     norms, wq_a, wkv, compressor, indexer wk/k_norm, gate, hc_*, Engram,
                       DSpark extras
+      role            "both" (default), "prefill" or "decode": a prefill/decode worker's
+                      tensors only (v41graph/disagg/roles.py says which); the others are None
     Scales follow their weight (an FP8 split must fall on 32-row/column block boundaries).
     world_size=1 is the identity. `ShardSpec.of(parallel_state)` is a v41graph.parallel rank's.
     """
@@ -61,6 +64,7 @@ class ShardSpec:
     world_size: int = 1
     expert_parallel: bool = False
     attention: str = "tp"
+    role: str = "both"
 
     def __post_init__(self):
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -68,6 +72,7 @@ class ShardSpec:
                              f"world_size={self.world_size}")
         if self.attention not in ("tp", "dp"):
             raise ValueError(f"ShardSpec.attention must be 'tp' or 'dp', got {self.attention!r}")
+        check_role(self.role)
 
     @classmethod
     def of(cls, parallel) -> "ShardSpec":
@@ -91,6 +96,8 @@ class ShardSpec:
 
     def partition(self, name: str, specs: Mapping[str, TensorSpec], config: V41Config) -> Part | None:
         """None if this rank does not hold `name`; else the Part it keeps (WHOLE: all of it)."""
+        if not role_holds(name, self.role, config):
+            return None
         spec = specs[name]
         wname = spec.weight if spec.kind == "scale" else name
         wspec = specs[wname]
