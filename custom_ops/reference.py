@@ -559,6 +559,14 @@ def pairs_by_expert(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int)
     return ids, pair_w, perm, offs
 
 
+def dense_routing_weights(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[N, n_experts] fp32: each token's routing weight (fp32) per expert, 0 where it did not
+    pick it; chosen == n_experts (an expert held elsewhere) lands in a dropped column: what
+    the MoE loop multiplies every expert's output by."""
+    dense = torch.zeros(chosen.shape[0], n_experts + 1, dtype=torch.float32, device=chosen.device)
+    return dense.scatter(1, chosen, weights)[:, :n_experts]
+
+
 def mxfp4_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w13: torch.Tensor,
               s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float) -> torch.Tensor:
     """[N, d] fp32: sum over each token's chosen experts of weight * expert(x), every expert in
@@ -569,8 +577,7 @@ def mxfp4_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w13:
     the value E marks an expert held elsewhere (skipped). The specification is the loop: every
     expert runs on every token with a zero weight for tokens that did not pick it."""
     n_exp, inter = w13.shape[0], w13.shape[1] // 2
-    dense_w = torch.zeros(x.shape[0], n_exp + 1, dtype=torch.float32, device=x.device)
-    dense_w = dense_w.scatter(1, chosen, weights)[:, :n_exp]
+    dense_w = dense_routing_weights(weights, chosen, n_exp)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(n_exp):
         gate = quantized_linear(x, *fp4_weight_values(w13[e, :inter], s13[e, :inter]), x.dtype).float()

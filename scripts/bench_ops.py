@@ -468,7 +468,7 @@ def bench_fp8_linear(bw, quick):
     L2 per call (cbench). The rows sweep the kernel's tile table (BEST = the fastest config,
     checked against the reference)."""
     import torch.nn.functional as F
-    from v41graph.custom_ops import reference as ref
+    from v41graph.custom_ops import codecs, reference as ref
     from v41graph.custom_ops.triton import quant_gemm
     ops = torch.ops.v41graph
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -476,8 +476,7 @@ def bench_fp8_linear(bw, quick):
     for name, n, k in shapes:
         w = torch.randint(0, 256, (n, k), device="cuda", dtype=torch.uint8, generator=g) & 0xB7
         sc = torch.randint(118, 126, ((n + 31) // 32, k // 32), device="cuda", dtype=torch.uint8, generator=g)
-        dense = (w.view(torch.float8_e4m3fn).float()
-                 * ref.fp8_weight_values(w, sc)[1].repeat_interleave(32, 1)).bfloat16()
+        dense = codecs.dequant_fp8_weight(w.view(torch.float8_e4m3fn), sc).bfloat16()
         wbytes = n * k + sc.numel()
         for m in ((1, 8, 64, 4096) if name in ("wq_a", "wq_b", "wo_b") else (1, 8, 64)):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

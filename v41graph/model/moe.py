@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from v41graph.custom_ops.reference import pairs_by_expert, swiglu
+from v41graph.custom_ops.reference import dense_routing_weights, pairs_by_expert, swiglu
 
 from .config import V41Config
 from .layers import Linear, weight_fmt
@@ -345,8 +345,7 @@ class MoE(nn.Module):
                                                 self._s2, self.limit)
         if impl not in ("loop", "mxfp4"):
             return self.routed_grouped(x, weights, chosen, impl)
-        dense_w = torch.zeros(x.shape[0], n_local + 1, dtype=torch.float32, device=x.device)
-        dense_w = dense_w.scatter(1, chosen, weights)[:, :n_local]
+        dense_w = dense_routing_weights(weights, chosen, n_local)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, expert in enumerate(self.experts):   # expert-index order, fp32 sum
             y = y + expert(x, dense_w[:, e:e + 1], out_dtype)
