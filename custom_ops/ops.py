@@ -182,18 +182,59 @@ def _(parts, candidate_rows, candidate_positions, score_dtype, topk):
 # The checkpoint's weight formats computed as stored (numerics="released"): the reference is
 # DeepSeek's arithmetic (activation FP8 QDQ per 32 with pow2 scales, fp32 partial per 32-wide
 # K block times both scales); on CUDA Triton kernels dequantize weight tiles in registers.
+def _check_quantized_linear(op: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                            scale_rows: int, k: int) -> None:
+    """x [..., K] against a quantized weight (bytes, uint8) and its E8M0 scale (uint8
+    [scale_rows, K/32]): the error names the op, the tensor and the rule."""
+    if weight.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise TypeError(f"{op}: weight and scale must be the checkpoint's bytes (uint8), got "
+                        f"{weight.dtype} and {scale.dtype}")
+    if k % 32 or x.shape[-1] != k:
+        raise ValueError(f"{op}: x's last dim {x.shape[-1]} must equal the weight's K {k}, a multiple of 32")
+    if tuple(scale.shape) != (scale_rows, k // 32):
+        raise ValueError(f"{op}: scale shape {tuple(scale.shape)} != {(scale_rows, k // 32)} "
+                         f"(one E8M0 byte per 32-wide K block)")
+
+
+def _check_fp8_linear(x, weight, scale) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"fp8_linear: weight must be [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    _check_quantized_linear("fp8_linear", x, weight, scale, -(-n // 32), k)
+
+
 @custom_op(f"{_NS}::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
     """x [..., K] times an FP8 E4M3 weight (uint8 bytes [N, K]) with one E8M0 scale per 32x32
     block (uint8 [ceil(N/32), K/32]); result [..., N] in out_dtype (float32: the fp32 sums
     before the final cast, for a row-parallel split)."""
+    _check_fp8_linear(x, weight, scale)
     return ref.fp8_linear(x, weight, scale, out_dtype)
 
 
 @fp8_linear.register_fake
 def _(x, weight, scale, out_dtype):
+    _check_fp8_linear(x, weight, scale)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
+def _check_mxfp4_moe(x, chosen, w13, s13, w2, s2) -> None:
+    stacks = {"w13": w13, "s13": s13, "w2": w2, "s2": s2}
+    bad = [n for n, t in stacks.items() if t.dtype != torch.uint8 or t.dim() != 3]
+    if bad:
+        raise TypeError(f"mxfp4_moe: {', '.join(bad)} must be 3-d stacks of the checkpoint's bytes (uint8)")
+    e, two_i, d = w13.shape[0], w13.shape[1], x.shape[-1]
+    i = two_i // 2
+    if d % 32 or two_i % 64:
+        raise ValueError(f"mxfp4_moe: x's last dim {d} and the intermediate size {i} must be multiples of 32")
+    want = {"w13": (e, two_i, d // 2), "s13": (e, two_i, d // 32), "w2": (e, d, i // 2), "s2": (e, d, i // 32)}
+    for name, t in stacks.items():
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"mxfp4_moe: {name} shape {tuple(t.shape)} != {want[name]} (x [N, {d}], {e} "
+                             f"experts of intermediate size {i}, E8M0 scales per 32 along K)")
+    if chosen.dim() != 2 or chosen.shape[0] != x.shape[0]:
+        raise ValueError(f"mxfp4_moe: chosen must be [N, topk] with N = {x.shape[0]} tokens, got {tuple(chosen.shape)}")
 
 
 @custom_op(f"{_NS}::mxfp4_moe", mutates_args=())
@@ -202,11 +243,13 @@ def mxfp4_moe(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, w13:
     """The routed experts of one MoE over stacked MXFP4 weights: [N, d] fp32, the sum over each
     token's chosen experts (chosen [N, topk] indexes the stack; the stack size E = held
     elsewhere) of weight * expert(x) (reference.mxfp4_moe). Static shapes, no host sync."""
+    _check_mxfp4_moe(x, chosen, w13, s13, w2, s2)
     return ref.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit)
 
 
 @mxfp4_moe.register_fake
 def _(x, weights, chosen, w13, s13, w2, s2, limit):
+    _check_mxfp4_moe(x, chosen, w13, s13, w2, s2)
     return x.new_empty(x.shape, dtype=torch.float32)
 
 

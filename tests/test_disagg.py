@@ -19,7 +19,7 @@ import v41graph
 from processes import free_port
 from v41graph.disagg.handover import Handover, HandoverError, layout
 from v41graph.disagg.roles import role_holds, role_weight_bytes
-from v41graph.disagg.transfer import HEADER_BYTES, Receiver, Sender, send_prefill
+from v41graph.disagg.transfer import Receiver, Sender, send_prefill
 from v41graph.disagg.workers import DecodeWorker, PrefillWorker
 from v41graph.model.model import V41Model, init_random_
 from v41graph.weights.accounting import accounting, checkpoint_shapes, module_params
@@ -40,6 +40,15 @@ def ckpt(tmp_path_factory):
 def models(ckpt):
     load = lambda role: v41graph.from_pretrained(ckpt, role=role, progress=False)   # noqa: E731
     return {"both": load("both"), "prefill": load("prefill"), "decode": load("decode")}
+
+
+def test_a_prefill_role_model_is_refused_where_decoding_starts(models):
+    """The encoder half cannot decode: every front end that runs decoder steps says so when it
+    is built (not with a meta-device error at the first step); P's own worker accepts it."""
+    for front in (v41graph.Session, DecodeWorker, v41graph.Engine):
+        with pytest.raises(ValueError, match=r"loaded with role='prefill'.*role='decode'"):
+            front(models["prefill"], 1, 32)
+    PrefillWorker(models["prefill"], 1, 32)
 
 
 def _prompt(n, seed):
@@ -262,7 +271,6 @@ def test_receiver_unknown_ids_truncation_and_recovery(models):
     # bytes: what the sender counted = what arrived (request 8's lost part aside)
     part_bytes = sum(stats["part_bytes"].values())
     assert part_bytes == out[7].nbytes()
-    assert sender.bytes["header"] % HEADER_BYTES == 0
     # a BEGIN while a request is open: the open one is truncated, the new one goes on
     rx = Receiver(d.config, d.base.compute_dtype, d.fingerprint)
     s, sent = _recorded_sender()

@@ -146,3 +146,25 @@ def test_malformed_quantized_tensors_are_refused_before_any_allocation(tmp_path,
     d = _bad_copy(tmp_path, edit)
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[")):
         from_pretrained(d, numerics="released", device="cuda")
+
+
+def test_quantized_ops_name_a_mismatched_tensor():
+    """The ops check shapes at their boundary (eager and at trace time): the error names the op,
+    the tensor and the rule instead of failing inside a view."""
+    x = torch.zeros(3, 64)
+    w, s = torch.zeros(48, 64, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8)
+    assert ops.fp8_linear(x, w, s, torch.float32).shape == (3, 48)
+    with pytest.raises(ValueError, match="fp8_linear: x's last dim 32 must equal the weight's K 64"):
+        ops.fp8_linear(torch.zeros(3, 32), w, s, torch.float32)
+    with pytest.raises(ValueError, match=r"fp8_linear: scale shape \(2, 4\) != \(2, 2\)"):
+        ops.fp8_linear(x, w, torch.zeros(2, 4, dtype=torch.uint8), torch.float32)
+    with pytest.raises(TypeError, match="uint8"):
+        ops.fp8_linear(x, w.float(), s, torch.float32)
+    e, i = 2, 32
+    stacks = dict(w13=torch.zeros(e, 2 * i, 32, dtype=torch.uint8), s13=torch.zeros(e, 2 * i, 2, dtype=torch.uint8),
+                  w2=torch.zeros(e, 64, i // 2, dtype=torch.uint8), s2=torch.zeros(e, 64, 1, dtype=torch.uint8))
+    chosen, weights = torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1)
+    assert ops.mxfp4_moe(x, weights, chosen, *stacks.values(), 10.0).shape == (3, 64)
+    stacks["s2"] = torch.zeros(e, 64, 2, dtype=torch.uint8)             # scales per 16, not 32
+    with pytest.raises(ValueError, match=r"mxfp4_moe: s2 shape \(2, 64, 2\) != \(2, 64, 1\)"):
+        ops.mxfp4_moe(x, weights, chosen, *stacks.values(), 10.0)

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from v41graph.model.metadata import build_metadata, positions_of, replay_metadata
 from v41graph.runtime.batch import eager_model
 from v41graph.runtime.engine import Engine
 
-from .handover import Handover, check, check_fingerprint, write_into
+from .handover import Handover, check, check_fingerprint
 from .roles import handover_fingerprint
+from .workers import replay_handovers
 
 __all__ = ["DecodeEngine"]
 
@@ -70,21 +68,13 @@ class DecodeEngine(Engine):
     def _start_handovers(self) -> list:
         """Write the hand-overs of the requests admitted since the last step, run their
         decoder replay in one call, sample their first tokens."""
+        if not self.handovers:               # the common step: nothing handed over waits
+            return []
         reqs = [r for r in self.running if r.request_id in self.handovers]
         if not reqs:
             return []
-        streams, pres = [], []
-        for r in reqs:
-            parts, fields = self.handovers.pop(r.request_id)
-            replay = write_into(self.caches, self.config, parts, fields, r.slot, r.blocks, len(r.prompt))
-            streams.append(replay["streams"])
-            pres.append(replay["pre"])
-        meta = build_metadata([r.slot for r in reqs], [0] * len(reqs), [len(r.prompt) for r in reqs],
-                              [r.blocks for r in reqs], self.max_blocks, device=self.device)
-        sub, keep = replay_metadata(meta, self.config.sliding_window)
-        with torch.no_grad():
-            logits = self.base.decode_replay(torch.cat(streams), torch.cat(pres), positions_of(meta)[keep],
-                                             self.caches, sub)
+        logits = replay_handovers(self, self.base, [(self.handovers.pop(r.request_id), r.slot, r.blocks,
+                                                     len(r.prompt)) for r in reqs])
         self.stats["handover_admissions"] += len(reqs)
         for r in reqs:
             r.num_cached = len(r.prompt)

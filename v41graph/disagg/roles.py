@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 
 import torch
 
@@ -67,7 +66,7 @@ def role_holds(name: str, role: str, config: V41Config) -> bool:
     dec = decoder_start(config)
     if layer < dec:
         return True
-    return layer == dec and rest.startswith(_KV_BUILD_PREFIXES) and not rest.startswith("engram.")
+    return layer == dec and rest.startswith(_KV_BUILD_PREFIXES)
 
 
 def role_weight_bytes(config: V41Config, role: str, include_mtp: bool = True) -> dict:
@@ -76,13 +75,13 @@ def role_weight_bytes(config: V41Config, role: str, include_mtp: bool = True) ->
     DSpark included) and the same without the Engram tables (`*_device`: the tables live in
     host memory, MODEL.md §7), and the fractions. include_mtp=False: without DSpark (what
     from_pretrained reads; load_dspark reads the rest)."""
-    from v41graph.weights.checkpoint import ST_DTYPES
+    from v41graph.weights.checkpoint import nbytes_of
     from v41graph.weights.names import official_tensor_specs
 
     specs = official_tensor_specs(config, include_mtp=include_mtp)
     out = dict(role_bytes=0, total_bytes=0, role_bytes_device=0, total_bytes_device=0)
     for name, spec in specs.items():
-        n = math.prod(spec.physical_shape) * ST_DTYPES[spec.dtype][1]
+        n = nbytes_of(spec.dtype, spec.shape)
         table = spec.kind == "table" or (spec.kind == "scale" and specs[spec.weight].kind == "table")
         held = role_holds(name, role, config)
         out["total_bytes"] += n
@@ -120,7 +119,7 @@ def handover_fingerprint(model) -> bytes:
         if t.is_meta:
             raise ValueError(f"handover_fingerprint: {n} is not loaded on this worker")
         h.update(n.encode())
-        h.update(t.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        h.update(t.contiguous().cpu().view(torch.uint8).numpy())      # the buffer, not a bytes copy
     return bytes.fromhex(config_fingerprint(config))[:8] + h.digest()[:8]
 
 

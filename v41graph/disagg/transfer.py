@@ -140,7 +140,9 @@ class Receiver:
             raise HandoverError(f"not a hand-over message header: {list(header)[:HEADER_LEN]}")
         kind, rid, a, b, c, d, n = header[1:]
         self.bytes["header"] += HEADER_BYTES
-        self.bytes["prompt" if kind == BEGIN else "parts"] += n
+        # what arrived, not what the header claims (a short payload then shows as a difference)
+        arrived = 0 if payload is None else payload.numel() * payload.element_size()
+        self.bytes["prompt" if kind == BEGIN else "parts"] += arrived
         if kind == STOP:
             self.stopped = True
             return self._fail_open("P stopped")

@@ -25,12 +25,31 @@ from v41graph.runtime.session import Session
 from .handover import Handover, HandoverError, check, check_fingerprint, layout, pack_part, write_into
 from .roles import handover_fingerprint
 
-__all__ = ["PrefillWorker", "DecodeWorker", "HandoverError"]
+__all__ = ["PrefillWorker", "DecodeWorker", "HandoverError", "replay_handovers"]
+
+
+def replay_handovers(runner: StepRunner, base, admitted) -> torch.Tensor:
+    """Write checked hand-overs into `runner`'s caches and run the decoder layers over their
+    replay inputs in one flat batch (what one process's replay prefill of the same batch does:
+    the same rows in every GEMM, so the same bits). admitted: [(checked parts and fields from
+    handover.check, slot, blocks, prompt_len)]. Returns the first tokens' logits [B, V]."""
+    streams, pres = [], []
+    for (parts, fields), slot, blocks, n in admitted:
+        replay = write_into(runner.caches, runner.config, parts, fields, slot, blocks, n)
+        streams.append(replay["streams"])
+        pres.append(replay["pre"])
+    meta = build_metadata([a[1] for a in admitted], [0] * len(admitted), [a[3] for a in admitted],
+                          [a[2] for a in admitted], runner.max_blocks, device=runner.device)
+    sub, keep = replay_metadata(meta, runner.config.sliding_window)
+    with torch.no_grad():
+        return base.decode_replay(torch.cat(streams), torch.cat(pres), positions_of(meta)[keep],
+                                  runner.caches, sub)
 
 
 class PrefillWorker(StepRunner):
     """Runs V41Model.encode over a batch of prompts (its own caches, freed after each call: P
     keeps no request after its hand-over) and packs each request's parts."""
+    runs_decoder = False
 
     def __init__(self, model, max_batch_size: int, max_seq_len: int, block_size: int = 128,
                  num_blocks: int | None = None):
@@ -145,21 +164,12 @@ class DecodeWorker(Session):
         if need_total > free:
             raise CacheCapacityError(f"admitting requests {[h.request_id for h in handovers]} needs "
                                      f"{need_total} cache blocks, {free} free")
-        streams, pres = [], []
-        for seq, h, (parts, fields) in zip(seqs, handovers, checked):
+        for seq, h in zip(seqs, handovers):
             self.release(seq)
             self.blocks[seq] = self.allocator.allocate(math.ceil(h.prompt_len / self.block_size))
-            replay = write_into(self.caches, cfg, parts, fields, seq, self.blocks[seq], h.prompt_len)
-            streams.append(replay["streams"])
-            pres.append(replay["pre"])
-        lens = [h.prompt_len for h in handovers]
-        meta = build_metadata(seqs, [0] * len(seqs), lens, [self.blocks[s] for s in seqs], self.max_blocks,
-                              device=self.device)
-        sub, keep = replay_metadata(meta, cfg.sliding_window)
-        positions = positions_of(meta)[keep]
-        with torch.no_grad():
-            logits = self.base.decode_replay(torch.cat(streams), torch.cat(pres), positions, self.caches, sub)
-        for seq, n in zip(seqs, lens):
-            self.seq_lens[seq] = n
+        logits = replay_handovers(self, self.base, [(c, seq, self.blocks[seq], h.prompt_len)
+                                                    for c, seq, h in zip(checked, seqs, handovers)])
+        for seq, h in zip(seqs, handovers):
+            self.seq_lens[seq] = h.prompt_len
         self.last_prefill_mode = "replay"
         return logits

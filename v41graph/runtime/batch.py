@@ -259,9 +259,14 @@ class StepRunner:
     CompiledModel (same contract: `model(...)` for any step, `model.decode(...)` for a decode
     step)."""
 
+    runs_decoder = True     # False for a front end that only runs the encoder (disagg.PrefillWorker)
+
     def __init__(self, model, max_batch_size: int, max_seq_len: int, block_size: int = 128,
                  num_blocks: int | None = None, persistent_metadata: bool = True):
         base = eager_model(model)
+        if self.runs_decoder and getattr(base, "role", "both") == "prefill":
+            raise ValueError(f"{type(self).__name__}: the model was loaded with role='prefill' (the encoder "
+                             "half only); decoding needs role='decode' or the whole model")
         self.model, self.config = model, base.config
         for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
                             ("block_size", block_size)):
