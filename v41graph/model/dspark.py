@@ -92,29 +92,35 @@ class DSparkStage(nn.Module):
         kv = apply_rope(a.kv_norm(a.wkv(x)), rope_rotation(positions, a.inv_freqs))
         return torch.ops.v41graph.fake_quant(kv, "fp8_ue8m0", 32)
 
-    def attention(self, x: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor,
+    def attention(self, x: torch.Tensor, positions: torch.Tensor, rings: torch.Tensor,
                   ring_valid: torch.Tensor) -> torch.Tensor:
-        """x [k, d] block tokens; ring [W, D] this sequence's window KV, ring_valid [W] bool."""
+        """x [B*k, d]: B blocks of k tokens; rings [B, W, D] each block's sequence's window KV,
+        ring_valid [B, W] bool. Each block's queries see its own valid ring slots (in slot
+        order) and its own k block tokens; rows of other blocks are never listed."""
         a = self.attn
-        k = x.shape[0]
+        b, w = rings.shape[0], rings.shape[1]
+        k = x.shape[0] // b
+        dev = x.device
         rotation = rope_rotation(positions, a.inv_freqs)
         qr = a.q_norm(a.wq_a(x))
         kv = torch.ops.v41graph.fake_quant(apply_rope(a.kv_norm(a.wkv(x)), rotation), "fp8_ue8m0", 32)
         q = apply_rope(a.wq_b(qr).unflatten(-1, (a.n_heads, a.head_dim)), rotation)
-        w = ring.shape[0]
-        pool = torch.cat([ring.to(kv.dtype), kv])
-        slots = torch.where(ring_valid, torch.arange(w, device=x.device), -1)
-        slots = slots[torch.argsort((slots < 0).to(torch.int8), stable=True)]   # valid first
-        rows = torch.cat([slots, w + torch.arange(k, device=x.device)]).expand(k, -1).contiguous()
-        empty_rows = torch.empty((k, 0), dtype=torch.int64, device=x.device)
-        empty_kv = torch.empty((0, 1), dtype=torch.uint8, device=x.device)
+        pool = torch.cat([rings.flatten(0, 1).to(kv.dtype), kv])       # every ring, then every block
+        slots = torch.where(ring_valid, torch.arange(w, device=dev), -1)
+        slots = slots.gather(1, torch.argsort((slots < 0).to(torch.int8), dim=1, stable=True))  # valid first
+        first = torch.arange(b, device=dev)[:, None]
+        ring_rows = torch.where(slots >= 0, slots + first * w, -1)
+        block_rows = b * w + first * k + torch.arange(k, device=dev)
+        rows = torch.cat([ring_rows, block_rows], 1).repeat_interleave(k, dim=0)   # [B*k, W+k]
+        empty_rows = torch.empty((b * k, 0), dtype=torch.int64, device=dev)
+        empty_kv = torch.empty((0, 1), dtype=torch.uint8, device=dev)
         # DSpark keeps its ring as float values (post-QDQ), so there is no FP8 ring to read in
         # place: an empty ring, and every row (ring ++ block) is a fresh row of `pool`.
-        no_ring = torch.empty((0, w, a.head_dim), dtype=torch.uint8, device=x.device)
-        no_ring_scale = torch.empty((0, w, a.head_dim // 32), dtype=torch.uint8, device=x.device)
-        o = ops.sparse_attention(q, no_ring, no_ring_scale, pool, rows, empty_kv, empty_kv,
+        no_ring = torch.empty((0, w, a.head_dim), dtype=torch.uint8, device=dev)
+        no_ring_scale = torch.empty((0, w, a.head_dim // 32), dtype=torch.uint8, device=dev)
+        o = ops.sparse_attention(q, no_ring, no_ring_scale, pool, rows.contiguous(), empty_kv, empty_kv,
                                  empty_rows, a.attn_sink, a.softmax_scale)
-        o = apply_rope(o, rotation, inverse=True).reshape(k, a.o_groups, -1)
+        o = apply_rope(o, rotation, inverse=True).reshape(b * k, a.o_groups, -1)
         wo_a = a.wo_a.weight.view(a.o_groups, a.o_rank, -1).to(o.dtype)
         o = torch.einsum("ngd,grd->ngr", o, wo_a)
         return a.wo_b(o.flatten(1))
@@ -175,27 +181,59 @@ class DSparkHead(nn.Module):
             ring[slot, positions[keep] % w] = kv[keep].to(ring.dtype)
         state.length[slot] = int(positions.max()) + 1
 
+    def append_context_rows(self, state: DSparkState, slots: torch.Tensor, positions: torch.Tensor,
+                            main_x: torch.Tensor, keep: torch.Tensor) -> None:
+        """The batched, sync-free form of append_context: slots [B]; positions [B, n]
+        (consecutive per row, n <= window); main_x [B * n, d]; keep [B, n] bool: which of
+        them are context (a rejected draft's row leaves the ring as it was)."""
+        w = state.window
+        rows = positions.remainder(w)
+        sl = slots[:, None].expand_as(rows)
+        for stage, ring in zip(self.stages, state.kv):
+            kv = stage.window_kv(main_x, positions.flatten()).view(*rows.shape, -1).to(ring.dtype)
+            ring[sl, rows] = torch.where(keep[..., None], kv, ring[sl, rows])
+
     # ------------------------------------------------------------------ drafting
     def draft(self, state: DSparkState, slot: int, anchor: int, anchor_pos: int, embed: nn.Embedding,
               lm_head: torch.Tensor, debug: dict | None = None, choose=None):
-        """Draft one block: (ids [k+1] = anchor + k greedy drafts, logits [k, V] fp32 (base +
-        Markov bias), confidence [k] raw logits).
+        """Draft one block for one sequence: (ids [k+1] = anchor + k drafts, logits [k, V] fp32
+        (base + Markov bias), confidence [k] raw logits). `draft_batch` of one row.
 
         choose(logits_j [V]) -> token id picks each draft token (default: argmax, the greedy
         drafts); speculative sampling passes a sampler so drafts are drawn from q_j."""
-        cfg, k = self.config, self.block_size
         dev = lm_head.device
-        ids = torch.tensor([anchor] + [self.noise_id] * (k - 1), dtype=torch.int64, device=dev)
-        positions = anchor_pos + torch.arange(k, device=dev)
+        one = lambda v: torch.tensor([v], dtype=torch.int64, device=dev)  # noqa: E731
+        pick = None if choose is None else (lambda j, lj: one(int(choose(lj[0]))))
+        drafts, logits, conf = self.draft_batch(state, one(slot), one(anchor), one(anchor_pos),
+                                                one(state.length[slot]), embed, lm_head,
+                                                choose=pick, debug=debug)
+        return torch.cat([one(anchor), drafts[0]]), logits[0], conf[0]
+
+    def draft_batch(self, state: DSparkState, slots: torch.Tensor, anchors: torch.Tensor,
+                    anchor_pos: torch.Tensor, context_len: torch.Tensor, embed: nn.Embedding,
+                    lm_head: torch.Tensor, choose=None, debug: dict | None = None):
+        """Draft one block for each of B sequences at once, static shapes and no host sync (the
+        captured speculative step runs this): slots / anchors / anchor_pos / context_len [B]
+        int64 (context_len: context tokens in the slot's rings, = anchor_pos while decoding).
+        Returns (drafts [B, k] int64, logits [B, k, V] fp32, confidence [B, k] raw logits).
+
+        choose(j, logits_j [B, V]) -> [B] int64 picks draft j + 1 of every row (default argmax:
+        the greedy drafts); the Markov bias of draft j + 1 depends on draft j, so the k picks
+        are sequential."""
+        cfg, k = self.config, self.block_size
+        b = slots.shape[0]
+        dev = lm_head.device
+        noise = torch.full((b, k - 1), self.noise_id, dtype=torch.int64, device=dev)
+        ids = torch.cat([anchors[:, None], noise], 1).flatten()                     # [B*k]
+        positions = (anchor_pos[:, None] + torch.arange(k, device=dev)).flatten()
         h = embed(ids)
         streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-        pre = (torch.arange(cfg.hc_mult, device=dev) == 0).to(torch.float32).expand(k, cfg.hc_mult)
-        n_ctx = state.length[slot]
-        valid = torch.arange(state.window, device=dev) < min(n_ctx, state.window)
+        pre = (torch.arange(cfg.hc_mult, device=dev) == 0).to(torch.float32).expand(b * k, cfg.hc_mult)
+        valid = torch.arange(state.window, device=dev)[None, :] < context_len.clamp_max(state.window)[:, None]
         for i, (stage, ring) in enumerate(zip(self.stages, state.kv)):
             pre_attn, post, comb = stage.hc_attn(streams)
             x = stage.attn_norm(collapse(streams, pre))
-            out = stage.attention(x, positions, ring[slot], valid)
+            out = stage.attention(x, positions, ring.index_select(0, slots), valid)
             streams = expand(out, streams, post, comb)
             pre_ffn, post, comb = stage.hc_ffn(streams)
             ffn_in = stage.ffn_norm(collapse(streams, pre_attn))
@@ -212,21 +250,19 @@ class DSparkHead(nn.Module):
         hid = last.norm(collapsed)
         if debug is not None:
             debug["collapsed"] = collapsed
-        base = F.linear(hid.float(), lm_head.float())          # [k, V]
-        out_ids, logits = [anchor], []
-        prev = torch.tensor([anchor], device=dev)
-        for j in range(k):                    # Markov bias token by token (greedy drafts)
-            bias, _ = last.markov_head.bias(prev)
-            lj = base[j] + bias[0]
-            logits.append(lj)
-            nxt = int(lj.argmax()) if choose is None else int(choose(lj))
-            out_ids.append(nxt)
-            prev = torch.tensor([nxt], device=dev)
-        ids_out = torch.tensor(out_ids, device=dev)
-        conf = last.confidence_head(collapsed, last.markov_head.embed(ids_out[:-1]))
-        if debug is not None:
             debug["hidden"] = hid
-        return ids_out, torch.stack(logits), conf
+        base = F.linear(hid.float(), lm_head.float()).view(b, k, -1)            # [B, k, V]
+        prev, picked, logits = anchors, [], []
+        for j in range(k):                    # Markov bias token by token
+            bias, _ = last.markov_head.bias(prev)
+            lj = base[:, j] + bias
+            logits.append(lj)
+            prev = lj.argmax(-1) if choose is None else choose(j, lj)
+            picked.append(prev)
+        drafts = torch.stack(picked, 1)                                          # [B, k]
+        before = torch.cat([anchors[:, None], drafts[:, :-1]], 1).flatten()     # x_{j-1}
+        conf = last.confidence_head(collapsed, last.markov_head.embed(before)).view(b, k)
+        return drafts, torch.stack(logits, 1), conf
 
 
 __all__ = ["DSparkHead", "DSparkStage", "DSparkState"]

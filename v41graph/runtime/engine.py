@@ -114,6 +114,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list | None = None        # per generated token {token id: logprob} (params.logprobs)
+    noise_seed: tuple | None = None     # speculation's draws: (lo, hi) of the request's seed
 
     @property
     def tokens(self) -> list:

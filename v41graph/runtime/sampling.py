@@ -230,6 +230,19 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1
     return torch.softmax(x, -1).reshape(logits.shape)
 
 
+def params_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [N, V] -> the filtered logits a request samples from (temperature, min_p, top_k,
+    top_p; its penalties are not applied), as `filter_logits` computes them for its rows."""
+    rows = logits.float()
+    n = rows.shape[0]
+
+    def full(value, dtype=torch.float32):
+        return torch.full((n,), value, dtype=dtype, device=rows.device)
+    return filter_logits(rows, full(float(params.temperature)), full(float(params.top_p)),
+                         full(int(params.top_k), torch.int64), full(float(params.min_p)),
+                         use_min_p=params.min_p > 0, use_top_k_p=params.top_k > 0 or params.top_p < 1.0)
+
+
 def params_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """probs_from_logits with a request's parameters (its penalties are not applied)."""
     return probs_from_logits(logits, params.temperature, params.top_p, params.top_k, params.min_p)
@@ -545,6 +558,72 @@ def verify_rejection(draft_ids: Sequence[int], draft_probs: torch.Tensor, target
     return out
 
 
-__all__ = ["BatchSampler", "LOGPROBS_MODES", "SampleOutput", "SampledToken", "SamplingParams", "SamplingTensors",
+# ---------------------------------------------------------------------------- speculative draws
+# Speculative decoding draws with the same counter-based noise as the batched sampler: a step
+# key per row = row_keys(seed, tokens generated so far), and a tag per draw of that step (draft
+# j: DRAFT_TAG + j, the acceptance of draft j: ACCEPT_TAG + j, the final correction / bonus
+# token: FINAL_TAG) mixed into it. So the reference decoder (speculative.py) and the static
+# step (speculative_graph.py) make the same draws from the same logits, and a seeded request's
+# tokens never depend on its batch. Unseeded requests get one seed drawn from their generator.
+DRAFT_TAG, ACCEPT_TAG, FINAL_TAG = 1, 17, 33
+
+
+def noise_tag(keys: torch.Tensor, tag: int) -> torch.Tensor:
+    """The keys [B] of one draw of the step (see above)."""
+    return _mix32(keys ^ tag)
+
+
+def noise_race(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One draw per row of [B, V] log-weights (-inf = excluded): the exponential race."""
+    return (logp - torch.log(-torch.log(uniform_noise(keys, logp.shape[-1])))).argmax(-1)
+
+
+def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor, cap: torch.Tensor):
+    """drafts [B, k]; target_logits [B, k + 1, V]; cap [B] (most drafts that may commit).
+    -> (committed [B, k + 1] (-1 after the last), count [B] = accepted + 1). verify_greedy of
+    every row at once."""
+    k = drafts.shape[1]
+    best = target_logits.argmax(-1)                                          # [B, k + 1]
+    ok = (drafts == best[:, :k]) & (torch.arange(k, device=drafts.device) < cap[:, None])
+    m = ok.to(torch.int64).cumprod(1).sum(1)                                 # leading accepts
+    return _commit(drafts, best.gather(1, m[:, None])[:, 0], m)
+
+
+def accept_rejection(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, keys: torch.Tensor,
+                     cap: torch.Tensor):
+    """Rejection sampling of every row: drafts [B, k] drawn from q [B, k, V]; p [B, k + 1, V]
+    the target's distributions; keys [B] the rows' step keys; cap [B]. -> (committed, count).
+    Distributed exactly as sampling p token by token (verify_rejection's algorithm)."""
+    b, k = drafts.shape
+    dev = drafts.device
+    if k == 0:           # nothing to verify: one draw from p
+        return _commit(drafts, noise_race(p[:, 0].log(), noise_tag(keys, FINAL_TAG)),
+                       torch.zeros(b, dtype=torch.int64, device=dev))
+    j = torch.arange(k, device=dev)
+    qd = q.gather(2, drafts[..., None])[..., 0].double()
+    pd = p[:, :k].gather(2, drafts[..., None])[..., 0].double()
+    u = torch.stack([uniform_noise(noise_tag(keys, ACCEPT_TAG + i), 1)[:, 0] for i in range(k)], 1).double()
+    ok = (u * qd < pd) & (j < cap[:, None])
+    m = ok.to(torch.int64).cumprod(1).sum(1)
+    rejected = m < cap.clamp_max(k)              # stopped at a rejection, not at the cap
+    pm = p.gather(1, m[:, None, None].expand(b, 1, p.shape[2]))[:, 0]        # [B, V]
+    qm = q.gather(1, m.clamp_max(k - 1)[:, None, None].expand(b, 1, q.shape[2]))[:, 0]
+    residual = (pm - qm).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pm)  # p == q: from p
+    final = noise_race(torch.where(rejected[:, None], residual, pm).log(), noise_tag(keys, FINAL_TAG))
+    return _commit(drafts, final, m)
+
+
+def _commit(drafts: torch.Tensor, final: torch.Tensor, m: torch.Tensor):
+    """The committed tokens [B, k + 1] (m accepted drafts, then `final`, then -1) and their count."""
+    b, k = drafts.shape
+    j = torch.arange(k + 1, device=drafts.device)
+    toks = torch.cat([drafts, drafts[:, :1]], 1)
+    committed = torch.where(j < m[:, None], toks, torch.where(j == m[:, None], final[:, None], -1))
+    return committed, m + 1
+
+
+__all__ = ["ACCEPT_TAG", "DRAFT_TAG", "FINAL_TAG", "accept_greedy", "accept_rejection", "noise_race",
+           "noise_tag", "BatchSampler", "LOGPROBS_MODES", "SampleOutput", "SampledToken", "SamplingParams", "SamplingTensors",
            "apply_penalties", "filter_logits", "params_probs", "probs_from_logits", "sample", "sample_logits",
            "token_logprobs", "uniform_noise", "verify_greedy", "verify_rejection"]

@@ -72,7 +72,8 @@ import torch
 
 from v41graph.model.kv_cache import COMPRESSOR_RING
 from .batch import eager_model
-from .sampling import _draw, params_probs, token_logprobs, verify_greedy, verify_rejection
+from .sampling import (DRAFT_TAG, FINAL_TAG, accept_rejection, noise_race, noise_tag, params_logits,
+                       row_keys, split_seed, token_logprobs, verify_greedy)
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,19 @@ class SpecConfig:
     step_cost: float = 1.0
     token_cost: float = 0.05
     min_survival: float = 0.0          # never verify a draft whose survival product is below this
+    # which decode steps run the static step (speculative_graph.py: draft, verify, acceptance
+    # and rollback on the device, captured on CUDA): "auto" = when the engine's model is a
+    # v41graph.compile()d model; "static" = always (an eager model too); "eager" = never (the
+    # per-request reference below runs every step)
+    step: str = "auto"
 
     def __post_init__(self):
         if self.num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {self.num_draft}")
         if self.schedule not in ("fixed", "confidence"):
             raise ValueError(f"schedule must be 'fixed' or 'confidence', got {self.schedule!r}")
+        if self.step not in ("auto", "static", "eager"):
+            raise ValueError(f"step must be 'auto', 'static' or 'eager', got {self.step!r}")
 
 
 class SpeculativeDecoder:
@@ -113,6 +121,10 @@ class SpeculativeDecoder:
         self.stats = engine.stats
         # streams entering each target layer t = leaving layer t - 1 (block_out.layer{t-1})
         self.targets = tuple(t - 1 for t in cfg.dspark_target_layer_ids)
+        self.static = None
+        if config.step == "static" or (config.step == "auto" and self.target is not self.model):
+            from .speculative_graph import StaticSpeculativeStep
+            self.static = StaticSpeculativeStep(self)
 
     @staticmethod
     def check(params) -> None:
@@ -130,14 +142,34 @@ class SpeculativeDecoder:
         return self.stats["spec_committed"] / n if n else float("nan")
 
     # ------------------------------------------------------------------ drafting
+    def noise_seed(self, req) -> tuple[int, int]:
+        """A sampled request's noise seed (lo, hi): its own seed, or one drawn once from its
+        generator (then every draw of the request is counter-based, see sampling.py)."""
+        if req.noise_seed is None:
+            p, g = req.params, req.generator
+            req.noise_seed = split_seed(p.seed if p.seed is not None else
+                                        int(torch.randint(0, 2 ** 62, (1,), generator=g, device=g.device)))
+        return req.noise_seed
+
+    def step_key(self, req) -> torch.Tensor:
+        """[1] the request's noise key for this step: (seed, tokens generated so far)."""
+        lo, hi = self.noise_seed(req)
+        t = torch.tensor([lo, hi, len(req.output)], dtype=torch.int64, device=self.engine.device)
+        return row_keys(t[:1], t[1:2], t[2:])
+
     def _draft(self, req, anchor: int, pos: int):
         """(draft ids [block], draft probs q [block, V] or None (greedy), confidence logits)."""
         p = req.params
-        choose = None if p.greedy else (lambda lj: _draw(params_probs(lj, p), req.generator))
-        ids, logits, conf = self.head.draft(self.state, req.slot, anchor, pos, self.model.embed,
-                                            self.model.head, choose=choose)
-        q = None if p.greedy else params_probs(logits, p)
-        return ids[1:].tolist(), q, conf
+        choose = None
+        if not p.greedy:
+            key = self.step_key(req)
+            choose = lambda j, lj: noise_race(params_logits(lj, p), noise_tag(key, DRAFT_TAG + j))  # noqa: E731
+        one = lambda v: torch.tensor([v], dtype=torch.int64, device=self.engine.device)  # noqa: E731
+        drafts, logits, conf = self.head.draft_batch(self.state, one(req.slot), one(anchor), one(pos),
+                                                     one(self.state.length[req.slot]), self.model.embed,
+                                                     self.model.head, choose=choose)
+        q = None if p.greedy else torch.softmax(params_logits(logits[0], p), -1)
+        return drafts[0].tolist(), q, conf[0]
 
     def _verify_lengths(self, kmax: list, conf: list, budget: int) -> list:
         """Verify lengths k_r <= kmax[r] with sum(k_r) <= budget (the extra tokens beyond one
@@ -176,6 +208,9 @@ class SpeculativeDecoder:
         cfg = eng.config
         budget = eng.max_num_batched_tokens
         decodes = [r for r in eng.running if r.output and len(r.tokens) - r.num_cached == 1]
+        if (self.static is not None and len(decodes) == len(eng.running)
+                and self.static.applies(decodes)):
+            return self.static.step(decodes)
         drafts, qs, confs, kmax = [], [], [], []
         with torch.no_grad():
             for req in decodes:
@@ -256,9 +291,12 @@ class SpeculativeDecoder:
             if req.params.greedy:
                 committed = verify_greedy(d, rows)
             else:
-                p = params_probs(rows, req.params)
-                q = qs[i][:k] if k else torch.empty(0, rows.shape[-1])
-                committed = verify_rejection(d, q, p, req.generator)
+                p = torch.softmax(params_logits(rows, req.params), -1)
+                q = qs[i][:k] if k else torch.empty(0, rows.shape[-1], device=rows.device)
+                dt = torch.tensor([d], dtype=torch.int64, device=rows.device).view(1, k)
+                out, count = accept_rejection(dt, q[None], p[None], self.step_key(req),
+                                              torch.full((1,), k, device=rows.device))
+                committed = out[0, :int(count)].tolist()
             m = len(committed) - 1
             accepted.append(m)
             commits.append(committed)
@@ -294,7 +332,8 @@ class SpeculativeDecoder:
             if req.num_cached == len(req.tokens):
                 row = logits[r1 - 1]
                 p = req.params
-                tok = int(row.argmax()) if p.greedy else _draw(params_probs(row, p), req.generator)
+                tok = int(row.argmax()) if p.greedy else int(noise_race(
+                    params_logits(row[None], p), noise_tag(self.step_key(req), FINAL_TAG)))
                 events.append(self._emit(req, [tok], row[None], now))
         return events
 
