@@ -618,7 +618,7 @@ def _commit(drafts: torch.Tensor, final: torch.Tensor, m: torch.Tensor):
     """The committed tokens [B, k + 1] (m accepted drafts, then `final`, then -1) and their count."""
     b, k = drafts.shape
     j = torch.arange(k + 1, device=drafts.device)
-    toks = torch.cat([drafts, drafts[:, :1]], 1)
+    toks = torch.cat([drafts, final[:, None]], 1)
     committed = torch.where(j < m[:, None], toks, torch.where(j == m[:, None], final[:, None], -1))
     return committed, m + 1
 

@@ -53,7 +53,7 @@ from v41graph.compiler.compiled_model import CompiledModel
 from v41graph.model.kv_cache import COMPRESSOR_RING
 from v41graph.model.metadata import AttentionMetadata
 from .sampling import (DRAFT_TAG, accept_greedy, accept_rejection, filter_logits, noise_race,
-                       noise_tag, row_keys)
+                       noise_tag, row_keys, uniform_noise)
 
 def confidence_cap(conf: torch.Tensor, step_cost: float, token_cost: float, min_survival: float):
     """[B, k] raw confidence logits -> [B] drafts to verify: the prefix n maximising expected
@@ -278,6 +278,8 @@ class StaticSpeculativeStep:
             keys.append((*self.decoder.noise_seed(req), len(req.output)) if not p.greedy else (0, 0, 0))
         ints += [pad + [-1] * width] * (rows - n)
         floats += [[0.0] * len(SpecStepInputs.FLOAT_COLS)] * (rows - n)
+        if hasattr(self.draft_override, "prepare"):
+            self.draft_override.prepare(decodes)
         graph.inputs.load(torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32))
         if sampling:       # (seed, tokens generated) -> the row's step key, on the device
             lo, hi, made = torch.tensor(keys + [(0, 0, 0)] * (rows - n), dtype=torch.int64).to(eng.device).unbind(1)
@@ -305,4 +307,40 @@ class StaticSpeculativeStep:
         return events
 
 
-__all__ = ["SpecStepGraph", "StaticSpeculativeStep", "confidence_cap"]
+class ReferenceDrafts:
+    """Device-side drafts with a controlled acceptance rate, for tests and benchmarks
+    (`StaticSpeculativeStep.draft_override`): each request's known greedy continuation (from a
+    run without speculation), with draft j replaced by a wrong token where a hash of (position,
+    j) is >= accept_rate. The DSpark head still runs (its cost is paid), its drafts are replaced.
+    Greedy output must equal the reference run's (the lossless check), and each draft survives
+    with probability accept_rate given the ones before it (expected committed tokens per step
+    1 + r + .. + r^k)."""
+
+    def __init__(self, engine, continuations: dict, accept_rate: float, seed: int = 0):
+        if not 0.0 <= accept_rate <= 1.0:
+            raise ValueError(f"accept_rate must be in [0, 1], got {accept_rate}")
+        self.engine, self.continuations, self.accept_rate = engine, continuations, accept_rate
+        self.seed = seed
+        k = engine.spec.config.num_draft
+        self.table = torch.zeros(engine.caches.num_slots, engine.max_seq_len + k + 2, dtype=torch.int64,
+                                 device=engine.device)
+        self.loaded: dict[int, int] = {}        # slot -> request id whose tokens the row holds
+
+    def prepare(self, decodes: list) -> None:
+        """Load the table rows of requests new to their slot (host side, before the replay)."""
+        for req in decodes:
+            if self.loaded.get(req.slot) != req.request_id:
+                toks = self.continuations[tuple(req.prompt)]
+                self.table[req.slot].zero_()[:len(toks)].copy_(torch.tensor(toks))
+                self.loaded[req.slot] = req.request_id
+
+    def __call__(self, graph: SpecStepGraph, drafts: torch.Tensor) -> torch.Tensor:
+        i, k = graph.inputs, drafts.shape[1]
+        idx = (i.pos[:, None] + 1 + torch.arange(k, device=drafts.device)).clamp_max(self.table.shape[1] - 1)
+        true = self.table[i.slot[:, None], idx]
+        u = uniform_noise(row_keys(i.pos * 0 + self.seed, i.slot * 0, i.pos), k)     # [B, k]
+        wrong = (true + 1).remainder(self.engine.config.vocab_size)
+        return torch.where(u < self.accept_rate, true, wrong)
+
+
+__all__ = ["ReferenceDrafts", "SpecStepGraph", "StaticSpeculativeStep", "confidence_cap"]

@@ -1,0 +1,281 @@
+"""The static speculative step (v41graph.runtime.speculative_graph) on tiny() (fp32, CPU): the
+same program the CUDA path captures, run uncaptured through the eager model and once through a
+v41graph.compile()d one.
+
+What is checked against what:
+  * greedy output == the plain engine's (no speculation), with the random DSpark head (nearly
+    every draft rejected) and with ReferenceDrafts (the plain run's own continuation, each draft
+    corrupted with probability 1 - rate: accepted prefixes of every length, full acceptance);
+  * after every static step the slot's rings and Engram history == the plain engine's at the
+    same cached length (the rollback, checked directly);
+  * seeded sampling: the static step draws exactly what the eager reference decoder draws, and
+    a request's tokens do not depend on its batch;
+  * accept_greedy == verify_greedy row by row; accept_rejection's committed tokens distributed
+    as the target p (chi-square, 40k rows), and the same test rejects a sampler without the
+    residual correction (so it can fail);
+  * confidence_cap == a brute-force search of its objective.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import v41graph
+from v41graph.compiler.backend import TracedGraph
+from v41graph.model.dspark import DSparkHead
+from v41graph.runtime.engine import Engine
+from v41graph.runtime.sampling import (SamplingParams, accept_greedy, accept_rejection, noise_race,
+                                       noise_tag, verify_greedy, FINAL_TAG)
+from v41graph.runtime.speculative import SpecConfig, init_random_dspark_
+from v41graph.runtime.speculative_graph import ReferenceDrafts, confidence_cap
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+BLOCK, MAX_SEQ, N_NEW = 16, 96, 20
+
+
+def _prompts(lengths, seed=1, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+PROMPTS = _prompts([5, 13, 40, 3, 21, 1])
+
+
+def _engine(model, max_seq=MAX_SEQ, **kw):
+    kw.setdefault("max_num_batched_tokens", 40)
+    kw.setdefault("prefill_chunk_size", 16)
+    return Engine(model, kw.pop("max_batch_size", 4), max_seq, block_size=BLOCK, **kw)
+
+
+def _static(model, head, k=5, **kw):
+    spec = SpecConfig(num_draft=k, step="static", **kw.pop("spec", {}))
+    return _engine(model, speculative=spec, draft_head=head, **kw)
+
+
+@pytest.fixture(scope="module")
+def head(tiny_model):
+    return init_random_dspark_(DSparkHead(tiny_model.config), seed=1).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return [o.token_ids for o in _engine(tiny_model).generate(PROMPTS, SamplingParams(max_tokens=N_NEW))]
+
+
+def _all_free(eng):
+    return eng.num_free_blocks == eng.num_blocks and len(eng.free_slots) == eng.max_batch_size
+
+
+def _with_reference_drafts(eng, prompts, refs, rate):
+    eng.spec.static.draft_override = ReferenceDrafts(
+        eng, {tuple(p): p + r for p, r in zip(prompts, refs)}, rate)
+    return eng
+
+
+# =============================================================================== greedy equality
+def test_static_greedy_identical_random_head(tiny_model, head, reference):
+    eng = _static(tiny_model, head)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference
+    s = eng.stats
+    assert s["spec_static_steps"] > 0.7 * s["steps"] - 10    # every all-decode step was static
+    assert s["spec_rejections"] > 0 and _all_free(eng)
+
+
+@pytest.mark.parametrize("rate", [0.8, 1.0])
+def test_static_reference_drafts_acceptance(tiny_model, head, reference, rate):
+    eng = _with_reference_drafts(_static(tiny_model, head), PROMPTS, reference, rate)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference
+    s = eng.stats
+    assert s["spec_static_steps"] > 0
+    if rate == 1.0:        # every draft right: a step commits k + 1 unless max_tokens stops it
+        assert eng.spec.acceptance_length > 4.0
+    else:                  # accepted prefixes and rejections both occur
+        assert s["spec_rejections"] > 0 and s["spec_accepted"] > s["spec_verifies"]
+        assert s["spec_rejections"] < s["spec_verifies"]
+    assert _all_free(eng)
+
+
+def test_static_greedy_200_steps(tiny_model, head):
+    """One request, 200 tokens past a window of 8 and the ring sizes, drafts right 70 % of the
+    time (reference drafts): rollbacks and full acceptances throughout."""
+    prompt = PROMPTS[2]
+    ref = _engine(tiny_model, max_seq=256, max_batch_size=1).generate(
+        [prompt], SamplingParams(max_tokens=200))[0].token_ids
+    eng = _with_reference_drafts(_static(tiny_model, head, max_seq=256, max_batch_size=1), [prompt], [ref], 0.7)
+    assert eng.generate([prompt], SamplingParams(max_tokens=200))[0].token_ids == ref
+    s = eng.stats
+    assert s["spec_static_steps"] >= 40 and s["spec_rejections"] > 20
+    assert s["spec_rejections"] < s["spec_verifies"] and eng.spec.acceptance_length > 2.0
+
+
+def _slot_state(eng, slot):
+    c = eng.caches
+    return ([t[slot].clone() for t in c.window_kv], [t[slot].clone() for t in c.window_scale],
+            {l: t[slot].clone() for l, t in c.compressor_state.items()}, c.engram_history[slot].clone())
+
+
+def test_static_caches_match_plain_engine(tiny_model, head):
+    """After every static step the slot's window rings, compressor rings and Engram history
+    equal the plain engine's at the same cached length (full prefill, as in test_speculative)."""
+    prompt = PROMPTS[4]
+    plain = _engine(tiny_model, max_batch_size=1, prefill_mode="full")
+    rid = plain.add_request(prompt, SamplingParams(max_tokens=N_NEW))
+    states = {}
+    while plain.has_unfinished():
+        req = plain.requests[rid]
+        plain.step()
+        if req.status == "running":
+            states[req.num_cached] = _slot_state(plain, req.slot)
+    ref = plain.output(rid).token_ids
+    eng = _with_reference_drafts(_static(tiny_model, head, max_batch_size=1, prefill_mode="full"),
+                                 [prompt], [ref], 0.6)
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=N_NEW))
+    compared = 0
+    while eng.has_unfinished():
+        req = eng.requests[rid]
+        eng.step()
+        if req.status != "running" or req.num_cached not in states:
+            continue
+        wkv, wsc, comp, hist = _slot_state(eng, req.slot)
+        rkv, rsc, rcomp, rhist = states[req.num_cached]
+        assert torch.equal(hist, rhist)
+        for a, b in zip(wkv + wsc, rkv + rsc):
+            assert (a != b).float().mean() < 0.01          # fp8 bytes: rounding flips only
+        for l in comp:
+            torch.testing.assert_close(comp[l], rcomp[l], atol=1e-4, rtol=1e-4)
+        compared += 1
+    assert eng.output(rid).token_ids == ref
+    assert compared >= 3 and eng.stats["spec_rejections"] > 0 and eng.stats["spec_static_steps"] > 0
+
+
+# =============================================================================== sampling
+def test_static_sampling_equals_eager_and_alone(tiny_model, head):
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=10 + s) for s in range(3)]
+    greedy = SamplingParams(max_tokens=12)
+    mixed = params + [greedy]
+
+    def run(step, prompts, ps, **kw):
+        eng = _engine(tiny_model, speculative=SpecConfig(num_draft=3, step=step), draft_head=head, **kw)
+        out = [o.token_ids for o in eng.generate(prompts, ps)]
+        return out, eng.stats
+    static, st = run("static", PROMPTS[:4], mixed)
+    eager, _ = run("eager", PROMPTS[:4], mixed)
+    assert st["spec_static_steps"] > 0 and static == eager
+    alone = [run("static", [p], [sp], max_batch_size=1)[0][0] for p, sp in zip(PROMPTS[:3], params)]
+    assert static[:3] == alone
+    assert static[:3] != [run("static", [p], [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12,
+                                                             seed=99)])[0][0] for p in PROMPTS[:3]]
+
+
+def test_accept_greedy_matches_verify_greedy():
+    g = torch.Generator().manual_seed(0)
+    b, k, v = 64, 5, 7
+    logits = torch.randn(b, k + 1, v, generator=g)
+    best = logits.argmax(-1)
+    drafts = torch.where(torch.rand(b, k, generator=g) < 0.7, best[:, :k], torch.randint(0, v, (b, k), generator=g))
+    cap = torch.randint(0, k + 1, (b,), generator=g)
+    committed, count = accept_greedy(drafts, logits, cap)
+    for r in range(b):
+        want = verify_greedy(drafts[r, :cap[r]].tolist(), logits[r, :cap[r] + 1])
+        assert committed[r, :count[r]].tolist() == want and (committed[r, count[r]:] == -1).all()
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of observed counts against expected probabilities (cells
+    with expected count >= 5; Wilson-Hilferty approximation of the chi-square tail)."""
+    n = counts.sum()
+    exp = probs * n
+    keep = exp >= 5
+    stat = float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _rejection_rows(sampler, n=40000, k=2, v=6):
+    """n identical rows (distinct keys): drafts from q, target p; returns (first token, second
+    token or -1) counts and p."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(k + 1, v, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, v, generator=g) * 1.5, -1)
+    keys = torch.randint(0, 2 ** 32, (n,), generator=g)
+    drafts = torch.stack([noise_race(q[j].log().expand(n, v), noise_tag(keys, 1 + j)) for j in range(k)], 1)
+    committed, count = sampler(drafts, q.expand(n, k, v), p.expand(n, k + 1, v), keys,
+                               torch.full((n,), k))
+    return committed, count, p
+
+
+def _no_residual(drafts, q, p, keys, cap):
+    """A wrong sampler: after a rejection it draws from p itself instead of norm(max(p - q, 0))."""
+    committed, count = accept_rejection(drafts, q, p, keys, cap)
+    m = count - 1
+    rejected = m < cap
+    pm = p.gather(1, m[:, None, None].expand(-1, 1, p.shape[2]))[:, 0]
+    redraw = noise_race(pm.log(), noise_tag(keys, FINAL_TAG))
+    fixed = committed.clone()
+    fixed[torch.arange(len(m)), m] = torch.where(rejected, redraw, committed[torch.arange(len(m)), m])
+    return fixed, count
+
+
+def test_accept_rejection_is_distribution_preserving():
+    committed, count, p = _rejection_rows(accept_rejection)
+    v = p.shape[1]
+    first = torch.bincount(committed[:, 0], minlength=v).double()
+    assert _chi2_pvalue(first, p[0].double()) > 1e-3
+    # the second token, when the first draft was accepted, is distributed as p_1
+    acc = count >= 2
+    second = torch.bincount(committed[acc, 1], minlength=v).double()
+    assert acc.sum() > 5000 and _chi2_pvalue(second, p[1].double()) > 1e-3
+    # the test can fail: a sampler without the residual correction is rejected
+    wrong, _, _ = _rejection_rows(_no_residual)
+    assert _chi2_pvalue(torch.bincount(wrong[:, 0], minlength=v).double(), p[0].double()) < 1e-6
+
+
+def test_confidence_cap_brute_force():
+    g = torch.Generator().manual_seed(1)
+    conf = torch.randn(32, 5, generator=g) * 2
+    for step_cost, token_cost, min_surv in ((1.0, 0.05, 0.0), (1.0, 0.3, 0.0), (1.0, 0.05, 0.3)):
+        got = confidence_cap(conf, step_cost, token_cost, min_surv)
+        for r in range(conf.shape[0]):
+            surv = torch.sigmoid(conf[r].double()).cumprod(0).tolist()
+            best, best_n, gain = 1 / (step_cost + token_cost), 0, 0.0
+            for n, s in enumerate(surv, 1):
+                if s < min_surv:
+                    break
+                gain += s
+                val = (1 + gain) / (step_cost + token_cost * (1 + n))
+                if val > best:
+                    best, best_n = val, n
+            assert int(got[r]) == best_n, (r, step_cost, token_cost, min_surv)
+
+
+def test_confidence_schedule_lossless(tiny_model, head, reference):
+    eng = _static(tiny_model, head, spec=dict(schedule="confidence", token_cost=0.2))
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference and eng.stats["spec_static_steps"] > 0
+
+
+# =============================================================================== compiled target
+def test_static_step_through_compiled_model(tiny_model, head, reference, monkeypatch):
+    """SpecConfig's default step ("auto") takes the static step with a compiled model; every
+    static step's verify ran our compiled graph."""
+    calls = []
+    run = TracedGraph.__call__
+
+    def counting(self, *args):
+        calls.append(1)
+        return run(self, *args)
+    monkeypatch.setattr(TracedGraph, "__call__", counting)
+    compiled = v41graph.compile(tiny_model, backend="cpu", batch_sizes=(4,))
+    eng = _engine(compiled, speculative=SpecConfig(num_draft=5), draft_head=head)
+    eng = _with_reference_drafts(eng, PROMPTS, reference, 0.7)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference
+    s = eng.stats
+    assert s["spec_static_steps"] > 0 and s["spec_accepted"] > 0
+    assert len(calls) == s["steps"] - s["replay_steps"]
