@@ -401,8 +401,18 @@ def main(argv=None) -> int:
                     help="v41graph: trace each decode bucket separately")
     ap.add_argument("--share-bucket-1", dest="shared", action="store_const", const="all",
                     help="v41graph: bucket 1 shares the decode graph too (share_decode_graph='all')")
+    ap.add_argument("--speculative", default=None, metavar="K,..",
+                    help="instead of the variants: the speculative step for these draft counts "
+                         "(scripts/bench_speculative.py) at --batches and the first of --contexts")
+    ap.add_argument("--acceptance", default="", help="(--speculative) more acceptance lengths L to "
+                    "compute the speedup at, besides the public 3.51")
+    ap.add_argument("--e2e", action="store_true", help="(--speculative) end-to-end tokens/s with "
+                    "reference drafts of a controlled acceptance rate")
+    ap.add_argument("--rates", default="0.5,0.7,0.9", help="(--e2e) draft acceptance rates")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    args.acceptance = [float(x) for x in args.acceptance.split(",") if x]
+    args.rates = [float(x) for x in args.rates.split(",") if x]
     device = args.device
     batches = sorted(int(b) for b in args.batches.split(","))
     contexts = sorted(int(c) for c in args.contexts.split(","))
@@ -421,6 +431,19 @@ def main(argv=None) -> int:
     global SHARE_DECODE_GRAPH
     SHARE_DECODE_GRAPH = args.shared
     rows, out = [], Path(args.out) if args.out else None
+    if args.speculative:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_speculative
+        ks = [int(k) for k in args.speculative.split(",")]
+        rows = bench_speculative.run(model, batches, contexts[0], ks, args, device, log, time_calls,
+                                     _random_bytes)
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench_speculative.json").write_text(json.dumps(
+                {"config": args.config, "device": device, "torch": torch.__version__,
+                 "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "rows": rows}, indent=1))
+        bench_speculative.print_table(rows, args.acceptance)
+        return 0
     for variant in variants:
         try:
             rows += run_variant(model, variant, batches, contexts, args.prefill, args, device, bw)
