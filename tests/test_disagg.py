@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -218,6 +219,30 @@ def test_bad_handovers_fail_alone(models, tmp_path):
     _decode_both(ref, d, a)
 
 
+def test_numerics_mismatch_is_refused_naming_both_sides(ckpt, models):
+    """P loaded with numerics="reference", D with the default "fast": the fingerprint's third
+    part differs, D refuses the hand-over at admit and at BEGIN (the receiver), naming both
+    modes; the next request (P of D's numerics) is admitted."""
+    p_ref = PrefillWorker(v41graph.from_pretrained(ckpt, role="prefill", numerics="reference", progress=False),
+                          1, 96, block_size=16)
+    d = DecodeWorker(models["decode"], 1, 96)
+    assert p_ref.fingerprint[:16] == d.fingerprint[:16] != p_ref.fingerprint
+    want = r"request 3: .*numerics: P runs 'reference', this worker 'fast'"
+    [h] = p_ref.prefill([_prompt(9, 3)], [3])
+    with pytest.raises(HandoverError, match=want):
+        d.admit(0, h)
+    sender, sent = _recorded_sender()
+    send_prefill(p_ref, sender, [_prompt(9, 3)], [3])
+    good = _prompt(9, 4)
+    send_prefill(PrefillWorker(models["prefill"], 1, 96, block_size=16), sender, [good], [4])
+    rx = Receiver(d.config, d.base.compute_dtype, d.fingerprint)
+    out = [r for hdr, pl in _messages(sent) for r in rx.feed(hdr, pl)]
+    assert [rid for rid, _ in out] == [3, 4]
+    assert isinstance(out[0][1], HandoverError) and re.search(want, str(out[0][1]))
+    ref = v41graph.Session(models["both"], 1, 96)
+    assert torch.equal(ref.prefill([good], mode="replay")[0], d.admit(0, out[1][1]))
+
+
 def _recorded_sender():
     sent = []
 
@@ -365,19 +390,28 @@ def test_launcher_loops_in_one_process(models):
     assert info["bytes"] == rx.bytes and eng.num_free_blocks == eng.num_blocks
 
 
-def test_compiled_decode_worker_continues_a_handover(models):
-    """D's decode steps through v41graph.compile (our passes, the decode bucket; CPU: not
-    captured) after a hand-over: the same logits as the eager D at every step (~25 s: one
-    trace of the tiny decode graph)."""
-    [h] = PrefillWorker(models["prefill"], 1, 96, block_size=16).prefill([_prompt(30, 40)], [0])
-    eager = DecodeWorker(models["decode"], 1, 96)
-    compiled = DecodeWorker(v41graph.compile(models["decode"], batch_sizes=(1,), compile_prefill=False), 1, 96)
-    a, b = eager.admit(0, h)[None], compiled.admit(0, h)[None]
+def test_compiled_roles_are_bit_identical(models):
+    """Both roles through v41graph.compile (our passes; CPU: our executor, not captured): P's
+    encoder as one graph (CompiledModel.encode), D's decoder replay as one graph
+    (CompiledModel.decode_replay) and D's decode steps through the decode bucket. Every part P
+    packs equals the eager P's byte for byte; D's first-token logits and 16 greedy steps equal
+    one process's eager Session replay prefill (~60 s: three traces of the tiny model)."""
+    prompt = _prompt(30, 40)
+    [want_h] = PrefillWorker(models["prefill"], 1, 96, block_size=16).prefill([prompt], [0])
+    cp = v41graph.compile(models["prefill"], batch_sizes=(1,))
+    [h] = PrefillWorker(cp, 1, 96, block_size=16).prefill([prompt], [0])
+    assert len(cp.traced) == 1                     # the encoder graph ran, not the eager model
+    assert list(h.parts) == list(want_h.parts)
+    for name, data in want_h.parts.items():
+        assert torch.equal(h.parts[name], data), name
+    cd = v41graph.compile(models["decode"], batch_sizes=(1,))
+    d = DecodeWorker(cd, 1, 96)
+    ref = v41graph.Session(models["both"], 1, 96, block_size=16)
+    a, b = ref.prefill([prompt], mode="replay"), d.admit(0, h)[None]
+    assert len(cd.traced) == 1                     # the decoder-replay graph
     assert torch.equal(a, b)
-    for step in range(STEPS):
-        tok = a.argmax(-1, keepdim=True)
-        a, b = eager.decode(tok), compiled.decode(tok)
-        assert torch.equal(a, b), f"decode step {step}"
+    _decode_both(ref, d, a)
+    assert len(cd.traced) == 2                     # + the decode bucket's graph
 
 
 @pytest.mark.parametrize("numerics", ["reference", "fast"])
@@ -393,3 +427,24 @@ def test_handover_in_the_released_formats(tmp_path_factory, numerics):
     assert torch.equal(a, b)
     _decode_both(ref, d, a)
     assert _group_bytes(cfg, h, torch.bfloat16) == _expected_bytes(cfg, 37, 2)
+
+
+# ----------------------------------------------------------------------------- command lines
+def test_serve_role_points_at_the_torchrun_launcher(capsys, tmp_path):
+    """`v41graph serve --role prefill|decode` starts nothing and names the launcher to run;
+    a role that does not exist is argparse's error; the default is the whole model. The
+    launcher's own command line refuses a run without prompts before any process group."""
+    from v41graph.disagg import launch
+    from v41graph.tools import cli
+    for role in ("prefill", "decode"):
+        assert cli.main(["serve", str(tmp_path), "--role", role]) == 2
+        err = capsys.readouterr().err
+        assert f"--role {role}: a prefill or decode worker" in err
+        assert "python -m torch.distributed.run --nproc-per-node 2 -m v41graph.disagg.launch CHECKPOINT" in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", str(tmp_path), "--role", "encoder"])
+    assert e.value.code == 2 and "invalid choice: 'encoder'" in capsys.readouterr().err
+    assert cli._parser().parse_args(["serve", str(tmp_path)]).role == "both"
+    with pytest.raises(SystemExit) as e:
+        launch.main([str(tmp_path)])
+    assert e.value.code == 2 and "give at least one --prompt" in capsys.readouterr().err

@@ -32,6 +32,7 @@ import json
 import torch
 
 from v41graph.model.config import V41Config
+from v41graph.model.layers import NUMERICS
 
 ROLES = ("both", "prefill", "decode")
 
@@ -103,11 +104,13 @@ def config_fingerprint(config: V41Config) -> str:
 
 
 def handover_fingerprint(model) -> bytes:
-    """16 bytes that P and D compare before a hand-over: 8 of the config's fingerprint (layer
-    plan, sizes, formats), then 8 of a hash of the weights both roles hold that make the
-    hand-over's contents (the embedding and the decoder start's global-KV build). Workers
-    loaded from different checkpoints differ in the second half, with another config or layer
-    plan in the first."""
+    """24 bytes that P and D compare before a hand-over: 8 of the config's fingerprint (layer
+    plan, sizes, formats), 8 of a hash of the weights both roles hold that make the hand-over's
+    contents (the embedding and the decoder start's global-KV build), and 8 naming the numerics
+    mode (model.numerics, its index in layers.NUMERICS): P's numerics make the hand-over's bits
+    and D's continue them, so a pair that differs there would not match one process either.
+    Workers loaded from different checkpoints differ in the second part, with another config or
+    layer plan in the first, with another numerics= in the third."""
     config = model.config
     h = hashlib.sha256()
     dec = decoder_start(config)
@@ -120,13 +123,28 @@ def handover_fingerprint(model) -> bytes:
             raise ValueError(f"handover_fingerprint: {n} is not loaded on this worker")
         h.update(n.encode())
         h.update(t.contiguous().cpu().view(torch.uint8).numpy())      # the buffer, not a bytes copy
-    return bytes.fromhex(config_fingerprint(config))[:8] + h.digest()[:8]
+    numerics = NUMERICS.index(model.numerics).to_bytes(8, "little")
+    return bytes.fromhex(config_fingerprint(config))[:8] + h.digest()[:8] + numerics
+
+
+FINGERPRINT_BYTES = 24
+
+
+def _numerics_name(part: bytes) -> str:
+    i = int.from_bytes(part, "little")
+    return repr(NUMERICS[i]) if i < len(NUMERICS) else f"unknown mode #{i}"
 
 
 def fingerprint_mismatch(mine: bytes, theirs: bytes) -> str | None:
-    """None if equal, else which half differs, in words."""
+    """None if equal, else what differs, in words (`theirs` is P's, `mine` this worker's)."""
     if theirs == mine:
         return None
+    why = []
     if theirs[:8] != mine[:8]:
-        return "another config or layer plan"
-    return "the same config but other weights (another checkpoint)"
+        why.append("another config or layer plan")
+    elif theirs[8:16] != mine[8:16]:
+        why.append("the same config but other weights (another checkpoint)")
+    if theirs[16:] != mine[16:]:
+        why.append(f"numerics: P runs {_numerics_name(theirs[16:])}, this worker {_numerics_name(mine[16:])} "
+                   "(load both roles with the same numerics=)")
+    return "; ".join(why)

@@ -3,9 +3,10 @@ GPUs): P sends each part as its encoder layer finishes (`isend`, so the send of 
 while layer i+1 computes), D receives them in order and assembles Handovers.
 
 Messages, P -> D, in order on one (src, dst) pair: an int64 header [MAGIC, kind, request id,
-a, b, c, d, payload bytes], then the payload (uint8) when it has one:
+a, b, c, d, e, payload bytes], then the payload (uint8) when it has one:
 
-  BEGIN  a = prompt length, b = number of parts, c, d = P's fingerprint; payload: prompt ids
+  BEGIN  a = prompt length, b = number of parts, c, d, e = P's fingerprint (config, weights,
+         numerics); payload: prompt ids
   PART   a = part index (layout order); payload: the part's bytes
   END    a = the request's part bytes in all
   STOP   P sends nothing more
@@ -25,19 +26,23 @@ import torch
 import torch.distributed as dist
 
 from .handover import Handover, HandoverError, check_fingerprint, layout
+from .roles import FINGERPRINT_BYTES
 
 MAGIC = 0x50374B56          # "P7KV"
 BEGIN, PART, END, STOP = 1, 2, 3, 4
-HEADER_LEN = 8
+HEADER_LEN = 9
 HEADER_BYTES = HEADER_LEN * 8
+_FP_WORDS = FINGERPRINT_BYTES // 8
 
 
-def _fingerprint_words(fp: bytes) -> tuple[int, int]:
-    return (int.from_bytes(fp[:8], "little", signed=True), int.from_bytes(fp[8:16], "little", signed=True))
+def _fingerprint_words(fp: bytes) -> tuple:
+    if len(fp) != FINGERPRINT_BYTES:
+        raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fp)}")
+    return tuple(int.from_bytes(fp[8 * i:8 * i + 8], "little", signed=True) for i in range(_FP_WORDS))
 
 
-def _fingerprint_bytes(a: int, b: int) -> bytes:
-    return a.to_bytes(8, "little", signed=True) + b.to_bytes(8, "little", signed=True)
+def _fingerprint_bytes(*words: int) -> bytes:
+    return b"".join(w.to_bytes(8, "little", signed=True) for w in words)
 
 
 class Sender:
@@ -51,10 +56,10 @@ class Sender:
         self.bytes = {"header": 0, "prompt": 0, "parts": 0}
         self.wait_s = 0.0
 
-    def _send(self, kind: int, request_id: int, a=0, b=0, c=0, d=0, payload: torch.Tensor | None = None,
+    def _send(self, kind: int, request_id: int, a=0, b=0, c=0, d=0, e=0, payload: torch.Tensor | None = None,
               what: str = "parts") -> None:
         n = 0 if payload is None else int(payload.numel())
-        header = torch.tensor([MAGIC, kind, request_id, a, b, c, d, n], dtype=torch.int64)
+        header = torch.tensor([MAGIC, kind, request_id, a, b, c, d, e, n], dtype=torch.int64)
         tensors = [header] if payload is None else [header, payload.contiguous()]
         for t in tensors:
             self._works.append(self._isend(t, self.dst, group=self.group))
@@ -138,7 +143,7 @@ class Receiver:
     def feed(self, header, payload: torch.Tensor | None) -> list:
         if len(header) != HEADER_LEN or header[0] != MAGIC:
             raise HandoverError(f"not a hand-over message header: {list(header)[:HEADER_LEN]}")
-        kind, rid, a, b, c, d, n = header[1:]
+        kind, rid, a, b, c, d, e, n = header[1:]
         self.bytes["header"] += HEADER_BYTES
         # what arrived, not what the header claims (a short payload then shows as a difference)
         arrived = 0 if payload is None else payload.numel() * payload.element_size()
@@ -148,7 +153,7 @@ class Receiver:
             return self._fail_open("P stopped")
         if kind == BEGIN:
             out = self._fail_open(f"request {rid} began")      # one request in flight at a time
-            fp = _fingerprint_bytes(c, d)
+            fp = _fingerprint_bytes(c, d, e)
             if rid in self.draining:
                 self.draining.discard(rid)
             try:

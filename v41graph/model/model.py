@@ -242,16 +242,25 @@ class V41Model(nn.Module):
     # ------------------------------------------------------------------ the two CED halves
     def encode(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
                metadata: AttentionMetadata, decoder_replay, on_layer=None):
-        """A prefill worker's half of `forward(..., decoder_replay=R)`: embedding, Engram and
-        the encoder layers over every token, the decoder start's global KV from every token,
-        the Engram history rolled. Returns (streams [M, hc, d], pre [M, hc], metadata,
-        positions [M]) of the replay segment entering the decoder start: the decoder's replay
-        input. on_layer(layer_id) is called after each encoder layer and after the decoder
-        start's KV is written (the caches of that layer are final for this call: a worker
-        starts sending them while the next layer computes). Eager only."""
-        check_step_inputs(input_ids, positions, metadata)
+        """A prefill worker's half of `forward(..., decoder_replay=R)`: `encoder_forward` over
+        every token, then the replay segment's rows (`replay_inputs`). Returns (streams
+        [M, hc, d], pre [M, hc], metadata, positions [M]) of the replay segment entering the
+        decoder start: the decoder's replay input. on_layer(layer_id) is called after each
+        encoder layer and after the decoder start's KV is written (the caches of that layer are
+        final for this call: a worker starts sending them while the next layer computes)."""
         if decoder_replay is None:
             raise ValueError("encode: decoder_replay is required (the decoder half runs elsewhere)")
+        streams, pre = self.encoder_forward(input_ids, positions, caches, metadata, on_layer)
+        return self.replay_inputs(streams, pre, positions, metadata, decoder_replay)
+
+    def encoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
+                        metadata: AttentionMetadata, on_layer=None):
+        """Embedding, Engram and the encoder layers over every token, the decoder start's
+        global KV from every token, the Engram history rolled: the same ops in the same order
+        as forward's replay path up to the decoder start. Returns (streams [N, hc, d], pre
+        [N, hc]) of every token entering the decoder start. Static shapes (no replay
+        selection), so with on_layer=None it is one graph (CompiledModel.encode)."""
+        check_step_inputs(input_ids, positions, metadata)
         ctx = StepContext.build(metadata, caches, positions, self.debug)
         streams, pre, engram_rows, history = self._embed_streams(input_ids, ctx)
         dec = self.decoder_start
@@ -259,12 +268,20 @@ class V41Model(nn.Module):
             streams, pre = self._block(block, streams, pre, engram_rows, ctx)
             if on_layer is not None:
                 on_layer(block.role.layer_id)
-        streams, pre, _, ctx = self._enter_replay(self.layers[dec], streams, pre, None, ctx, decoder_replay)
+        block = self.layers[dec]
+        block.attn.compress(block.attn_input(streams, pre), ctx)
         if history is not None:
             ops.state_write(caches.engram_history, metadata.seq_slot, history)
         if on_layer is not None:
             on_layer(dec)
-        return streams, pre, ctx.meta, ctx.positions
+        return streams, pre
+
+    def replay_inputs(self, streams: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
+                      metadata: AttentionMetadata, decoder_replay):
+        """The replay segment's rows of encoder_forward's output: (streams [M, hc, d], pre
+        [M, hc], metadata, positions [M]) (replay_metadata: data-dependent, so eager)."""
+        sub, keep = replay_metadata(metadata, decoder_replay)
+        return streams[keep], pre[keep], sub, positions[keep]
 
     def decode_replay(self, streams: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
                       caches: ModelCaches, metadata: AttentionMetadata) -> torch.Tensor:
