@@ -220,14 +220,15 @@ def test_bad_handovers_fail_alone(models, tmp_path):
 
 
 def test_numerics_mismatch_is_refused_naming_both_sides(ckpt, models):
-    """P loaded with numerics="reference", D with the default "fast": the fingerprint's third
-    part differs, D refuses the hand-over at admit and at BEGIN (the receiver), naming both
-    modes; the next request (P of D's numerics) is admitted."""
-    p_ref = PrefillWorker(v41graph.from_pretrained(ckpt, role="prefill", numerics="reference", progress=False),
+    """P loaded with numerics="fast", D with from_pretrained's default "reference": the
+    fingerprint's third part differs, D refuses the hand-over at admit and at BEGIN (the
+    receiver), naming both modes; the next request (P of D's numerics) is admitted."""
+    p_ref = PrefillWorker(v41graph.from_pretrained(ckpt, role="prefill", numerics="fast", progress=False),
                           1, 96, block_size=16)
     d = DecodeWorker(models["decode"], 1, 96)
-    assert p_ref.fingerprint[:16] == d.fingerprint[:16] != p_ref.fingerprint
-    want = r"request 3: .*numerics: P runs 'reference', this worker 'fast'"
+    assert models["decode"].numerics == "reference"
+    assert p_ref.fingerprint[:16] == d.fingerprint[:16] and p_ref.fingerprint[16:] != d.fingerprint[16:]
+    want = r"request 3: P and D do not hold the same model \(numerics: P runs 'fast', this worker 'reference'"
     [h] = p_ref.prefill([_prompt(9, 3)], [3])
     with pytest.raises(HandoverError, match=want):
         d.admit(0, h)
@@ -388,6 +389,44 @@ def test_launcher_loops_in_one_process(models):
     assert by[0]["token_ids"] == want[0] and by[2]["token_ids"] == want[2]
     assert "another config or layer plan" in by[1]["error"]
     assert info["bytes"] == rx.bytes and eng.num_free_blocks == eng.num_blocks
+
+
+def test_transport_failure_mid_request_fails_it_alone(models, monkeypatch):
+    """receive() over a transport that fails in the middle of request 1 (P gone while a part's
+    payload is on the way: dist.recv raises): request 1 comes out as a truncated transfer,
+    request 0, admitted before, decodes to the end with a plain Engine's tokens, and D ends
+    normally with every block free."""
+    from v41graph import SamplingParams
+    from v41graph.disagg import transfer
+    from v41graph.disagg.engine import DecodeEngine
+    from v41graph.disagg.launch import run_decode
+    prompts = [_prompt(20, 50), _prompt(11, 51)]
+    params = SamplingParams(max_tokens=8)
+    ref = v41graph.Engine(models["both"], 2, 96, block_size=16, prefill_mode="replay", tokenizer=False)
+    want = ref.generate(prompts[:1], params)[0].token_ids
+    p = PrefillWorker(models["prefill"], 1, 96, block_size=16)
+    sender, sent = _recorded_sender()
+    send_prefill(p, sender, [prompts[0]], [0])
+    first = len(sent)
+    send_prefill(p, sender, [prompts[1]], [1])
+    wire = iter(sent[:first + 5])      # request 1: BEGIN + ids, part 0, part 1's header only
+
+    def recv(t, src, group=None):
+        try:
+            t.copy_(next(wire))
+        except StopIteration:
+            raise RuntimeError("[gloo] Connection closed by peer") from None
+    monkeypatch.setattr(transfer.dist, "recv", recv)
+    eng = DecodeEngine(models["decode"], 2, 96, block_size=16, tokenizer=False)
+    rx = Receiver(eng.config, eng.base.compute_dtype, eng.fingerprint)
+    records = []
+    run_decode(eng, transfer.receive(rx, src=0), params, records.append)
+    by = {r["request_id"]: r for r in records}
+    assert sorted(by) == [0, 1] and by[0]["token_ids"] == want
+    n_parts = len(layout(eng.config, len(prompts[1]), eng.base.compute_dtype))
+    assert by[1]["error"] == (f"request 1: truncated transfer, 1 of {n_parts} parts arrived before the transport "
+                              "from rank 0 failed (RuntimeError: [gloo] Connection closed by peer)")
+    assert eng.num_free_blocks == eng.num_blocks and not eng.has_unfinished()
 
 
 def test_compiled_roles_are_bit_identical(models):
