@@ -487,3 +487,26 @@ def test_serve_role_points_at_the_torchrun_launcher(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         launch.main([str(tmp_path)])
     assert e.value.code == 2 and "give at least one --prompt" in capsys.readouterr().err
+
+
+def test_bench_script_one_process_smoke(tmp_path):
+    """scripts/bench_disagg.py in its one-process form (LocalTransport, the H200 run's code
+    path) on the tiny config: D's first token equals the replay prefill's, the bytes the Sender
+    counted equal the layout's, which equal the formula (a 41-token prompt: odd, so the ring rows
+    travel too); a message header per BEGIN, part and END."""
+    import importlib.util
+    from v41graph.disagg.transfer import HEADER_BYTES
+    spec = importlib.util.spec_from_file_location("bench_disagg", Path(__file__).resolve().parents[1]
+                                                  / "scripts" / "bench_disagg.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--config", "tiny", "--device", "cpu", "--lengths", "41", "--repeats", "1",
+                       "--out", str(tmp_path)]) == 0
+    [row] = json.loads((tmp_path / "bench_disagg.json").read_text())["rows"]
+    cfg = v41graph.V41Config.tiny()
+    n_parts = len(layout(cfg, 41, torch.float32))
+    assert row["first_token_equal"] is True
+    assert {k: v for k, v in row["bytes_layout"].items() if k != "total"} == _expected_bytes(cfg, 41, 4)
+    assert row["bytes_sent_per_request"] == {"header": HEADER_BYTES * (n_parts + 2), "prompt": 8 * 41,
+                                             "parts": row["bytes_layout"]["total"]}
+    assert all(row[k] > 0 for k in ("full_prefill_s", "replay_prefill_s", "p_alone_s", "p_with_sends_s", "admit_s"))

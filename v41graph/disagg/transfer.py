@@ -20,6 +20,7 @@ happens to its request), so the next request is received as if nothing happened.
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -48,10 +49,14 @@ def _fingerprint_bytes(*words: int) -> bytes:
 class Sender:
     """P's side: every message an `isend` to `dst`; the tensors are kept until `wait()`."""
 
-    def __init__(self, dst: int, group=None, isend=None):
-        """isend: the transport (default torch.distributed.isend; tests pass a recorder)."""
+    def __init__(self, dst: int, group=None, isend=None, payload_device="cpu"):
+        """isend: the transport (default torch.distributed.isend; tests pass a recorder,
+        LocalTransport its stream copy). payload_device: where the transport needs payloads
+        ("cpu", the default, for gloo: parts packed on a GPU are copied to the host here;
+        None: where they were packed, for LocalTransport)."""
         self.dst, self.group = dst, group
         self._isend = isend if isend is not None else dist.isend
+        self.payload_device = payload_device
         self._works, self._keep = [], []
         self.bytes = {"header": 0, "prompt": 0, "parts": 0}
         self.wait_s = 0.0
@@ -60,7 +65,11 @@ class Sender:
               what: str = "parts") -> None:
         n = 0 if payload is None else int(payload.numel())
         header = torch.tensor([MAGIC, kind, request_id, a, b, c, d, e, n], dtype=torch.int64)
-        tensors = [header] if payload is None else [header, payload.contiguous()]
+        if payload is not None:
+            payload = payload.contiguous()
+            if self.payload_device is not None:
+                payload = payload.to(self.payload_device)
+        tensors = [header] if payload is None else [header, payload]
         for t in tensors:
             self._works.append(self._isend(t, self.dst, group=self.group))
             self._keep.append(t)
@@ -194,6 +203,81 @@ class Receiver:
                 return [(rid, HandoverError(f"request {rid}: P sent {a} part bytes, {total} arrived"))]
             return [(rid, h)]   # a missing part is DecodeWorker.admit's (handover.check) error
         raise HandoverError(f"request {rid}: unknown message kind {kind}")
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _CopyDone:
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class LocalTransport:
+    """P and D in one process (one GPU): what a Sender would give torch.distributed is copied
+    on a transfer stream into a buffer D owns (device payloads; headers and prompt ids are host
+    tensors and are cloned), and D takes the messages in order (`recv_message`, `deliver`),
+    each after its copy is done. The same Sender / Receiver protocol, parts and bytes as between
+    processes, with the GPU's copy engine standing in for the link. NCCL refuses two ranks on
+    one GPU and two processes would each need the weights, so this is how one GPU measures
+    the hand-over overlapped with the encoder. On the CPU a plain copy.
+
+        t = LocalTransport()
+        sender = Sender(dst=1, isend=t.isend, payload_device=None)
+        send_prefill(worker, sender, prompts, ids)        # P
+        done = t.deliver(receiver)                        # D: [(request id, Handover | error)]
+    """
+
+    def __init__(self):
+        self.queue: collections.deque = collections.deque()
+        self.streams: dict = {}
+        self.copies: list = []        # (bytes, start event, end event) of every device copy
+
+    def isend(self, t: torch.Tensor, dst: int, group=None):
+        if t.device.type != "cuda":
+            self.queue.append((t.clone(), None))
+            return _Done()
+        side = self.streams.get(t.device)
+        if side is None:
+            side = self.streams[t.device] = torch.cuda.Stream(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))     # the part is packed
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record(side)
+            out = t.clone()           # allocated on and copied by the transfer stream
+            end.record(side)
+        t.record_stream(side)         # P's tensor is read there: not reused before the copy ends
+        self.copies.append((t.numel() * t.element_size(), start, end))
+        self.queue.append((out, end))
+        return _CopyDone(end)
+
+    def _pop(self) -> torch.Tensor:
+        if not self.queue:
+            raise RuntimeError("LocalTransport: no message waiting (the sender sent nothing more)")
+        t, done = self.queue.popleft()
+        if done is not None:           # D's stream waits for the copy, and owns the buffer
+            stream = torch.cuda.current_stream(t.device)
+            stream.wait_event(done)
+            t.record_stream(stream)
+        return t
+
+    def recv_message(self, src: int = 0, group=None):
+        """The next (header as a list, payload or None), as receive() reads them."""
+        h = self._pop().tolist()
+        payload = self._pop() if h[0] == MAGIC and h[-1] > 0 else None
+        return h, payload
+
+    def deliver(self, receiver: Receiver) -> list:
+        """Feed every message sent so far to `receiver`; the requests it completed."""
+        out = []
+        while self.queue:
+            out += receiver.feed(*self.recv_message())
+        return out
 
 
 def receive(receiver: Receiver, src: int, group=None):
