@@ -26,6 +26,8 @@ Per prompt length, medians of --repeats after one warm-up run (every time waits 
   admit_s         D: writing the hand-over into its caches + the decoder replay (first token)
   first_token_equal  D's first-token logits == the one-process replay prefill's (torch.equal)
   bytes           the hand-over's bytes by kind (layout) and what the Sender counted
+--compile runs P and D through v41graph.compile (default: eager, whose P overlaps each part's
+send with the next layer; a compiled P sends after its one encoder graph).
 Writes OUT/bench_disagg.json (or OUT itself when it ends in .json) and prints a table last.
 
 Launched under torchrun with two processes (WORLD_SIZE=2) it runs the CPU gloo variant of the
@@ -69,13 +71,16 @@ def timed(fn, device):
     return time.perf_counter() - t0, out
 
 
-def measure_length(model, n: int, repeats: int, block_size: int, device: torch.device) -> dict:
+def measure_length(model, n: int, repeats: int, block_size: int, device: torch.device, roles_model=None) -> dict:
+    """roles_model: what P and D run (a CompiledModel with --compile; default the eager model);
+    the one-process reference Sessions run the eager model."""
     cfg = model.config
+    roles_model = roles_model if roles_model is not None else model
     gen = torch.Generator().manual_seed(n)
     prompt = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
     sessions = {m: v41graph.Session(model, 1, n, block_size=block_size) for m in ("full", "replay")}
-    p = PrefillWorker(model, 1, n, block_size)
-    d = DecodeWorker(model, 1, n, block_size)
+    p = PrefillWorker(roles_model, 1, n, block_size)
+    d = DecodeWorker(roles_model, 1, n, block_size)
     transport = LocalTransport()
     sender = Sender(dst=1, isend=transport.isend, payload_device=None)
     rx = Receiver(cfg, model.compute_dtype, d.fingerprint)
@@ -118,9 +123,10 @@ def measure_length(model, n: int, repeats: int, block_size: int, device: torch.d
     return row
 
 
-def table(rows: list, device: str, config: str) -> str:
+def table(rows: list, device: str, config: str, compiled: bool) -> str:
     ms = lambda s: f"{s * 1e3:.2f}"   # noqa: E731
-    lines = [f"prefill/decode hand-over, {config} config, {device}, one process (LocalTransport)",
+    roles = "P and D compiled" if compiled else "P and D eager"
+    lines = [f"prefill/decode hand-over, {config} config, {device}, {roles}, one process (LocalTransport)",
              "| prompt | full prefill ms | replay prefill ms | P alone ms | P with sends ms | exposed ms "
              "| copy busy ms | host round trip ms | D admit ms | hand-over bytes (KV + fixed) | first token equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -141,24 +147,27 @@ def run_local(args) -> int:
     t0 = time.perf_counter()
     model = build_model(args.config, device.type)
     build_s = time.perf_counter() - t0
+    # --compile: P's encoder and D's decoder replay as graphs of our passes (one CompiledModel
+    # serves both roles: they share the weights); the first run traces them
+    roles_model = v41graph.compile(model, batch_sizes=(1,)) if args.compile else None
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
     for n in lengths:
         try:
-            rows.append(measure_length(model, n, args.repeats, args.block_size, device))
+            rows.append(measure_length(model, n, args.repeats, args.block_size, device, roles_model))
         except Exception:           # report it and go on: the other lengths still measure
             rows.append({"n": n, "error": traceback.format_exc()})
             print(rows[-1]["error"], file=sys.stderr)
     out = Path(args.out)
     path = out if out.suffix == ".json" else out / "bench_disagg.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    result = {"config": args.config, "device": str(device),
+    result = {"config": args.config, "device": str(device), "compiled_roles": bool(args.compile),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "repeats": args.repeats, "build_s": build_s,
               "total_s": time.perf_counter() - t0, "rows": rows}
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
-    print(table(rows, str(device), args.config))
+    print(table(rows, str(device), args.config, args.compile))
     return 1 if any("error" in r for r in rows) else 0
 
 
@@ -230,6 +239,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="4096", help="prompt lengths, comma-separated (default 4096)")
     ap.add_argument("--repeats", type=int, default=3, help="measured runs per length after one warm-up")
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--compile", action="store_true",
+                    help="P and D through v41graph.compile (encoder and decoder-replay graphs; a compiled P "
+                         "sends its parts after its graph). Adds their traces to the run (minutes on the "
+                         "bench config)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.repeats < 1:
