@@ -26,8 +26,8 @@ Per prompt length, medians of --repeats after one warm-up run (every time waits 
   admit_s         D: writing the hand-over into its caches + the decoder replay (first token)
   first_token_equal  D's first-token logits == the one-process replay prefill's (torch.equal)
   bytes           the hand-over's bytes by kind (layout) and what the Sender counted
---compile runs P and D through v41graph.compile (default: eager, whose P overlaps each part's
-send with the next layer; a compiled P sends after its one encoder graph).
+--compile runs P and D through v41graph.compile (default: eager; either way P sends each part
+from between two encoder layers).
 Writes OUT/bench_disagg.json (or OUT itself when it ends in .json) and prints a table last.
 
 Launched under torchrun with two processes (WORLD_SIZE=2) it runs the CPU gloo variant of the
@@ -240,9 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="measured runs per length after one warm-up")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--compile", action="store_true",
-                    help="P and D through v41graph.compile (encoder and decoder-replay graphs; a compiled P "
-                         "sends its parts after its graph). Adds their traces to the run (minutes on the "
-                         "bench config)")
+                    help="P and D through v41graph.compile (encoder and decoder-replay graphs). Adds "
+                         "their traces to the run (minutes on the bench config)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.repeats < 1:

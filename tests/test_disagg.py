@@ -431,15 +431,25 @@ def test_transport_failure_mid_request_fails_it_alone(models, monkeypatch):
 
 def test_compiled_roles_are_bit_identical(models):
     """Both roles through v41graph.compile (our passes; CPU: our executor, not captured): P's
-    encoder as one graph (CompiledModel.encode), D's decoder replay as one graph
+    encoder as one graph (CompiledModel.encode) that hands each layer's part over between its
+    layers, D's decoder replay as one graph
     (CompiledModel.decode_replay) and D's decode steps through the decode bucket. Every part P
     packs equals the eager P's byte for byte; D's first-token logits and 16 greedy steps equal
     one process's eager Session replay prefill (~60 s: three traces of the tiny model)."""
     prompt = _prompt(30, 40)
     [want_h] = PrefillWorker(models["prefill"], 1, 96, block_size=16).prefill([prompt], [0])
     cp = v41graph.compile(models["prefill"], batch_sizes=(1,))
-    [h] = PrefillWorker(cp, 1, 96, block_size=16).prefill([prompt], [0])
+    worker = PrefillWorker(cp, 1, 96, block_size=16)
+    dec = models["prefill"].decoder_start
+    decoder_kv_written = {}         # part -> whether the decoder start's KV was written by then
+
+    def on_part(rid, name, data):
+        decoder_kv_written[name] = bool(worker.caches.global_kv[dec].any())
+    [h] = worker.prefill([prompt], [0], on_part=on_part)
     assert len(cp.traced) == 1                     # the encoder graph ran, not the eager model
+    # the graph called the hook between its layers: layer 0's part went out before the
+    # decoder start's KV existed (its layer_done op comes after those writes)
+    assert decoder_kv_written == {**{f"layer{i}": False for i in range(dec)}, f"layer{dec}": True, "replay": True}
     assert list(h.parts) == list(want_h.parts)
     for name, data in want_h.parts.items():
         assert torch.equal(h.parts[name], data), name

@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import torch
 
+from v41graph.custom_ops.hooks import layer_hook
 from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.metadata import AttentionMetadata
 from v41graph.model.model import check_step_inputs
@@ -191,10 +192,9 @@ class CompiledModel:
     def encode(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata,
                decoder_replay, on_layer=None):
         """V41Model.encode (a prefill worker's half) with V41Model.encoder_forward as one graph
-        of our passes (compile_prefill=False: eager, as every other non-decode step). A graph
-        has no point between its layers to call on_layer at, so on_layer is called for every
-        layer after the graph has run: the parts are final then, and their sends follow the
-        encoder instead of overlapping it (the eager model overlaps them)."""
+        of our passes (compile_prefill=False: eager, as every other non-decode step). The
+        graph's layer_done ops call on_layer between its layers, as the eager model does, so a
+        part's send still overlaps the next layer's compute."""
         self._check_inputs(input_ids, positions, metadata)
         if decoder_replay is None:
             raise ValueError("encode: decoder_replay is required (the decoder half runs elsewhere)")
@@ -205,11 +205,8 @@ class CompiledModel:
             self._encode_fn = torch.compile(self.model.encoder_forward, backend=self.backend,
                                             fullgraph=True, dynamic=None)
         with torch.no_grad():
-            with self._traces("encode"):
+            with self._traces("encode"), layer_hook(on_layer):
                 streams, pre = self._encode_fn(input_ids, positions, caches, metadata)
-            if on_layer is not None:
-                for layer_id in range(self.model.decoder_start + 1):
-                    on_layer(layer_id)
             return self.model.replay_inputs(streams, pre, positions, metadata, decoder_replay)
 
     def decode_replay(self, streams, pre, positions, caches: ModelCaches, metadata: AttentionMetadata):
