@@ -49,6 +49,7 @@ class Defunctionalize(GraphPass):
                 call = graph.call_function(op, (), call_kwargs)
             call.meta.update({k: v for k, v in node.meta.items() if k != "val"})
             call.meta["defunctionalized"] = True
+            order[call] = order[node]   # a later write of the same base (_safe) sees where it reads
             for user in list(node.users):
                 assert is_call(user, operator.getitem)
                 idx = user.args[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -218,6 +219,31 @@ def test_bad_handovers_fail_alone(models, tmp_path):
     _decode_both(ref, d, a)
 
 
+def test_numerics_mismatch_is_refused_naming_both_sides(ckpt, models):
+    """P loaded with numerics="fast", D with from_pretrained's default "reference": the
+    fingerprint's third part differs, D refuses the hand-over at admit and at BEGIN (the
+    receiver), naming both modes; the next request (P of D's numerics) is admitted."""
+    p_ref = PrefillWorker(v41graph.from_pretrained(ckpt, role="prefill", numerics="fast", progress=False),
+                          1, 96, block_size=16)
+    d = DecodeWorker(models["decode"], 1, 96)
+    assert models["decode"].numerics == "reference"
+    assert p_ref.fingerprint[:16] == d.fingerprint[:16] and p_ref.fingerprint[16:] != d.fingerprint[16:]
+    want = r"request 3: P and D do not hold the same model \(numerics: P runs 'fast', this worker 'reference'"
+    [h] = p_ref.prefill([_prompt(9, 3)], [3])
+    with pytest.raises(HandoverError, match=want):
+        d.admit(0, h)
+    sender, sent = _recorded_sender()
+    send_prefill(p_ref, sender, [_prompt(9, 3)], [3])
+    good = _prompt(9, 4)
+    send_prefill(PrefillWorker(models["prefill"], 1, 96, block_size=16), sender, [good], [4])
+    rx = Receiver(d.config, d.base.compute_dtype, d.fingerprint)
+    out = [r for hdr, pl in _messages(sent) for r in rx.feed(hdr, pl)]
+    assert [rid for rid, _ in out] == [3, 4]
+    assert isinstance(out[0][1], HandoverError) and re.search(want, str(out[0][1]))
+    ref = v41graph.Session(models["both"], 1, 96)
+    assert torch.equal(ref.prefill([good], mode="replay")[0], d.admit(0, out[1][1]))
+
+
 def _recorded_sender():
     sent = []
 
@@ -365,19 +391,76 @@ def test_launcher_loops_in_one_process(models):
     assert info["bytes"] == rx.bytes and eng.num_free_blocks == eng.num_blocks
 
 
-def test_compiled_decode_worker_continues_a_handover(models):
-    """D's decode steps through v41graph.compile (our passes, the decode bucket; CPU: not
-    captured) after a hand-over: the same logits as the eager D at every step (~25 s: one
-    trace of the tiny decode graph)."""
-    [h] = PrefillWorker(models["prefill"], 1, 96, block_size=16).prefill([_prompt(30, 40)], [0])
-    eager = DecodeWorker(models["decode"], 1, 96)
-    compiled = DecodeWorker(v41graph.compile(models["decode"], batch_sizes=(1,), compile_prefill=False), 1, 96)
-    a, b = eager.admit(0, h)[None], compiled.admit(0, h)[None]
+def test_transport_failure_mid_request_fails_it_alone(models, monkeypatch):
+    """receive() over a transport that fails in the middle of request 1 (P gone while a part's
+    payload is on the way: dist.recv raises): request 1 comes out as a truncated transfer,
+    request 0, admitted before, decodes to the end with a plain Engine's tokens, and D ends
+    normally with every block free."""
+    from v41graph import SamplingParams
+    from v41graph.disagg import transfer
+    from v41graph.disagg.engine import DecodeEngine
+    from v41graph.disagg.launch import run_decode
+    prompts = [_prompt(20, 50), _prompt(11, 51)]
+    params = SamplingParams(max_tokens=8)
+    ref = v41graph.Engine(models["both"], 2, 96, block_size=16, prefill_mode="replay", tokenizer=False)
+    want = ref.generate(prompts[:1], params)[0].token_ids
+    p = PrefillWorker(models["prefill"], 1, 96, block_size=16)
+    sender, sent = _recorded_sender()
+    send_prefill(p, sender, [prompts[0]], [0])
+    first = len(sent)
+    send_prefill(p, sender, [prompts[1]], [1])
+    wire = iter(sent[:first + 5])      # request 1: BEGIN + ids, part 0, part 1's header only
+
+    def recv(t, src, group=None):
+        try:
+            t.copy_(next(wire))
+        except StopIteration:
+            raise RuntimeError("[gloo] Connection closed by peer") from None
+    monkeypatch.setattr(transfer.dist, "recv", recv)
+    eng = DecodeEngine(models["decode"], 2, 96, block_size=16, tokenizer=False)
+    rx = Receiver(eng.config, eng.base.compute_dtype, eng.fingerprint)
+    records = []
+    run_decode(eng, transfer.receive(rx, src=0), params, records.append)
+    by = {r["request_id"]: r for r in records}
+    assert sorted(by) == [0, 1] and by[0]["token_ids"] == want
+    n_parts = len(layout(eng.config, len(prompts[1]), eng.base.compute_dtype))
+    assert by[1]["error"] == (f"request 1: truncated transfer, 1 of {n_parts} parts arrived before the transport "
+                              "from rank 0 failed (RuntimeError: [gloo] Connection closed by peer)")
+    assert eng.num_free_blocks == eng.num_blocks and not eng.has_unfinished()
+
+
+def test_compiled_roles_are_bit_identical(models):
+    """Both roles through v41graph.compile (our passes; CPU: our executor, not captured): P's
+    encoder as one graph (CompiledModel.encode) that hands each layer's part over between its
+    layers, D's decoder replay as one graph
+    (CompiledModel.decode_replay) and D's decode steps through the decode bucket. Every part P
+    packs equals the eager P's byte for byte; D's first-token logits and 16 greedy steps equal
+    one process's eager Session replay prefill (~60 s: three traces of the tiny model)."""
+    prompt = _prompt(30, 40)
+    [want_h] = PrefillWorker(models["prefill"], 1, 96, block_size=16).prefill([prompt], [0])
+    cp = v41graph.compile(models["prefill"], batch_sizes=(1,))
+    worker = PrefillWorker(cp, 1, 96, block_size=16)
+    dec = models["prefill"].decoder_start
+    decoder_kv_written = {}         # part -> whether the decoder start's KV was written by then
+
+    def on_part(rid, name, data):
+        decoder_kv_written[name] = bool(worker.caches.global_kv[dec].any())
+    [h] = worker.prefill([prompt], [0], on_part=on_part)
+    assert len(cp.traced) == 1                     # the encoder graph ran, not the eager model
+    # the graph called the hook between its layers: layer 0's part went out before the
+    # decoder start's KV existed (its layer_done op comes after those writes)
+    assert decoder_kv_written == {**{f"layer{i}": False for i in range(dec)}, f"layer{dec}": True, "replay": True}
+    assert list(h.parts) == list(want_h.parts)
+    for name, data in want_h.parts.items():
+        assert torch.equal(h.parts[name], data), name
+    cd = v41graph.compile(models["decode"], batch_sizes=(1,))
+    d = DecodeWorker(cd, 1, 96)
+    ref = v41graph.Session(models["both"], 1, 96, block_size=16)
+    a, b = ref.prefill([prompt], mode="replay"), d.admit(0, h)[None]
+    assert len(cd.traced) == 1                     # the decoder-replay graph
     assert torch.equal(a, b)
-    for step in range(STEPS):
-        tok = a.argmax(-1, keepdim=True)
-        a, b = eager.decode(tok), compiled.decode(tok)
-        assert torch.equal(a, b), f"decode step {step}"
+    _decode_both(ref, d, a)
+    assert len(cd.traced) == 2                     # + the decode bucket's graph
 
 
 @pytest.mark.parametrize("numerics", ["reference", "fast"])
@@ -393,3 +476,47 @@ def test_handover_in_the_released_formats(tmp_path_factory, numerics):
     assert torch.equal(a, b)
     _decode_both(ref, d, a)
     assert _group_bytes(cfg, h, torch.bfloat16) == _expected_bytes(cfg, 37, 2)
+
+
+# ----------------------------------------------------------------------------- command lines
+def test_serve_role_points_at_the_torchrun_launcher(capsys, tmp_path):
+    """`v41graph serve --role prefill|decode` starts nothing and names the launcher to run;
+    a role that does not exist is argparse's error; the default is the whole model. The
+    launcher's own command line refuses a run without prompts before any process group."""
+    from v41graph.disagg import launch
+    from v41graph.tools import cli
+    for role in ("prefill", "decode"):
+        assert cli.main(["serve", str(tmp_path), "--role", role]) == 2
+        err = capsys.readouterr().err
+        assert f"--role {role}: a prefill or decode worker" in err
+        assert "python -m torch.distributed.run --nproc-per-node 2 -m v41graph.disagg.launch CHECKPOINT" in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", str(tmp_path), "--role", "encoder"])
+    assert e.value.code == 2 and "invalid choice: 'encoder'" in capsys.readouterr().err
+    assert cli._parser().parse_args(["serve", str(tmp_path)]).role == "both"
+    with pytest.raises(SystemExit) as e:
+        launch.main([str(tmp_path)])
+    assert e.value.code == 2 and "give at least one --prompt" in capsys.readouterr().err
+
+
+def test_bench_script_one_process_smoke(tmp_path):
+    """scripts/bench_disagg.py in its one-process form (LocalTransport, the H200 run's code
+    path) on the tiny config: D's first token equals the replay prefill's, the bytes the Sender
+    counted equal the layout's, which equal the formula (a 41-token prompt: odd, so the ring rows
+    travel too); a message header per BEGIN, part and END."""
+    import importlib.util
+    from v41graph.disagg.transfer import HEADER_BYTES
+    spec = importlib.util.spec_from_file_location("bench_disagg", Path(__file__).resolve().parents[1]
+                                                  / "scripts" / "bench_disagg.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--config", "tiny", "--device", "cpu", "--lengths", "41", "--repeats", "1",
+                       "--out", str(tmp_path)]) == 0
+    [row] = json.loads((tmp_path / "bench_disagg.json").read_text())["rows"]
+    cfg = v41graph.V41Config.tiny()
+    n_parts = len(layout(cfg, 41, torch.float32))
+    assert row["first_token_equal"] is True
+    assert {k: v for k, v in row["bytes_layout"].items() if k != "total"} == _expected_bytes(cfg, 41, 4)
+    assert row["bytes_sent_per_request"] == {"header": HEADER_BYTES * (n_parts + 2), "prompt": 8 * 41,
+                                             "parts": row["bytes_layout"]["total"]}
+    assert all(row[k] > 0 for k in ("full_prefill_s", "replay_prefill_s", "p_alone_s", "p_with_sends_s", "admit_s"))

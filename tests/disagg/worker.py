@@ -41,7 +41,7 @@ def run_prefill(ckpt: str) -> dict:
     for rid, (_, trouble) in REQUESTS.items():
         fingerprint = worker.fingerprint
         if trouble == "other checkpoint":      # what a P loaded from another checkpoint sends
-            worker.fingerprint = fingerprint[:8] + bytes(8)
+            worker.fingerprint = fingerprint[:8] + bytes(8) + fingerprint[16:]
         sender.part = (lambda r, i, data: None if (r, i) == (4, 2) else real_part(r, i, data)) \
             if trouble == "lose part 2" else real_part
         stats["requests"][rid] = send_prefill(worker, sender, [prompt(rid)], [rid])

@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import torch
 
+from v41graph.custom_ops.hooks import layer_hook
 from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.metadata import AttentionMetadata
 from v41graph.model.model import check_step_inputs
@@ -94,6 +95,9 @@ class CompiledModel:
         self.compile_prefill = bool(compile_prefill)
         self._prefill_fn = (torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=None)
                             if self.compile_prefill else self.model)
+        # The two halves of a disaggregated prefill (v41graph.disagg): P's encoder graph and
+        # D's decoder-replay graph, traced at their first call (most models never make one).
+        self._encode_fn = self._decode_replay_fn = None
         self._decode: dict[tuple, DecodeGraph] = {}
         # Captured buckets share one memory pool (they never run at the same time); it lives
         # as long as this object, so a later model never captures into a released pool.
@@ -183,6 +187,40 @@ class CompiledModel:
                 _mark_batch_dims_dynamic(input_ids, positions, metadata)
             with self._traces("verify" if return_streams else "prefill"):
                 return self._prefill_fn(input_ids, positions, caches, metadata, all_logits, **extra)
+
+    # ------------------------------------------------------------------ disaggregated halves
+    def encode(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata,
+               decoder_replay, on_layer=None):
+        """V41Model.encode (a prefill worker's half) with V41Model.encoder_forward as one graph
+        of our passes (compile_prefill=False: eager, as every other non-decode step). The
+        graph's layer_done ops call on_layer between its layers, as the eager model does, so a
+        part's send still overlaps the next layer's compute."""
+        self._check_inputs(input_ids, positions, metadata)
+        if decoder_replay is None:
+            raise ValueError("encode: decoder_replay is required (the decoder half runs elsewhere)")
+        if not self.compile_prefill:
+            with torch.no_grad():
+                return self.model.encode(input_ids, positions, caches, metadata, decoder_replay, on_layer)
+        if self._encode_fn is None:
+            self._encode_fn = torch.compile(self.model.encoder_forward, backend=self.backend,
+                                            fullgraph=True, dynamic=None)
+        with torch.no_grad():
+            with self._traces("encode"), layer_hook(on_layer):
+                streams, pre = self._encode_fn(input_ids, positions, caches, metadata)
+            return self.model.replay_inputs(streams, pre, positions, metadata, decoder_replay)
+
+    def decode_replay(self, streams, pre, positions, caches: ModelCaches, metadata: AttentionMetadata):
+        """V41Model.decode_replay (a decode worker's first token from a hand-over) as one graph
+        of our passes: its shapes are the replay rows', fixed before the call (eager with
+        compile_prefill=False)."""
+        if not self.compile_prefill:
+            with torch.no_grad():
+                return self.model.decode_replay(streams, pre, positions, caches, metadata)
+        if self._decode_replay_fn is None:
+            self._decode_replay_fn = torch.compile(self.model.decode_replay, backend=self.backend,
+                                                   fullgraph=True, dynamic=None)
+        with torch.no_grad(), self._traces("decode_replay"):
+            return self._decode_replay_fn(streams, pre, positions, caches, metadata)
 
     # ------------------------------------------------------------------ decode buckets
     def bucket_for(self, n: int) -> int:

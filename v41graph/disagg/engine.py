@@ -73,7 +73,7 @@ class DecodeEngine(Engine):
         reqs = [r for r in self.running if r.request_id in self.handovers]
         if not reqs:
             return []
-        logits = replay_handovers(self, self.base, [(self.handovers.pop(r.request_id), r.slot, r.blocks,
+        logits = replay_handovers(self, [(self.handovers.pop(r.request_id), r.slot, r.blocks,
                                                      len(r.prompt)) for r in reqs])
         self.stats["handover_admissions"] += len(reqs)
         for r in reqs:

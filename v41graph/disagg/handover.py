@@ -166,9 +166,9 @@ def _rows_of(caches: ModelCaches, f: Field, slot: int, blocks: list[int], n: int
 
 def pack_part(caches: ModelCaches, part: Part, slot: int, blocks: list[int], n: int, plan,
               replay: dict | None = None) -> torch.Tensor:
-    """One part of a request as one flat uint8 tensor (its fields' bytes back to back), read
-    from P's caches (slot, blocks) and, for the replay part, from `replay` (history / streams /
-    pre tensors)."""
+    """One part of a request as one flat uint8 tensor (its fields' bytes back to back) on the
+    caches' device, read from P's caches (slot, blocks) and, for the replay part, from `replay`
+    (history / streams / pre tensors). The transport moves it where it must be (Sender)."""
     pieces = []
     for f in part.fields:
         if f.kind in ("history", "streams", "pre"):
@@ -179,7 +179,7 @@ def pack_part(caches: ModelCaches, part: Part, slot: int, blocks: list[int], n: 
         if tuple(t.shape) != f.shape or t.dtype != f.dtype:
             raise HandoverError(f"{part.name}.{f.kind}: packed {list(t.shape)} {t.dtype}, layout says "
                                 f"{list(f.shape)} {f.dtype}")
-        pieces.append(t.contiguous().view(-1).view(torch.uint8).cpu())
+        pieces.append(t.contiguous().view(-1).view(torch.uint8))   # on the caches' device
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
 
 

@@ -8,8 +8,11 @@ each request's hand-over layer by layer; rank 1 loads the decode role and runs a
 a thread receives hand-overs, the main loop admits each as it arrives and steps the engine, and
 prints one JSON line per finished request (request id, text, token ids, finish reason, or the
 error of a hand-over that could not be admitted). Both ranks print their byte counts and
-timings as a last JSON line ({"rank": r, ...}). gloo between CPU processes (one GPU cannot hold
-two NCCL ranks; a multi-GPU host would pass --backend nccl).
+timings as a last JSON line ({"rank": r, ...}). gloo only: the message headers are host tensors
+and the parts go through host memory (Sender's payload_device), which NCCL would not take; one
+GPU cannot hold two NCCL ranks anyway (scripts/bench_disagg.py measures P and D on one GPU in
+one process instead). This is the launcher of a disaggregated run: `v41graph serve --role
+prefill|decode` points here (the HTTP server runs one process with the whole model).
 """
 from __future__ import annotations
 
@@ -93,7 +96,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-batch-size", type=int, default=4)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--backend", default="gloo", choices=["gloo"],
+                    help="torch.distributed backend: gloo (the one the transfer is built for)")
     ap.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     args = ap.parse_args(argv)
     if not args.prompt:

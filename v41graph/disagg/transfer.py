@@ -3,9 +3,10 @@ GPUs): P sends each part as its encoder layer finishes (`isend`, so the send of 
 while layer i+1 computes), D receives them in order and assembles Handovers.
 
 Messages, P -> D, in order on one (src, dst) pair: an int64 header [MAGIC, kind, request id,
-a, b, c, d, payload bytes], then the payload (uint8) when it has one:
+a, b, c, d, e, payload bytes], then the payload (uint8) when it has one:
 
-  BEGIN  a = prompt length, b = number of parts, c, d = P's fingerprint; payload: prompt ids
+  BEGIN  a = prompt length, b = number of parts, c, d, e = P's fingerprint (config, weights,
+         numerics); payload: prompt ids
   PART   a = part index (layout order); payload: the part's bytes
   END    a = the request's part bytes in all
   STOP   P sends nothing more
@@ -19,43 +20,56 @@ happens to its request), so the next request is received as if nothing happened.
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
 import torch.distributed as dist
 
 from .handover import Handover, HandoverError, check_fingerprint, layout
+from .roles import FINGERPRINT_BYTES
 
 MAGIC = 0x50374B56          # "P7KV"
 BEGIN, PART, END, STOP = 1, 2, 3, 4
-HEADER_LEN = 8
+HEADER_LEN = 9
 HEADER_BYTES = HEADER_LEN * 8
+_FP_WORDS = FINGERPRINT_BYTES // 8
 
 
-def _fingerprint_words(fp: bytes) -> tuple[int, int]:
-    return (int.from_bytes(fp[:8], "little", signed=True), int.from_bytes(fp[8:16], "little", signed=True))
+def _fingerprint_words(fp: bytes) -> tuple:
+    if len(fp) != FINGERPRINT_BYTES:
+        raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fp)}")
+    return tuple(int.from_bytes(fp[8 * i:8 * i + 8], "little", signed=True) for i in range(_FP_WORDS))
 
 
-def _fingerprint_bytes(a: int, b: int) -> bytes:
-    return a.to_bytes(8, "little", signed=True) + b.to_bytes(8, "little", signed=True)
+def _fingerprint_bytes(*words: int) -> bytes:
+    return b"".join(w.to_bytes(8, "little", signed=True) for w in words)
 
 
 class Sender:
     """P's side: every message an `isend` to `dst`; the tensors are kept until `wait()`."""
 
-    def __init__(self, dst: int, group=None, isend=None):
-        """isend: the transport (default torch.distributed.isend; tests pass a recorder)."""
+    def __init__(self, dst: int, group=None, isend=None, payload_device="cpu"):
+        """isend: the transport (default torch.distributed.isend; tests pass a recorder,
+        LocalTransport its stream copy). payload_device: where the transport needs payloads
+        ("cpu", the default, for gloo: parts packed on a GPU are copied to the host here;
+        None: where they were packed, for LocalTransport)."""
         self.dst, self.group = dst, group
         self._isend = isend if isend is not None else dist.isend
+        self.payload_device = payload_device
         self._works, self._keep = [], []
         self.bytes = {"header": 0, "prompt": 0, "parts": 0}
         self.wait_s = 0.0
 
-    def _send(self, kind: int, request_id: int, a=0, b=0, c=0, d=0, payload: torch.Tensor | None = None,
+    def _send(self, kind: int, request_id: int, a=0, b=0, c=0, d=0, e=0, payload: torch.Tensor | None = None,
               what: str = "parts") -> None:
         n = 0 if payload is None else int(payload.numel())
-        header = torch.tensor([MAGIC, kind, request_id, a, b, c, d, n], dtype=torch.int64)
-        tensors = [header] if payload is None else [header, payload.contiguous()]
+        header = torch.tensor([MAGIC, kind, request_id, a, b, c, d, e, n], dtype=torch.int64)
+        if payload is not None:
+            payload = payload.contiguous()
+            if self.payload_device is not None:
+                payload = payload.to(self.payload_device)
+        tensors = [header] if payload is None else [header, payload]
         for t in tensors:
             self._works.append(self._isend(t, self.dst, group=self.group))
             self._keep.append(t)
@@ -138,7 +152,7 @@ class Receiver:
     def feed(self, header, payload: torch.Tensor | None) -> list:
         if len(header) != HEADER_LEN or header[0] != MAGIC:
             raise HandoverError(f"not a hand-over message header: {list(header)[:HEADER_LEN]}")
-        kind, rid, a, b, c, d, n = header[1:]
+        kind, rid, a, b, c, d, e, n = header[1:]
         self.bytes["header"] += HEADER_BYTES
         # what arrived, not what the header claims (a short payload then shows as a difference)
         arrived = 0 if payload is None else payload.numel() * payload.element_size()
@@ -148,7 +162,7 @@ class Receiver:
             return self._fail_open("P stopped")
         if kind == BEGIN:
             out = self._fail_open(f"request {rid} began")      # one request in flight at a time
-            fp = _fingerprint_bytes(c, d)
+            fp = _fingerprint_bytes(c, d, e)
             if rid in self.draining:
                 self.draining.discard(rid)
             try:
@@ -189,6 +203,81 @@ class Receiver:
                 return [(rid, HandoverError(f"request {rid}: P sent {a} part bytes, {total} arrived"))]
             return [(rid, h)]   # a missing part is DecodeWorker.admit's (handover.check) error
         raise HandoverError(f"request {rid}: unknown message kind {kind}")
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _CopyDone:
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class LocalTransport:
+    """P and D in one process (one GPU): what a Sender would give torch.distributed is copied
+    on a transfer stream into a buffer D owns (device payloads; headers and prompt ids are host
+    tensors and are cloned), and D takes the messages in order (`recv_message`, `deliver`),
+    each after its copy is done. The same Sender / Receiver protocol, parts and bytes as between
+    processes, with the GPU's copy engine standing in for the link. NCCL refuses two ranks on
+    one GPU and two processes would each need the weights, so this is how one GPU measures
+    the hand-over overlapped with the encoder. On the CPU a plain copy.
+
+        t = LocalTransport()
+        sender = Sender(dst=1, isend=t.isend, payload_device=None)
+        send_prefill(worker, sender, prompts, ids)        # P
+        done = t.deliver(receiver)                        # D: [(request id, Handover | error)]
+    """
+
+    def __init__(self):
+        self.queue: collections.deque = collections.deque()
+        self.streams: dict = {}
+        self.copies: list = []        # (bytes, start event, end event) of every device copy
+
+    def isend(self, t: torch.Tensor, dst: int, group=None):
+        if t.device.type != "cuda":
+            self.queue.append((t.clone(), None))
+            return _Done()
+        side = self.streams.get(t.device)
+        if side is None:
+            side = self.streams[t.device] = torch.cuda.Stream(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))     # the part is packed
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record(side)
+            out = t.clone()           # allocated on and copied by the transfer stream
+            end.record(side)
+        t.record_stream(side)         # P's tensor is read there: not reused before the copy ends
+        self.copies.append((t.numel() * t.element_size(), start, end))
+        self.queue.append((out, end))
+        return _CopyDone(end)
+
+    def _pop(self) -> torch.Tensor:
+        if not self.queue:
+            raise RuntimeError("LocalTransport: no message waiting (the sender sent nothing more)")
+        t, done = self.queue.popleft()
+        if done is not None:           # D's stream waits for the copy, and owns the buffer
+            stream = torch.cuda.current_stream(t.device)
+            stream.wait_event(done)
+            t.record_stream(stream)
+        return t
+
+    def recv_message(self, src: int = 0, group=None):
+        """The next (header as a list, payload or None), as receive() reads them."""
+        h = self._pop().tolist()
+        payload = self._pop() if h[0] == MAGIC and h[-1] > 0 else None
+        return h, payload
+
+    def deliver(self, receiver: Receiver) -> list:
+        """Feed every message sent so far to `receiver`; the requests it completed."""
+        out = []
+        while self.queue:
+            out += receiver.feed(*self.recv_message())
+        return out
 
 
 def receive(receiver: Receiver, src: int, group=None):

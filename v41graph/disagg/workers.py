@@ -28,9 +28,10 @@ from .roles import handover_fingerprint
 __all__ = ["PrefillWorker", "DecodeWorker", "HandoverError", "replay_handovers"]
 
 
-def replay_handovers(runner: StepRunner, base, admitted) -> torch.Tensor:
+def replay_handovers(runner: StepRunner, admitted) -> torch.Tensor:
     """Write checked hand-overs into `runner`'s caches and run the decoder layers over their
-    replay inputs in one flat batch (what one process's replay prefill of the same batch does:
+    replay inputs in one flat batch (runner.model.decode_replay: a CompiledModel's graph or
+    the eager model) (what one process's replay prefill of the same batch does:
     the same rows in every GEMM, so the same bits). admitted: [(checked parts and fields from
     handover.check, slot, blocks, prompt_len)]. Returns the first tokens' logits [B, V]."""
     streams, pres = [], []
@@ -42,7 +43,7 @@ def replay_handovers(runner: StepRunner, base, admitted) -> torch.Tensor:
                           [a[2] for a in admitted], runner.max_blocks, device=runner.device)
     sub, keep = replay_metadata(meta, runner.config.sliding_window)
     with torch.no_grad():
-        return base.decode_replay(torch.cat(streams), torch.cat(pres), positions_of(meta)[keep],
+        return runner.model.decode_replay(torch.cat(streams), torch.cat(pres), positions_of(meta)[keep],
                                   runner.caches, sub)
 
 
@@ -101,8 +102,8 @@ class PrefillWorker(StepRunner):
             ids, positions, meta = self.host_inputs(slots, [0] * len(prompts), prompts, blocks)
             t0 = time.perf_counter()
             with torch.no_grad():
-                streams, pre, sub, _ = self.base.encode(ids, positions, self.caches, meta,
-                                                        cfg.sliding_window, on_layer=on_layer)
+                streams, pre, sub, _ = self.model.encode(ids, positions, self.caches, meta,
+                                                         cfg.sliding_window, on_layer=on_layer)
             self.timings["encode_s"] = time.perf_counter() - t0
             qs = sub.query_start.tolist()
             for i, p in enumerate(prompts):
@@ -167,7 +168,7 @@ class DecodeWorker(Session):
         for seq, h in zip(seqs, handovers):
             self.release(seq)
             self.blocks[seq] = self.allocator.allocate(math.ceil(h.prompt_len / self.block_size))
-        logits = replay_handovers(self, self.base, [(c, seq, self.blocks[seq], h.prompt_len)
+        logits = replay_handovers(self, [(c, seq, self.blocks[seq], h.prompt_len)
                                                     for c, seq, h in zip(checked, seqs, handovers)])
         for seq, h in zip(seqs, handovers):
             self.seq_lens[seq] = h.prompt_len

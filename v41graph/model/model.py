@@ -22,8 +22,19 @@ from .layer_plan import LayerRole, build_layer_plan
 from .layers import Linear, RMSNorm, set_linear_numerics
 from .mhc import HyperConnection, collapse, expand
 from .moe import MoE
+from v41graph.custom_ops.hooks import layer_hook
 
 ops = torch.ops.v41graph
+
+
+def _layer_caches(caches: ModelCaches, layer_id: int, window: bool = True) -> list:
+    """The cache tensors layer `layer_id` writes (its window ring, and its global KV, index
+    keys and compressor ring when it is a kv source)."""
+    out = [caches.window_kv[layer_id], caches.window_scale[layer_id]] if window else []
+    for d in (caches.global_kv, caches.global_scale, caches.index_k, caches.index_scale, caches.compressor_state):
+        if layer_id in d:
+            out.append(d[layer_id])
+    return out
 
 
 class Block(nn.Module):
@@ -93,6 +104,8 @@ class V41Model(nn.Module):
                              f"the prime schedule's table sizes {tables}")
         token_map = torch.arange(config.vocab_size) % config.engram_compressed_vocab_size
         self.register_buffer("engram_token_map", token_map, persistent=False)
+        # what encoder_forward's layer_done points "write" (custom_ops/hooks.py: ordering only)
+        self.register_buffer("layer_done_token", torch.zeros(1, dtype=torch.uint8), persistent=False)
         self.numerics = "fast"
         self.debug: dict | None = None
 
@@ -242,29 +255,47 @@ class V41Model(nn.Module):
     # ------------------------------------------------------------------ the two CED halves
     def encode(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
                metadata: AttentionMetadata, decoder_replay, on_layer=None):
-        """A prefill worker's half of `forward(..., decoder_replay=R)`: embedding, Engram and
-        the encoder layers over every token, the decoder start's global KV from every token,
-        the Engram history rolled. Returns (streams [M, hc, d], pre [M, hc], metadata,
-        positions [M]) of the replay segment entering the decoder start: the decoder's replay
-        input. on_layer(layer_id) is called after each encoder layer and after the decoder
-        start's KV is written (the caches of that layer are final for this call: a worker
-        starts sending them while the next layer computes). Eager only."""
-        check_step_inputs(input_ids, positions, metadata)
+        """A prefill worker's half of `forward(..., decoder_replay=R)`: `encoder_forward` over
+        every token, then the replay segment's rows (`replay_inputs`). Returns (streams
+        [M, hc, d], pre [M, hc], metadata, positions [M]) of the replay segment entering the
+        decoder start: the decoder's replay input. on_layer(layer_id) is called after each
+        encoder layer and after the decoder start's KV is written (the caches of that layer are
+        final for this call: a worker starts sending them while the next layer computes)."""
         if decoder_replay is None:
             raise ValueError("encode: decoder_replay is required (the decoder half runs elsewhere)")
+        with layer_hook(on_layer):
+            streams, pre = self.encoder_forward(input_ids, positions, caches, metadata)
+        return self.replay_inputs(streams, pre, positions, metadata, decoder_replay)
+
+    def encoder_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: ModelCaches,
+                        metadata: AttentionMetadata):
+        """Embedding, Engram and the encoder layers over every token, the decoder start's
+        global KV from every token, the Engram history rolled: the same ops in the same order
+        as forward's replay path up to the decoder start. Returns (streams [N, hc, d], pre
+        [N, hc]) of every token entering the decoder start. Static shapes (no replay
+        selection): one graph (CompiledModel.encode). After each encoder layer and after the
+        decoder start's KV, a layer_done op (custom_ops/hooks.py) with that layer's caches:
+        where the function of an enclosing layer_hook runs, in the graph too."""
+        check_step_inputs(input_ids, positions, metadata)
         ctx = StepContext.build(metadata, caches, positions, self.debug)
         streams, pre, engram_rows, history = self._embed_streams(input_ids, ctx)
         dec = self.decoder_start
         for block in self.layers[:dec]:
             streams, pre = self._block(block, streams, pre, engram_rows, ctx)
-            if on_layer is not None:
-                on_layer(block.role.layer_id)
-        streams, pre, _, ctx = self._enter_replay(self.layers[dec], streams, pre, None, ctx, decoder_replay)
+            ops.layer_done(self.layer_done_token, _layer_caches(caches, block.role.layer_id), block.role.layer_id)
+        block = self.layers[dec]
+        block.attn.compress(block.attn_input(streams, pre), ctx)
         if history is not None:
             ops.state_write(caches.engram_history, metadata.seq_slot, history)
-        if on_layer is not None:
-            on_layer(dec)
-        return streams, pre, ctx.meta, ctx.positions
+        ops.layer_done(self.layer_done_token, _layer_caches(caches, dec, window=False) + [caches.engram_history], dec)
+        return streams, pre
+
+    def replay_inputs(self, streams: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
+                      metadata: AttentionMetadata, decoder_replay):
+        """The replay segment's rows of encoder_forward's output: (streams [M, hc, d], pre
+        [M, hc], metadata, positions [M]) (replay_metadata: data-dependent, so eager)."""
+        sub, keep = replay_metadata(metadata, decoder_replay)
+        return streams[keep], pre[keep], sub, positions[keep]
 
     def decode_replay(self, streams: torch.Tensor, pre: torch.Tensor, positions: torch.Tensor,
                       caches: ModelCaches, metadata: AttentionMetadata) -> torch.Tensor:

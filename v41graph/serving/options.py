@@ -2,7 +2,18 @@
 command line imports no web packages)."""
 from __future__ import annotations
 
-__all__ = ["add_serve_arguments"]
+__all__ = ["add_serve_arguments", "disagg_role_message"]
+
+DISAGG_LAUNCH = ("python -m torch.distributed.run --nproc-per-node 2 -m v41graph.disagg.launch CHECKPOINT "
+                 "--prompt TEXT [--prompt TEXT ...] --max-tokens N")
+
+
+def disagg_role_message(role: str) -> str:
+    """Why `serve --role prefill|decode` does not start a server, and what to run instead."""
+    return (f"--role {role}: a prefill or decode worker is one of the two processes of a disaggregated "
+            f"run, which talk over torch.distributed and start together (rank 0 prefill, rank 1 decode): "
+            f"{DISAGG_LAUNCH}. The HTTP server runs the whole model in one process (--role both, the "
+            f"default); an HTTP front end over the two roles is not built yet")
 
 
 def add_serve_arguments(p) -> None:
@@ -33,5 +44,9 @@ def add_serve_arguments(p) -> None:
     p.add_argument("--parallel-timeout", type=float, default=120.0, metavar="S",
                    help="with --parallel: seconds a collective may wait for a rank before the job "
                         "ends with an error (default 120)")
+    p.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+                   help="both (default): this process serves the whole model. prefill / decode are "
+                        "the two processes of a disaggregated run, which v41graph.disagg.launch "
+                        "starts under torchrun (serve says how)")
     p.add_argument("--log-level", default="info",
                    help="uvicorn's log level: critical, error, warning, info, debug (default info)")

@@ -259,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.set_num_threads(threads)
             return 0
         if args.command == "serve":
+            if args.role != "both":      # the disaggregated roles: torchrun's launcher, not this server
+                from v41graph.serving.options import disagg_role_message
+                print(f"v41graph serve: {disagg_role_message(args.role)}", file=sys.stderr)
+                return 2
             try:
                 from v41graph.serving.server import serve_main
             except ImportError as e:

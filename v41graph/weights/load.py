@@ -330,7 +330,7 @@ def from_pretrained(path: str | Path, numerics: str = "reference", *, dequantize
     memory).
     shard: a ShardSpec; only world_size=1 (the identity) builds a V41Model (for more ranks use
     `parallel`, or load_sharded_state_dict for the raw tensors).
-    role: "both" (the whole model), "prefill" or "decode" (v41graph/disagg/roles.py): only that
+    role: "both" (the whole model), "prefill" or "decode" (v41graph/weights/roles.py): only that
     worker's tensors are read (= shard=ShardSpec(role=role)); the parameters of the others stay
     on the meta device. `model.role` and `model.loaded_bytes` (checkpoint bytes read) tell.
     progress: None (a tqdm bar on a terminal, none under `--quiet`: v41graph/progress.py),

@@ -13,7 +13,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
-from v41graph.disagg.roles import check_role, role_holds
+from .roles import check_role, role_holds
 from v41graph.model.config import V41Config
 
 from .checkpoint import Progress, progress_default
@@ -56,7 +56,7 @@ class ShardSpec:
       replicated:     norms, wq_a, wkv, compressor, indexer wk/k_norm, gate, hc_*, Engram,
                       DSpark extras
       role            "both" (default), "prefill" or "decode": a prefill/decode worker's
-                      tensors only (v41graph/disagg/roles.py says which); the others are None
+                      tensors only (v41graph/weights/roles.py says which); the others are None
     Scales follow their weight (an FP8 split must fall on 32-row/column block boundaries).
     world_size=1 is the identity. `ShardSpec.of(parallel_state)` is a v41graph.parallel rank's.
     """
