@@ -15,7 +15,7 @@ import torch
 import v41graph
 from v41graph.runtime.batch import CacheCapacityError
 from v41graph.runtime.engine import Engine, RequestError
-from v41graph.runtime.sampling import (SamplingParams, probs_from_logits, sample, verify_greedy, verify_rejection)
+from v41graph.runtime.sampling import (SamplingParams, accept_rejection, probs_from_logits, sample, verify_greedy)
 
 from stats import chi2_pvalue
 
@@ -157,6 +157,16 @@ def _resample_from_target(draft_ids, draft_probs, target_probs, generator):
         return out
     out.append(int(torch.multinomial(target_probs[-1], 1, generator=generator)))
     return out
+
+
+def verify_rejection(draft_ids, draft_probs, target_probs, generator):
+    """accept_rejection (the engine's rows-at-once verifier) on one row, its noise key drawn
+    from `generator`: the interface of the verifiers below."""
+    k = len(draft_ids)
+    key = torch.randint(0, 2 ** 32, (1,), generator=generator)
+    out, count = accept_rejection(torch.tensor([draft_ids]).view(1, k), draft_probs[None, :k], target_probs[None],
+                                  key, torch.tensor([k]))
+    return out[0, :int(count)].tolist()
 
 
 def _joint_counts(verifier, p, q, n, seed):

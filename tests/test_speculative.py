@@ -8,7 +8,9 @@ below have no near-tie. Drafts come from
   * an "oracle" that proposes the plain engine's own continuation with some drafts corrupted
     (partial acceptance: accepted prefixes, rejected suffixes, full acceptance + bonus).
 The last section runs the verify steps through a v41graph.compile()d model (one trace for the
-module, ~30-40 s on a 2-core CPU).
+module, ~30-40 s on a 2-core CPU), with SpecConfig(step="eager"): this module tests the
+per-request reference decoder; the static step (the default with a compiled model) has
+tests/test_speculative_graph.py.
 """
 from __future__ import annotations
 
@@ -306,7 +308,7 @@ def test_compiled_verify_greedy_identical_with_acceptance(tiny_model, compiled, 
     every step without a decoder-replay chunk ran the compiled graph."""
     stats, outs = [], []
     for model in (tiny_model, compiled):
-        eng = _engine(model, speculative=SpecConfig(num_draft=5), draft_head=head)
+        eng = _engine(model, speculative=SpecConfig(num_draft=5, step="eager"), draft_head=head)
         eng.spec._draft = _oracle(eng, PROMPTS, reference)
         outs.append([o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))])
         stats.append(eng.stats)
@@ -326,7 +328,7 @@ def test_compiled_verify_random_head_full_prefill(tiny_model, compiled, head, gr
         PROMPTS, SamplingParams(max_tokens=N_NEW))]
     drafts, outs = [], []
     for model in (tiny_model, compiled):
-        eng = _engine(model, speculative=SpecConfig(num_draft=5), draft_head=head,
+        eng = _engine(model, speculative=SpecConfig(num_draft=5, step="eager"), draft_head=head,
                       prefill_mode="full")
         log = []
         eng.spec._draft = _recording(eng.spec._draft, log)

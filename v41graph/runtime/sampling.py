@@ -42,15 +42,16 @@ skip the noise); a fused kernel (Triton's counter-based RNG) would make it one p
 
 Speculative verification (MODEL.md §8), both lossless:
   verify_greedy(draft, target_logits)                  accept while draft == argmax(target)
-  verify_rejection(draft, draft_probs, target_probs, g)  Leviathan/Chen rejection sampling:
+  accept_rejection(drafts, q, p, keys, cap)            Leviathan/Chen rejection sampling, rows:
       accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); on the first rejection resample
       from norm(max(p_i - q_i, 0)) and stop; if every draft is accepted sample one bonus token
       from p_k. The output is distributed exactly as sampling from the target p token by token.
+  accept_greedy(drafts, target_logits, cap)            verify_greedy of a batch of rows
 Both return the committed tokens (accepted drafts + one correction or bonus token), so every
-verification commits between 1 and k + 1 tokens. The speculative decoder draws with per-request
-torch.Generators (`SamplingParams.make_generator`) from `params_probs`, the same transform
-(temperature, min_p, top_k, top_p) the batched sampler applies; penalties are not supported
-with speculation (the engine refuses them); its logprobs come from `token_logprobs` over the
+verification commits between 1 and k + 1 tokens. Speculative decoding draws from
+`params_logits` (the same transform: temperature, min_p, top_k, top_p, as the batched sampler)
+with the counter-based noise ("speculative draws" below); penalties are not supported with
+speculation (the engine refuses them); its logprobs come from `token_logprobs` over the
 verification's target rows.
 """
 from __future__ import annotations
@@ -531,33 +532,6 @@ def verify_greedy(draft_ids: Sequence[int], target_logits: torch.Tensor) -> list
     return out
 
 
-def verify_rejection(draft_ids: Sequence[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                     generator: torch.Generator | None = None) -> list[int]:
-    """Lossless rejection sampling. draft_ids [k] drawn from draft_probs [k, V] (q);
-    target_probs [k + 1, V] (p). Returns the committed tokens (1 .. k + 1)."""
-    k = len(draft_ids)
-    if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
-        raise ValueError(f"need {k} draft rows and {k + 1} target rows, got "
-                         f"{draft_probs.shape[0]} and {target_probs.shape[0]}")
-    p_all, q_all = target_probs.double(), draft_probs.double()
-    out = []
-    for i, d in enumerate(draft_ids):
-        d = int(d)
-        p, q = p_all[i], q_all[i]
-        u = torch.rand((), generator=generator, dtype=torch.float64, device=p.device)
-        # accept with probability min(1, p/q)  <=>  u * q < p
-        if float(u) * float(q[d]) < float(p[d]):
-            out.append(d)
-            continue
-        residual = (p - q).clamp_min(0)
-        if float(residual.sum()) <= 0:        # p == q numerically: resample from p itself
-            residual = p
-        out.append(_draw(residual / residual.sum(), generator))
-        return out
-    out.append(_draw(p_all[k], generator))   # bonus token
-    return out
-
-
 # ---------------------------------------------------------------------------- speculative draws
 # Speculative decoding draws with the same counter-based noise as the batched sampler: a step
 # key per row = row_keys(seed, tokens generated so far), and a tag per draw of that step (draft
@@ -593,7 +567,7 @@ def accept_rejection(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, key
                      cap: torch.Tensor):
     """Rejection sampling of every row: drafts [B, k] drawn from q [B, k, V]; p [B, k + 1, V]
     the target's distributions; keys [B] the rows' step keys; cap [B]. -> (committed, count).
-    Distributed exactly as sampling p token by token (verify_rejection's algorithm)."""
+    Distributed exactly as sampling p token by token."""
     b, k = drafts.shape
     dev = drafts.device
     if k == 0:           # nothing to verify: one draw from p
@@ -626,4 +600,4 @@ def _commit(drafts: torch.Tensor, final: torch.Tensor, m: torch.Tensor):
 __all__ = ["ACCEPT_TAG", "DRAFT_TAG", "FINAL_TAG", "accept_greedy", "accept_rejection", "noise_race",
            "noise_tag", "BatchSampler", "LOGPROBS_MODES", "SampleOutput", "SampledToken", "SamplingParams", "SamplingTensors",
            "apply_penalties", "filter_logits", "params_probs", "probs_from_logits", "sample", "sample_logits",
-           "token_logprobs", "uniform_noise", "verify_greedy", "verify_rejection"]
+           "token_logprobs", "uniform_noise", "verify_greedy"]

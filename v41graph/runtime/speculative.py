@@ -5,14 +5,18 @@
     outs = eng.generate(prompts, SamplingParams(max_tokens=64))
     eng.spec.acceptance_length                                # mean tokens committed per verification
 
-One engine step with speculation (`SpeculativeDecoder.step`), ONE target call per step:
+One engine step with speculation (`SpeculativeDecoder.step`), ONE target call per step. A step in
+which every scheduled request decodes runs the static step instead when SpecConfig.step allows
+(speculative_graph.py: the same algorithm over a bucket of rows on the device, captured on
+CUDA); this module is the per-request reference and runs every other step:
   1. draft   for every running request whose prompt is done: the DSpark head drafts a block
              from the anchor = the pending (last committed, not yet cached) token at position
              p = num_cached, using the context of positions < p in its per-slot window rings.
              Greedy requests take the head's greedy drafts; sampled requests draw each draft
-             from q_j = params_probs(draft logits_j, params) (temperature, min_p, top_k, top_p)
-             with the request's generator; the verification's p is the same transform of the
-             target logits, so it stays lossless. Penalties are refused with speculation
+             from q_j = the request's filtered distribution (temperature, min_p, top_k, top_p)
+             with counter-based noise keyed by (seed, tokens generated, draft index)
+             (sampling.py, "speculative draws"); the verification's p is the same transform of
+             the target logits, so it stays lossless. Penalties are refused with speculation
              (`SpeculativeDecoder.check`): a penalty at draft position j depends on drafts
              1..j-1, which the per-position transform does not model. Logprobs of the committed
              tokens come from the target rows that scored them (`token_logprobs`).
@@ -25,7 +29,7 @@ One engine step with speculation (`SpeculativeDecoder.step`), ONE target call pe
   3. verify  the target runs once over the flat batch [anchor, d_1..d_k] per decoding request +
              prefill chunks, all_logits=True. Greedy: `verify_greedy` (accept while the draft
              equals the target's argmax, plus the correction/bonus token); sampling:
-             `verify_rejection` (Leviathan/Chen, residual resampling, one bonus token).
+             `accept_rejection` (Leviathan/Chen, residual resampling, one bonus token).
   4. rollback  of everything the rejected positions p+m+1..p+k touched (m = accepted drafts):
        * window rings (every layer): the chunk wrote ring row pos % W for each chunk position;
          the rows of the rejected positions held positions pos - W that are still inside the
@@ -47,21 +51,17 @@ One engine step with speculation (`SpeculativeDecoder.step`), ONE target call pe
      `block_out.layer{t-1}`) of the accepted positions (and of every prefill token the decoder
      ran) is appended to the request's DSpark window rings.
 The target of step 3 is the engine's model: with a v41graph.compile()d model the verify call
-runs the compiled graph (without CUDA-graph capture: the verify chunks' lengths change every
-step, so no decode bucket fits them); steps with a decoder-replay prefill chunk run eagerly, as
-in the plain engine. The draft head (step 1) always runs eagerly.
+runs the compiled graph (uncaptured here: these steps' chunk lengths vary); steps with a
+decoder-replay prefill chunk run eagerly, as in the plain engine.
 Prefill chunks follow the engine's prefill_mode: with decoder bounded replay (the default for
 prompts longer than the window) the decoder -- and so the target layers -- runs only over the
 last `sliding_window` prompt tokens, exactly what DSpark's window rings hold.
 
-Not done yet: batched drafting (drafts are one head call per request), a compiled or captured
-draft head (the DSpark head runs eagerly), CUDA-graph capture of verify steps (they run the
-compiled graph uncaptured; tested on CPU only, not yet on a GPU), compiled steps with a
-decoder-replay prefill chunk (eager, see above), persistent verify metadata (the verify chunks'
-lengths change every step; their metadata is rebuilt), penalties with speculation
-(refused at add_request), batched seeded draws (speculation draws with per-request generators,
-not the plain engine's batched sampler). Shared draft/target top-k buffers (the
-seed's P5) do not apply: the draft's attention is window-only (dspark.py).
+Not done yet: compiled steps with a decoder-replay prefill chunk (eager, see above), penalties
+with speculation (refused at add_request), a k per batch bucket (the static step verifies
+num_draft drafts in every bucket; at batch 64 fewer pay better, docs/BENCHMARKS.md). Shared
+draft/target top-k buffers (the seed's P5) do not apply: the draft's attention is window-only
+(dspark.py).
 """
 from __future__ import annotations
 
