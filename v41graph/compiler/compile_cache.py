@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -68,6 +69,10 @@ FORMAT = 1      # bump when what an entry holds changes: old entries then miss
 ENV_VAR = "V41GRAPH_COMPILE_CACHE"
 # the packages whose source decides what a trace or a lowering produces
 SOURCE_PACKAGES = ("v41graph.model", "v41graph.compiler", "v41graph.custom_ops")
+
+
+# the CompiledModel functions whose graphs are stored (CachedFunction.kind)
+KINDS = ("decode", "decode_shared", "prefill")
 
 
 class NotCacheable(Exception):
@@ -96,8 +101,10 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+@functools.lru_cache(maxsize=None)
 def source_hash(packages=SOURCE_PACKAGES) -> str:
-    """Hash of every .py file of `packages` (path and bytes)."""
+    """Hash of every .py file of `packages` (path and bytes), read once per process (the code
+    this process runs was imported by then)."""
     import importlib
     h = hashlib.sha256()
     for name in packages:
@@ -187,18 +194,23 @@ def serialize_module(gm: torch.nn.Module) -> dict:
 
 
 class LoadedGraph(torch.nn.Module):
-    """A graph loaded from the cache: its forward is the stored code."""
+    """A graph loaded from the cache: its forward is the stored code. check_only: only see that
+    the code compiles and the segments it calls are stored (without loading their kernels)."""
 
-    def __init__(self, data: dict, segments: "SegmentStore"):
+    def __init__(self, data: dict, segments: "SegmentStore", check_only: bool = False):
         super().__init__()
         for name, sub in data["submodules"].items():
             if "inductor" in sub:
+                if check_only:
+                    if not segments.has(sub["inductor"]):
+                        raise LookupError(f"Inductor segment {sub['inductor']} is missing from {segments.root}")
+                    continue
                 segment = segments.load(sub["inductor"])
                 if segment is None:
                     raise LookupError(f"Inductor segment {sub['inductor']} is missing from {segments.root}")
                 setattr(self, name, segment)
             else:
-                setattr(self, name, LoadedGraph(sub, segments))
+                setattr(self, name, LoadedGraph(sub, segments, check_only))
         for name, tensor in data["constants"].items():
             setattr(self, name, tensor)
         namespace: dict = {"__builtins__": builtins}
@@ -219,26 +231,34 @@ class SegmentStore:
         self.root = root / f"segments-{_digest(env)}"
         self.loaded = 0
         self.stored = 0
+        self._callables: dict = {}     # digest -> loaded callable (the layers repeat segments)
 
     def digest(self, key: tuple) -> str:
         return hashlib.sha256(repr(key).encode()).hexdigest()[:24]
 
+    def has(self, digest: str) -> bool:
+        return digest in self._callables or (self.root / f"{digest}.pt").exists()
+
     def load(self, digest: str):
         """The compiled segment for `digest`, or None when not stored or unreadable (logged)."""
         from .inductor_segments import InductorSegment
-        path = self.root / f"{digest}.pt"
-        if not path.exists():
-            return None
-        try:
-            data = torch.load(path, weights_only=True)
-            # graph_module None: the segment's FX graph is not kept (only its compiled code runs)
-            segment = InductorSegment(_load_inductor_module(data["source"], data["inputs_to_check"]), None)
-        except Exception as exc:   # a corrupt file: compile again
-            _log.warning("compile cache: Inductor segment %s unreadable (%s: %s); compiling it again",
-                         path, type(exc).__name__, exc)
-            return None
+        call = self._callables.get(digest)
+        if call is None:
+            path = self.root / f"{digest}.pt"
+            if not path.exists():
+                return None
+            try:
+                data = torch.load(path, weights_only=True)
+                call = _load_inductor_module(data["source"], data["inputs_to_check"])
+            except Exception as exc:   # a corrupt file: compile again
+                _log.warning("compile cache: Inductor segment %s unreadable (%s: %s); compiling it again",
+                             path, type(exc).__name__, exc)
+                return None
+            self._callables[digest] = call
+            self.loaded += 1
+        # graph_module None: the segment's FX graph is not kept (only its compiled code runs)
+        segment = InductorSegment(call, None)
         segment.artifact_digest = digest
-        self.loaded += 1
         return segment
 
     def store(self, digest: str, compiled, sub: fx.GraphModule) -> bool:
@@ -280,6 +300,7 @@ _VALUE_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
 _TYPE_GUARDS = ("TYPE_MATCH",)
 _LENGTH_GUARDS = ("SEQUENCE_LENGTH", "DICT_LENGTH", "LENGTH_CHECK")
 _EMPTY_GUARDS = ("EMPTY_NN_MODULE_HOOKS_DICT",)
+_KEYS_GUARDS = ("DICT_KEYS_MATCH", "MAPPING_KEYS_CHECK")
 
 
 def _encode_value(v):
@@ -325,6 +346,9 @@ def guards_from_entries(entries) -> tuple[list, dict]:
             check = ("length", name, len(value))
         elif gtype in _EMPTY_GUARDS:
             check = ("length", name, 0)
+        elif gtype in _KEYS_GUARDS and has_value and hasattr(value, "keys") \
+                and all(_encode_value(k) is not None for k in value.keys()):
+            check = ("keys", name, [repr(k) for k in value.keys()])
         if check is None:
             unchecked[gtype] = unchecked.get(gtype, 0) + 1
         elif check not in checks:
@@ -355,6 +379,8 @@ class _Checks:
                 return f"{name} is a {_type_name(type(value))}, the trace had a {expected}"
             if kind == "length" and len(value) != expected:
                 return f"len({name}) is {len(value)}, the trace had {expected}"
+            if kind == "keys" and [repr(k) for k in value.keys()] != expected:
+                return f"{name} has keys {[repr(k) for k in value.keys()]}, the trace had {expected}"
         return None
 
 
@@ -513,6 +539,7 @@ class GraphRecord:
         self.gm = None
         self.first_args = None
         self.first_outs = None
+        self.called = False
         self.refused = None       # why it cannot be stored, once known
 
 
@@ -563,9 +590,13 @@ class CompileCache:
         return found
 
     def lookup(self, kind: str, signature: str, scope: dict):
-        """(entry, args) of the first stored entry that fits the call, or (None, reasons)."""
+        """(entry, args) of the first stored entry that fits the call, or (None, reasons). The
+        entries of `kind` are tried first, then the other kinds': Dynamo, too, runs any graph of
+        V41Model.forward whose guards pass (a prefill may run the shared decode graph), and a
+        warm process must not trace what the cold one reused."""
         reasons = []
-        for loaded in self.entries(kind):
+        others = [k for k in KINDS if k != kind]
+        for loaded in self.entries(kind) + [e for k in others for e in self.entries(k)]:
             if loaded.entry.signature != signature:
                 reasons.append(f"{loaded.entry.digest}: call {signature}, stored {loaded.entry.signature}")
                 continue
@@ -638,7 +669,8 @@ class CompileCache:
 
         def first_call(*args):
             outs = fn(*args)
-            if record.first_args is None:
+            if not record.called:
+                record.called = True
                 record.first_args, record.first_outs = list(args), outs
             return outs
         return first_call
@@ -654,6 +686,8 @@ class CompileCache:
         except NotCacheable as exc:
             self.note(f"{kind} graph not stored: {exc}", logging.WARNING)
             return
+        finally:   # the graph's wrapper keeps the record: drop what it saw of the first call
+            record.first_args = record.first_outs = record.gm = None
         data = {"format": FORMAT, "entry": entry.to_data()}
         path = self.dir / f"{kind}-{entry.digest}.pt"
         try:
@@ -709,7 +743,7 @@ class CompileCache:
                       graph=serialize_module(record.gm), unchecked=unchecked)
         entry.digest = _digest([entry.signature, entry.sources, entry.inputs, entry.shape_guards])[:12]
         try:   # the stored code must load again (names it imports, the segments it needs)
-            LoadedEntry(entry, self.segments)
+            LoadedGraph(entry.graph, self.segments, check_only=True)
         except Exception as exc:
             raise NotCacheable(f"the stored graph would not load ({type(exc).__name__}: {str(exc)[:200]})")
         return entry

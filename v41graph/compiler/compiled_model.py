@@ -68,6 +68,8 @@ class CompiledModel:
         # of kernels seen for the first time, library setup: "first_run_s"), and on CUDA its
         # capture (second warm-up + graph capture: "capture_s").
         self.timings: dict[str, float] = defaultdict(float)
+        self.traced_by: dict[str, int] = defaultdict(int)   # graphs traced, by the step kind that traced
+        self.notes: dict[str, str] = {}  # what timings cannot say: why the prefill traced its own graph
         self._graph_ready_at = 0.0       # when the backend last handed a graph over
         self._step_started = 0.0         # when the step that may trace began (for the log)
         self._tracing = ""               # which graph that step traces, if it does
@@ -93,21 +95,23 @@ class CompiledModel:
         # Decode buckets are compiled per static shape; prefill lets Dynamo mark the token
         # count dynamic after the first recompile.
         # With the cache on, Dynamo's guards are shown to it (guard_filter_fn keeps them all).
-        options = {"options": {"guard_filter_fn": self.compile_cache.guard_filter}} if self.compile_cache else {}
+        # (A new dict for each torch.compile call: it pops the key from the one it is given.)
+        def options():
+            return {"options": {"guard_filter_fn": self.compile_cache.guard_filter}} if self.compile_cache else {}
         self._fn = CachedFunction(self, "decode", torch.compile(self.model, backend=self.backend, fullgraph=True,
-                                                                 dynamic=False, **options))
+                                                                 dynamic=False, **options()))
         # Decode buckets >= 2 share one graph whose batch dimension is symbolic (marked on the
         # bucket's persistent buffers): tracing + passes run once, each bucket only captures.
         # Tracing the 40-layer model is most of compile time (~2 min per graph on an H200 host).
         # Dynamo specializes size-1 dimensions, so bucket 1 gets its own static graph (_fn).
         self._shared_decode_fn = CachedFunction(self, "decode_shared", torch.compile(
-            self.model, backend=self.backend, fullgraph=True, dynamic=None, **options))
+            self.model, backend=self.backend, fullgraph=True, dynamic=None, **options()))
         # Everything that is not a decode step (prefill chunks, mixed steps, verify steps) runs
         # this graph, or the eager model with compile_prefill=False: a serving engine whose
         # step shapes vary widely then pays one trace (the decode graph) instead of two or three.
         self.compile_prefill = bool(compile_prefill)
         self._prefill_fn = (CachedFunction(self, "prefill", torch.compile(
-            self.model, backend=self.backend, fullgraph=True, dynamic=None, **options))
+            self.model, backend=self.backend, fullgraph=True, dynamic=None, **options()))
             if self.compile_prefill else self.model)
         self._decode: dict[tuple, DecodeGraph] = {}
         # Captured buckets share one memory pool (they never run at the same time); it lives
@@ -119,6 +123,7 @@ class CompiledModel:
         return self.model.config
 
     def _graph_compiled(self, passes_s: float, lower_s: float) -> None:
+        self.traced_by[self._tracing or "step"] += 1
         self.timings["passes_s"] += passes_s
         self.timings["lower_s"] += lower_s
         self._graph_ready_at = time.perf_counter()
@@ -205,8 +210,37 @@ class CompiledModel:
                                   **extra)
             if return_streams and self.compile_prefill:
                 _mark_batch_dims_dynamic(input_ids, positions, metadata)
-            with self._traces("verify" if return_streams else "prefill"):
-                return self._prefill_fn(input_ids, positions, caches, metadata, all_logits, **extra)
+            what = "verify" if return_streams else "prefill"
+            traced_before = self.traced_by[what]
+            with self._traces(what):
+                out = self._prefill_fn(input_ids, positions, caches, metadata, all_logits, **extra)
+            if what == "prefill" and self.compile_prefill and "prefill" not in self.notes:
+                self._note_prefill_graph(traced=self.traced_by[what] > traced_before)
+            return out
+
+    def _note_prefill_graph(self, traced: bool) -> None:
+        """Say (once, in `notes["prefill"]` and timings["prefill_own_trace"]) whether the first
+        prefill ran a graph it traced itself or one it shares (the shared decode trace, or a
+        graph of the compile cache), and if it traced although a decode graph existed, why
+        Dynamo did not reuse it (the guard failure Dynamo recorded)."""
+        self.timings["prefill_own_trace"] = float(traced)
+        if not traced:
+            ran = self._prefill_fn.last_entry_kind if isinstance(self._prefill_fn, CachedFunction) else None
+            self.notes["prefill"] = (f"runs the stored {ran} graph (compile cache)" if ran else
+                                     "reuses a graph traced before it (the shared decode trace)")
+        elif not (self.traced_by["decode"]):
+            self.notes["prefill"] = "traced its own graph (no decode graph had been traced before it)"
+        else:
+            reasons = []
+            try:
+                from torch._dynamo.utils import guard_failures
+                reasons = guard_failures.get(type(self.model).forward.__code__, [])[-1:]
+            except (ImportError, AttributeError):
+                pass
+            self.notes["prefill"] = ("traced its own graph although a decode graph existed; Dynamo's guards "
+                                     "of the decode graph failed: " + ("; ".join(map(str, reasons))[:500] or
+                                                                       "(reason not recorded by this torch)"))
+        _log.info("prefill graph: %s", self.notes["prefill"])
 
     # ------------------------------------------------------------------ decode buckets
     def bucket_for(self, n: int) -> int:
@@ -273,6 +307,7 @@ class CachedFunction:
         self.compiled, self.kind, self.fn = compiled, kind, fn
         self._signature = inspect.signature(type(compiled.model).forward)
         self._seen: set = set()     # entries that ran here (timings["cache_hits"] counts each once)
+        self.last_entry_kind = None   # the kind of the stored graph the last call ran, if any
 
     def __call__(self, *args, **kwargs):
         compiled = self.compiled
@@ -290,7 +325,9 @@ class CachedFunction:
                 self._seen.add(id(entry))
                 compiled.timings["cache_hits"] += 1
                 _log.info("compile cache: the %s graph loaded (%s), not traced", self.kind, entry.entry.digest)
+            self.last_entry_kind = entry.entry.kind
             return entry(found)
+        self.last_entry_kind = None
         cache.begin()
         result = self.fn(*args, **kwargs)
         if cache._current is not None:     # this call traced: say why the stored graphs did not fit
