@@ -260,3 +260,31 @@ def test_inductor_segments_are_stored_and_loaded_by_their_own_key(tmp_path):
     other = dict(env, source="edited")
     _, report3, _ = _compile_chains(model, x, cc.SegmentStore(tmp_path, other))
     assert report3["loaded"] == 0 and report3["distinct_compiled"] == report["distinct_compiled"]
+
+
+# ----------------------------------------------------------------------------- scripts/bench_compile.py
+def _bench_compile():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_compile.py"
+    spec = importlib.util.spec_from_file_location("bench_compile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_compile_compares_runs_step_by_step():
+    """The script's cold-vs-warm verdict (its end-to-end run costs two traces: run by hand,
+    `--config tiny --device cpu`, see its docstring)."""
+    bench = _bench_compile()
+    cold = {"step_hashes": ["a", "b", "c"], "hash": "x", "prefill_hash": "p"}
+    assert bench.compare(cold, dict(cold)) == {"equal": True, "prefill_equal": True,
+                                              "first_differing_step": None, "differing_steps": 0}
+    warm = {"step_hashes": ["a", "B", "C"], "hash": "y", "prefill_hash": "p"}
+    assert bench.compare(cold, warm)["first_differing_step"] == 1
+    assert bench.compare(cold, warm)["differing_steps"] == 2 and not bench.compare(cold, warm)["equal"]
+    assert bench.compare(cold, {})["equal"] is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x", "--variants", "executor,turbo"])
+    args = bench.parse_args(["--out", "x", "--buckets", "8,1,32"])
+    assert args.bucket_list == [1, 8, 32] and args.variant_list == ["executor", "inductor"]

@@ -52,11 +52,13 @@ import functools
 import hashlib
 import json
 import logging
+import marshal
 import os
 import platform as _platform
 import sys
 import time
 import types
+import weakref
 from pathlib import Path
 
 import torch
@@ -189,8 +191,14 @@ def serialize_module(gm: torch.nn.Module) -> dict:
             constants[node.target] = value.detach()
         else:
             raise NotCacheable(f"attribute {node.target!r} of type {type(value).__name__}")
-    return {"code": _import_block(code.globals) + "\n" + code.src, "constants": constants,
-            "submodules": submodules}
+    text = _import_block(code.globals) + "\n" + code.src
+    # The bytecode too: compiling a 40-layer graph's code again costs ~0.3 s per graph, loading
+    # it ~1 ms (marshal's format is the Python version's, which is part of the key).
+    return {"code": text, "bytecode": marshal.dumps(compile(text, _CODE_NAME, "exec")),
+            "constants": constants, "submodules": submodules}
+
+
+_CODE_NAME = "<v41graph compile cache>"
 
 
 class LoadedGraph(torch.nn.Module):
@@ -214,7 +222,11 @@ class LoadedGraph(torch.nn.Module):
         for name, tensor in data["constants"].items():
             setattr(self, name, tensor)
         namespace: dict = {"__builtins__": builtins}
-        exec(compile(data["code"], f"<v41graph compile cache {id(self):x}>", "exec"), namespace)
+        try:
+            code = marshal.loads(data["bytecode"])
+        except (KeyError, ValueError, EOFError, TypeError):   # no or unreadable bytecode: the text
+            code = compile(data["code"], _CODE_NAME, "exec")
+        exec(code, namespace)
         self.forward = types.MethodType(namespace["forward"], self)
 
 
@@ -357,9 +369,22 @@ def guards_from_entries(entries) -> tuple[list, dict]:
 
 
 class _Checks:
-    """Compiled guard checks over one namespace (the call's arguments by name)."""
+    """Compiled guard checks over one namespace (the call's arguments by name). `passed`: the
+    models these checks passed for (model checks run once per model object)."""
+
+    _shared: dict = {}
+
+    @classmethod
+    def of(cls, checks: list) -> "_Checks":
+        """One object per distinct check list in this process: the graphs of one model repeat
+        the same ~15k model checks, compiled (and passed) once."""
+        key = hashlib.sha256(repr(checks).encode()).hexdigest()
+        if key not in cls._shared:
+            cls._shared[key] = cls(checks)
+        return cls._shared[key]
 
     def __init__(self, checks: list):
+        self.passed = weakref.WeakSet()
         self.checks = checks
         names = [c[1] for c in checks]
         self._values = compile("(" + "".join(f"({n}),\n" for n in names) + ")", "<v41graph guards>", "eval") \
@@ -439,8 +464,8 @@ class LoadedEntry:
         self._extract = compile("(" + "".join(f"({s}),\n" for s in entry.sources) + ")",
                                 "<v41graph graph inputs>", "eval")
         self._arg_checks = _Checks(entry.arg_checks)
-        self._model_checks = _Checks(entry.model_checks)
-        self._model_ok: set = set()     # id of models that passed the model checks
+        self._model_checks = _Checks.of(entry.model_checks)
+        self._inputs_ok = weakref.WeakSet()     # models whose tensors passed this entry's checks
         # inputs read from the model (parameters, buffers): checked once per model object
         self._is_model = [s.startswith("L['self']") for s in entry.sources]
         self._shape_guards = compile(entry.shape_guards, "<v41graph shape guards>", "eval") \
@@ -462,11 +487,12 @@ class LoadedEntry:
         if why:
             return why
         model = scope["self"]
-        first = id(model) not in self._model_ok
-        if first:
+        if model not in self._model_checks.passed:
             why = self._model_checks.failure(scope)
             if why:
                 return why
+            self._model_checks.passed.add(model)
+        first = model not in self._inputs_ok      # the model's tensors: once per entry and model
         symbols: dict = {}
         for i, (value, meta, source) in enumerate(zip(args, e.inputs, e.sources)):
             if self._is_model[i] and not first:
@@ -480,7 +506,7 @@ class LoadedEntry:
             if not eval(self._shape_guards, dict(SYMPY_INTERP), {"L": values}):
                 return f"the trace's shape guards fail ({e.shape_guards[:200]})"
         if first:
-            self._model_ok.add(id(model))
+            self._inputs_ok.add(model)
         return None
 
     def __call__(self, args: list):
