@@ -140,6 +140,10 @@ def run_child(args) -> dict:
             "segments_loaded": segments.loaded if segments else None,
             "segments_stored": segments.stored if segments else None,
             "cache_events": compiled.compile_cache.events[-30:] if compiled.compile_cache else [],
+            "notes": dict(compiled.notes),
+            # whether Triton's / Inductor's caches went under the cache directory (files there)
+            "tool_cache_files": {sub: sum(1 for p in Path(args.cache, sub).rglob("*") if p.is_file())
+                                 for sub in ("triton", "inductor")},
             "prefill_hash": hashlib.sha256(prefill_logits.float().cpu().numpy().tobytes()).hexdigest(),
             "step_hashes": hashes, "hash": digest.hexdigest()}
 
