@@ -105,6 +105,8 @@ def test_env_variable_turns_the_cache_on_and_false_turns_it_off(cold, monkeypatc
     model = fresh_tiny()
     assert v41graph.compile(model, backend="cpu", batch_sizes=(4,)).compile_cache.root == root
     assert v41graph.compile(model, backend="cpu", batch_sizes=(4,), compile_cache=False).compile_cache is None
+    # a dump is written while tracing: with a dump directory the cache is off
+    assert v41graph.compile(model, backend="cpu", batch_sizes=(4,), dump_dir=root / "dumps").compile_cache is None
     monkeypatch.delenv(cc.ENV_VAR)
     assert v41graph.compile(model, backend="cpu", batch_sizes=(4,)).compile_cache is None
     with pytest.raises(TypeError, match="compile_cache must be a directory path"):

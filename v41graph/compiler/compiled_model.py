@@ -79,6 +79,9 @@ class CompiledModel:
         if cache_dir is not None and self.platform == "npu":
             _log.warning("compile_cache: not supported on npu (torchair compiles the graphs); off")
             cache_dir = None
+        if cache_dir is not None and dump_dir is not None:   # a graph loaded from the cache writes no dump
+            _log.warning("compile_cache: off, dump_dir %s is set (dumps are written while tracing)", dump_dir)
+            cache_dir = None
         self.compile_cache = CompileCache(cache_dir) if cache_dir is not None else None
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
