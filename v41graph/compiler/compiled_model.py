@@ -222,11 +222,10 @@ class CompiledModel:
             return out
 
     def _note_prefill_graph(self, traced: bool) -> None:
-        """Say (once, in `notes["prefill"]` and timings["prefill_own_trace"]) whether the first
-        prefill ran a graph it traced itself or one it shares (the shared decode trace, or a
-        graph of the compile cache), and if it traced although a decode graph existed, why
+        """Say (once, in `notes["prefill"]`; `timings` keeps seconds and counts only) whether
+        the first prefill ran a graph it traced itself or one it shares (the shared decode trace,
+        or a graph of the compile cache), and if it traced although a decode graph existed, why
         Dynamo did not reuse it (the guard failure Dynamo recorded)."""
-        self.timings["prefill_own_trace"] = float(traced)
         if not traced:
             ran = self._prefill_fn.last_entry_kind if isinstance(self._prefill_fn, CachedFunction) else None
             self.notes["prefill"] = (f"runs the stored {ran} graph (compile cache)" if ran else
