@@ -69,13 +69,15 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None,
-                 lower=None, on_compiled=None):
+                 lower=None, on_compiled=None, recorder=None):
     """A torch.compile backend running our pass manager; returns (backend, pass_manager).
     `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes).
     `lower(gm)`, if given, is the platform lowering run on each final graph after the passes
     (Inductor segments, compiler/inductor_segments.py). `on_compiled(passes_s, lower_s)`, if
     given, is called when a graph is ready to run, with the seconds our passes and the lowering
-    took on it."""
+    took on it. `recorder` (the persistent compile cache, compiler/compile_cache.py) sees the
+    Dynamo graph (`dynamo_graph(gm)`), the post-AOT graph (`aot_graph(gm)`) and the final one
+    (`graph_ready(gm, fn)`, which may wrap the callable to see its first call)."""
     from functorch.compile import make_boxed_func
 
     manager = PassManager(passes, disable, dump_dir)
@@ -85,6 +87,8 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
 
     def fw_compiler(gm, example_inputs):
         graph = TracedGraph(gm) if traced is not None else None
+        if recorder is not None:
+            recorder.aot_graph(gm)
         t0 = time.perf_counter()
         manager(gm)
         t1 = time.perf_counter()
@@ -92,14 +96,22 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
             lower(gm)
         if on_compiled is not None:
             on_compiled(t1 - t0, time.perf_counter() - t1)
-        if graph is None:
-            return make_boxed_func(gm.forward)
-        traced.append(graph)
-        return make_boxed_func(graph)
+        fn = gm.forward if graph is None else graph
+        if graph is not None:
+            traced.append(graph)
+        if recorder is not None:
+            fn = recorder.graph_ready(gm, fn)
+        return make_boxed_func(fn)
 
     backend = aot_autograd(fw_compiler=fw_compiler, decompositions=DECOMPOSITIONS,
                            keep_inference_input_mutations=True)
-    return backend, manager
+    if recorder is None:
+        return backend, manager
+
+    def recording_backend(gm, example_inputs):
+        recorder.dynamo_graph(gm)
+        return backend(gm, example_inputs)
+    return recording_backend, manager
 
 
 # torch.compile(backend="v41graph", options={...}): the keys make_backend takes from a user.

@@ -3,7 +3,8 @@ static capture.
 
     compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
                                 batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
-                                inductor_segments=False, compile_prefill=True)
+                                inductor_segments=False, compile_prefill=True,
+                                compile_cache=None)      # a directory: $V41GRAPH_COMPILE_CACHE
     logits = compiled(input_ids, positions, caches, metadata)         # any step
     logits = compiled.decode(input_ids, positions, caches, metadata)  # a decode step: its bucket
 
@@ -27,6 +28,7 @@ from v41graph.model.metadata import AttentionMetadata
 from v41graph.model.model import check_step_inputs
 from v41graph.progress import bar
 from .backend import TracedGraph, make_backend, raise_dynamo_recompile_limit, resolve_platform
+from .compile_cache import CompileCache, cache_key, resolve_dir
 from .dump import graph_name
 
 _log = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ class CompiledModel:
 
     def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
                  batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
-                 inductor_segments=False, compile_prefill=True):
+                 inductor_segments=False, compile_prefill=True, compile_cache=None):
         from v41graph.model.model import V41Model
         if not isinstance(model, V41Model):
             # decode buckets, caches and capture follow V41Model's step contract; any other
@@ -67,34 +69,54 @@ class CompiledModel:
         # of kernels seen for the first time, library setup: "first_run_s"), and on CUDA its
         # capture (second warm-up + graph capture: "capture_s").
         self.timings: dict[str, float] = defaultdict(float)
+        self.traced_by: dict[str, int] = defaultdict(int)   # graphs traced, by the step kind that traced
+        self.notes: dict[str, str] = {}  # what timings cannot say: why the prefill traced its own graph
         self._graph_ready_at = 0.0       # when the backend last handed a graph over
         self._step_started = 0.0         # when the step that may trace began (for the log)
         self._tracing = ""               # which graph that step traces, if it does
+        # The persistent compile cache (compile_cache.py): off unless a directory is given here
+        # or in $V41GRAPH_COMPILE_CACHE; not on npu (torchair owns the compiled graphs there).
+        cache_dir = resolve_dir(compile_cache)
+        if cache_dir is not None and self.platform == "npu":
+            _log.warning("compile_cache: not supported on npu (torchair compiles the graphs); off")
+            cache_dir = None
+        if cache_dir is not None and dump_dir is not None:   # a graph loaded from the cache writes no dump
+            _log.warning("compile_cache: off, dump_dir %s is set (dumps are written while tracing)", dump_dir)
+            cache_dir = None
+        self.compile_cache = CompileCache(cache_dir) if cache_dir is not None else None
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
-                                                       on_compiled=self._graph_compiled)
+                                                       on_compiled=self._graph_compiled,
+                                                       recorder=self.compile_cache)
         self.capture = capture
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be positive, got {batch_sizes}")
+        self._set_cache_key()
         # Every CompiledModel adds 3-5 Dynamo entries for V41Model.forward (prefill, its dynamic
         # recompile, bucket 1, the shared decode graph); see raise_dynamo_recompile_limit.
         raise_dynamo_recompile_limit(64)
         # Decode buckets are compiled per static shape; prefill lets Dynamo mark the token
         # count dynamic after the first recompile.
-        self._fn = torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=False)
+        # With the cache on, Dynamo's guards are shown to it (guard_filter_fn keeps them all).
+        # (A new dict for each torch.compile call: it pops the key from the one it is given.)
+        def options():
+            return {"options": {"guard_filter_fn": self.compile_cache.guard_filter}} if self.compile_cache else {}
+        self._fn = CachedFunction(self, "decode", torch.compile(self.model, backend=self.backend, fullgraph=True,
+                                                                 dynamic=False, **options()))
         # Decode buckets >= 2 share one graph whose batch dimension is symbolic (marked on the
         # bucket's persistent buffers): tracing + passes run once, each bucket only captures.
         # Tracing the 40-layer model is most of compile time (~2 min per graph on an H200 host).
         # Dynamo specializes size-1 dimensions, so bucket 1 gets its own static graph (_fn).
-        self._shared_decode_fn = torch.compile(self.model, backend=self.backend, fullgraph=True,
-                                               dynamic=None)
+        self._shared_decode_fn = CachedFunction(self, "decode_shared", torch.compile(
+            self.model, backend=self.backend, fullgraph=True, dynamic=None, **options()))
         # Everything that is not a decode step (prefill chunks, mixed steps, verify steps) runs
         # this graph, or the eager model with compile_prefill=False: a serving engine whose
         # step shapes vary widely then pays one trace (the decode graph) instead of two or three.
         self.compile_prefill = bool(compile_prefill)
-        self._prefill_fn = (torch.compile(self.model, backend=self.backend, fullgraph=True, dynamic=None)
-                            if self.compile_prefill else self.model)
+        self._prefill_fn = (CachedFunction(self, "prefill", torch.compile(
+            self.model, backend=self.backend, fullgraph=True, dynamic=None, **options()))
+            if self.compile_prefill else self.model)
         # The two halves of a disaggregated prefill (v41graph.disagg): P's encoder graph and
         # D's decoder-replay graph, traced at their first call (most models never make one).
         self._encode_fn = self._decode_replay_fn = None
@@ -108,6 +130,7 @@ class CompiledModel:
         return self.model.config
 
     def _graph_compiled(self, passes_s: float, lower_s: float) -> None:
+        self.traced_by[self._tracing or "step"] += 1
         self.timings["passes_s"] += passes_s
         self.timings["lower_s"] += lower_s
         self._graph_ready_at = time.perf_counter()
@@ -122,10 +145,18 @@ class CompiledModel:
         return graph_name(name)
 
     def _lower(self, gm) -> None:
-        """Platform lowering of a final graph (after the passes): Inductor segments if asked for."""
+        """Platform lowering of a final graph (after the passes): Inductor segments if asked for
+        (their compiled code kept in the compile cache's segment store when the cache is on)."""
         if self.inductor_segments:
             from .inductor_segments import lower_inductor_segments
-            lower_inductor_segments(gm)
+            lower_inductor_segments(gm, store=self.compile_cache.segments if self.compile_cache else None)
+
+    def _set_cache_key(self) -> None:
+        if self.compile_cache is not None:
+            self.compile_cache.set_key(cache_key(
+                self.model.config, self.pass_manager.uuid(),
+                "inductor_segments" if self.inductor_segments else "executor", self.batch_sizes,
+                self.platform, self.device, self.share_decode_graph))
 
     def set_passes(self, passes=None, disable=()) -> None:
         """Change the pass list (same arguments as compile()) of every graph compiled so far and
@@ -138,6 +169,7 @@ class CompiledModel:
             raise NotImplementedError("set_passes: torchair owns the compiled graphs on npu; "
                                       "compile again with the new pass list")
         self.pass_manager.configure(passes, disable)    # the backend's own manager: later graphs too
+        self._set_cache_key()     # graphs loaded from the cache are dropped: the new list's are others
         for graph in self.traced:
             graph.repass(self.pass_manager, self._lower)
         self._decode.clear()
@@ -185,8 +217,36 @@ class CompiledModel:
                                   **extra)
             if return_streams and self.compile_prefill:
                 _mark_batch_dims_dynamic(input_ids, positions, metadata)
-            with self._traces("verify" if return_streams else "prefill"):
-                return self._prefill_fn(input_ids, positions, caches, metadata, all_logits, **extra)
+            what = "verify" if return_streams else "prefill"
+            traced_before = self.traced_by[what]
+            with self._traces(what):
+                out = self._prefill_fn(input_ids, positions, caches, metadata, all_logits, **extra)
+            if what == "prefill" and self.compile_prefill and "prefill" not in self.notes:
+                self._note_prefill_graph(traced=self.traced_by[what] > traced_before)
+            return out
+
+    def _note_prefill_graph(self, traced: bool) -> None:
+        """Say (once, in `notes["prefill"]`; `timings` keeps seconds and counts only) whether
+        the first prefill ran a graph it traced itself or one it shares (the shared decode trace,
+        or a graph of the compile cache), and if it traced although a decode graph existed, why
+        Dynamo did not reuse it (the guard failure Dynamo recorded)."""
+        if not traced:
+            ran = self._prefill_fn.last_entry_kind if isinstance(self._prefill_fn, CachedFunction) else None
+            self.notes["prefill"] = (f"runs the stored {ran} graph (compile cache)" if ran else
+                                     "reuses a graph traced before it (the shared decode trace)")
+        elif not (self.traced_by["decode"]):
+            self.notes["prefill"] = "traced its own graph (no decode graph had been traced before it)"
+        else:
+            reasons = []
+            try:
+                from torch._dynamo.utils import guard_failures
+                reasons = guard_failures.get(type(self.model).forward.__code__, [])[-1:]
+            except (ImportError, AttributeError):
+                pass
+            self.notes["prefill"] = ("traced its own graph although a decode graph existed; Dynamo's guards "
+                                     "of the decode graph failed: " + ("; ".join(map(str, reasons))[:500] or
+                                                                       "(reason not recorded by this torch)"))
+        _log.info("prefill graph: %s", self.notes["prefill"])
 
     # ------------------------------------------------------------------ disaggregated halves
     def encode(self, input_ids, positions, caches: ModelCaches, metadata: AttentionMetadata,
@@ -271,6 +331,50 @@ def _mark_batch_dims_dynamic(input_ids, positions, metadata: AttentionMetadata) 
     count of 1 is still specialized: `maybe_mark_dynamic` does not insist)."""
     for t in (input_ids, positions, *metadata.batch_tensors()):
         torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+class CachedFunction:
+    """One of CompiledModel's compiled functions (decode, shared decode, prefill) in front of
+    the persistent compile cache: a call that a stored graph fits runs it without Dynamo; any
+    other call goes to Dynamo (which traces if its own in-process cache has nothing), and a
+    graph traced by it is stored. Without a cache this is the Dynamo function alone."""
+
+    # the model arguments that are graph inputs; the others are constants of the trace
+    TENSOR_ARGS = ("self", "input_ids", "positions", "caches", "metadata")
+
+    def __init__(self, compiled: CompiledModel, kind: str, fn):
+        import inspect
+        self.compiled, self.kind, self.fn = compiled, kind, fn
+        self._signature = inspect.signature(type(compiled.model).forward)
+        self._seen: set = set()     # entries that ran here (timings["cache_hits"] counts each once)
+        self.last_entry_kind = None   # the kind of the stored graph the last call ran, if any
+
+    def __call__(self, *args, **kwargs):
+        compiled = self.compiled
+        cache = compiled.compile_cache
+        if cache is None:
+            return self.fn(*args, **kwargs)
+        bound = self._signature.bind(compiled.model, *args, **kwargs)
+        bound.apply_defaults()
+        scope = dict(bound.arguments)
+        signature = repr(sorted((k, v) for k, v in scope.items() if k not in self.TENSOR_ARGS))
+        entry, found = cache.lookup(self.kind, signature, scope)
+        compiled.timings["cache_load_s"] = cache.load_s
+        if entry is not None:
+            if id(entry) not in self._seen:
+                self._seen.add(id(entry))
+                compiled.timings["cache_hits"] += 1
+                _log.info("compile cache: the %s graph loaded (%s), not traced", self.kind, entry.entry.digest)
+            self.last_entry_kind = entry.entry.kind
+            return entry(found)
+        self.last_entry_kind = None
+        cache.begin()
+        result = self.fn(*args, **kwargs)
+        if cache._current is not None:     # this call traced: say why the stored graphs did not fit
+            compiled.timings["cache_misses"] += 1
+            cache.note(f"{self.kind}: traced, " + ("; ".join(found)[:1000] if found else "nothing stored"))
+        cache.finish(self.kind, signature, scope, result)
+        return result
 
 
 class DecodeGraph:
@@ -386,7 +490,8 @@ class DecodeGraph:
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
             batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = True,
-            inductor_segments: bool = False, compile_prefill: bool = True) -> CompiledModel:
+            inductor_segments: bool = False, compile_prefill: bool = True,
+            compile_cache=None) -> CompiledModel:
     """Compile a V41Model with the v41graph backend (a TypeError for any other module: compile
     those with torch.compile(module, backend="v41graph")). See the module docstring.
     capture=False runs the same decode buckets (padding, persistent buffers, graphs) without
@@ -398,11 +503,15 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     inductor_segments=True compiles the final graph's stream-free stretches with Inductor
     (passes/inductor_segments.py); stream ops and cache writes stay with our executor.
     compile_prefill=False runs every step that is not a plain decode step (prefill, mixed and
-    verify steps) on the eager model; decode steps still run the compiled, captured buckets."""
+    verify steps) on the eager model; decode steps still run the compiled, captured buckets.
+    compile_cache: a directory (default $V41GRAPH_COMPILE_CACHE; None and no variable, or
+    False: off) where each traced graph is stored, so that a later process loads it instead of
+    tracing (compiler/compile_cache.py); `timings["cache_hits"]` counts the graphs loaded,
+    `compiled.compile_cache.events` says why a graph was traced or not stored."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
                          batch_sizes=batch_sizes, dump_dir=dump_dir,
                          share_decode_graph=share_decode_graph, inductor_segments=inductor_segments,
-                         compile_prefill=compile_prefill)
+                         compile_prefill=compile_prefill, compile_cache=compile_cache)
 
 
 __all__ = ["compile", "CompiledModel", "DecodeGraph"]

@@ -270,18 +270,20 @@ def segment_key(sub: fx.GraphModule) -> tuple:
 
 
 def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COMPUTE_NODES,
-                            compile_segments: bool = True) -> dict:
+                            compile_segments: bool = True, store=None) -> dict:
     """Split gm (in place) into segments and, with `compile_segments`, compile each with Inductor.
     Returns the summary also kept in gm.meta["inductor_segments"] and logged: segments found,
     split out, compiled, left to the executor (too small / refused, with Inductor's reasons),
     compute nodes compiled, seconds (splitting + compiling). compile_segments=False only
-    splits: the segments run as plain GraphModules (the same ops, for testing the split)."""
+    splits: the segments run as plain GraphModules (the same ops, for testing the split).
+    `store` (compile_cache.SegmentStore): compiled segments are looked up there by their
+    segment_key first ("loaded") and kept there once compiled ("stored"), across processes."""
     t0 = time.perf_counter()
     segments = find_segments(gm)
     large = [s for s in segments if s.compute_nodes() >= min_compute_nodes]
     report = {"found": len(segments), "split": len(large), "compiled": 0, "distinct_compiled": 0,
               "too_small": len(segments) - len(large), "refused": 0, "refusals": [],
-              "nodes_compiled": 0, "compile_s": 0.0}
+              "nodes_compiled": 0, "compile_s": 0.0, "loaded": 0, "stored": 0}
     subs = []
     for i, segment in enumerate(large):
         subs.append((f"segment_{i}", segment.compute_nodes(), extract_segment(gm, segment, f"segment_{i}")))
@@ -291,30 +293,43 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
         # own FX graph cache would do this, but on torch 2.11 with symbolic sizes it could not
         # pickle the cache key on the H200 and compiled every segment again, ~2 s each.)
         done: dict = {}        # segment key -> compiled callable, or the refusal text
+        digests: dict = {}     # segment key -> its digest in `store`, when kept there
         for name, n_compute, sub in subs:
             key = segment_key(sub)
             if key not in done:
-                try:
-                    done[key] = compile_segment(sub)
-                    report["distinct_compiled"] += 1
-                except Exception as exc:   # Inductor refused: the executor runs the segment
-                    first_line = (str(exc).splitlines() or [""])[0][:200]
-                    done[key] = f"{type(exc).__name__}: {first_line}"
+                digest = store.digest(key) if store is not None else None
+                kept = store.load(digest) if store is not None else None
+                if kept is not None:
+                    done[key], digests[key] = kept.compiled, digest
+                    report["loaded"] += 1
+                else:
+                    try:
+                        done[key] = compile_segment(sub)
+                        report["distinct_compiled"] += 1
+                        if store is not None and store.store(digest, done[key], sub):
+                            digests[key] = digest
+                            report["stored"] += 1
+                    except Exception as exc:   # Inductor refused: the executor runs the segment
+                        first_line = (str(exc).splitlines() or [""])[0][:200]
+                        done[key] = f"{type(exc).__name__}: {first_line}"
             compiled = done[key]
             if isinstance(compiled, str):
                 report["refused"] += 1
                 report["refusals"].append(f"{name}: {compiled}")
                 log.info("inductor segment %s refused: %s", name, compiled)
                 continue
-            setattr(gm, name, InductorSegment(compiled, sub))
+            segment = InductorSegment(compiled, sub)
+            if key in digests:      # the compile cache names it by this when storing the graph
+                segment.artifact_digest = digests[key]
+            setattr(gm, name, segment)
             report["compiled"] += 1
             report["nodes_compiled"] += n_compute
     gm.recompile()
     report["left"] = report["found"] - report["compiled"]
     report["compile_s"] = round(time.perf_counter() - t0, 3)
     gm.meta["inductor_segments"] = report
-    log.info("inductor segments: %d found, %d compiled (%d distinct, %d compute nodes), %d left "
-             "(%d below %d compute nodes, %d refused), %.1f s", report["found"], report["compiled"],
-             report["distinct_compiled"], report["nodes_compiled"], report["left"],
-             report["too_small"], min_compute_nodes, report["refused"], report["compile_s"])
+    log.info("inductor segments: %d found, %d compiled (%d distinct, %d compute nodes; %d loaded from "
+             "the compile cache), %d left (%d below %d compute nodes, %d refused), %.1f s", report["found"],
+             report["compiled"], report["distinct_compiled"], report["nodes_compiled"], report["loaded"],
+             report["left"], report["too_small"], min_compute_nodes, report["refused"], report["compile_s"])
     return report

@@ -1,0 +1,227 @@
+"""Compile time, cold vs warm persistent compile cache (issue 24), and whether warm == cold bit for bit.
+
+    python scripts/bench_compile.py --out $OUT                              # H200: both variants
+    python scripts/bench_compile.py --variants executor --out $OUT          # one variant (~5 min)
+    python scripts/bench_compile.py --variants inductor --out $OUT          # the long one
+    python scripts/bench_compile.py --config tiny --device cpu --buckets 1,4 --steps 4 \\
+        --prefill 16 --context 40 --out /tmp/bc                             # CPU smoke run
+
+For each variant (executor: our executor only; inductor: Inductor segments on), ONE invocation
+runs two child processes one after the other on one cache directory: cold (the directory
+emptied first) then warm (the directory as the cold run left it). Each child builds the model
+(the config's random weights, as scripts/bench.py builds it), then times from
+v41graph.compile(...) to the end of the first captured decode step: all decode buckets compiled
+and captured (warmup), one prefill call, one decode step. Then it runs --steps captured decode
+steps (step i decodes the first b sequences, b cycling through the buckets, so every captured
+graph runs; the next token is the argmax) and hashes every step's logits. The parent prints a
+table last (and writes bench_compile.json to --out): times, CompiledModel.timings, cache hits,
+and whether the warm run's hashes equal the cold run's (the first differing step if not).
+
+The children run with TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR unset, so both point under the
+cache directory (compile_cache.point_tool_caches): cold really is cold, and warm keeps the Triton
+JIT too. CUBLAS_WORKSPACE_CONFIG=:4096:8 makes cuBLAS deterministic across its streams.
+"""
+from __future__ import annotations
+
+import time
+
+_T_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+VARIANTS = ("executor", "inductor")
+
+
+def log(msg: str) -> None:
+    print(f"[bench_compile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="bench", help="V41Config classmethod: bench (default) or tiny")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", default="executor,inductor", help="comma list of " + ", ".join(VARIANTS))
+    p.add_argument("--buckets", default="1,8,32,64", help="decode buckets (batch sizes)")
+    p.add_argument("--share-bucket-1", action="store_true",
+                   help='share_decode_graph="all": bucket 1 shares the symbolic-batch trace too')
+    p.add_argument("--prefill", type=int, default=512, help="tokens of the one prefill call")
+    p.add_argument("--context", type=int, default=1024, help="decode position of every sequence at step 0")
+    p.add_argument("--steps", type=int, default=100, help="captured decode steps hashed")
+    p.add_argument("--cache-root", default=None, help="cache directories (default: <out>/cache-<variant>)")
+    p.add_argument("--child-timeout", type=int, default=480, help="seconds per child process")
+    p.add_argument("--out", required=True)
+    # internal: one child run
+    p.add_argument("--child", choices=("cold", "warm"), help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--cache", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.bucket_list = sorted({int(b) for b in args.buckets.split(",")})
+    args.variant_list = [v for v in args.variants.split(",") if v]
+    for v in args.variant_list:
+        if v not in VARIANTS:
+            p.error(f"--variants: unknown variant {v!r}; variants are {', '.join(VARIANTS)}")
+    return args
+
+
+# ----------------------------------------------------------------------------- child
+def _sync(device: str) -> None:
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_child(args) -> dict:
+    import torch
+    import_s = time.perf_counter() - _T_START
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench                      # scripts/bench.py: the model and caches as it builds them
+    import v41graph
+    from v41graph.model.metadata import build_metadata, positions_of
+
+    device = args.device
+    t0 = time.perf_counter()
+    model = bench.build_model(args.config, device)
+    _sync(device)
+    model_s = time.perf_counter() - t0
+    buckets = args.bucket_list
+    biggest = buckets[-1]
+    max_context = args.context + args.steps + 1
+    caches, blocks = bench.allocate_caches(model, biggest, max(max_context, args.prefill), device)
+
+    t_start = time.perf_counter()
+    compiled = v41graph.compile(model, batch_sizes=buckets, inductor_segments=args.variant == "inductor",
+                                share_decode_graph="all" if args.share_bucket_1 else True,
+                                compile_cache=args.cache)
+    compiled.warmup(caches, blocks, show_progress=False)
+    _sync(device)
+    t_warm = time.perf_counter()
+    # one prefill chunk of sequence 0 (slot 0, its own blocks)
+    table0 = list(range(blocks))
+    meta = build_metadata([0], [0], [args.prefill], [table0], blocks, device)
+    ids = torch.randint(0, model.config.vocab_size, (args.prefill,), device=device,
+                        generator=torch.Generator(device=device).manual_seed(3))
+    prefill_logits = compiled(ids, positions_of(meta), caches, meta)
+    _sync(device)
+    t_prefill = time.perf_counter()
+
+    tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(biggest)]
+    pos = [args.context] * biggest
+    tokens = torch.randint(0, model.config.vocab_size, (biggest,), device=device,
+                           generator=torch.Generator(device=device).manual_seed(4))
+    hashes, first_step_s = [], None
+    digest = hashlib.sha256(prefill_logits.float().cpu().numpy().tobytes())
+    for step in range(args.steps):
+        n = buckets[step % len(buckets)]
+        meta = build_metadata(list(range(n)), pos[:n], [1] * n, tables[:n], blocks, device)
+        logits = compiled.decode(tokens[:n], positions_of(meta), caches, meta)
+        if first_step_s is None:
+            _sync(device)
+            first_step_s = time.perf_counter() - t_start
+        tokens[:n] = logits.argmax(-1)
+        pos[:n] = [p + 1 for p in pos[:n]]
+        h = hashlib.sha256(logits.float().cpu().numpy().tobytes()).hexdigest()
+        hashes.append(h)
+        digest.update(h.encode())
+    _sync(device)
+    segments = compiled.compile_cache.segments if compiled.compile_cache else None
+    return {"variant": args.variant, "phase": args.child, "device": device, "config": args.config,
+            "buckets": buckets, "import_s": round(import_s, 2), "model_s": round(model_s, 2),
+            "to_first_step_s": round(first_step_s, 2), "warmup_s": round(t_warm - t_start, 2),
+            "prefill_s": round(t_prefill - t_warm, 2),
+            "timings": {k: round(v, 3) for k, v in compiled.timings.items()},
+            "segments_loaded": segments.loaded if segments else None,
+            "segments_stored": segments.stored if segments else None,
+            "cache_events": compiled.compile_cache.events[-30:] if compiled.compile_cache else [],
+            "notes": dict(compiled.notes),
+            # whether Triton's / Inductor's caches went under the cache directory (files there)
+            "tool_cache_files": {sub: sum(1 for p in Path(args.cache, sub).rglob("*") if p.is_file())
+                                 for sub in ("triton", "inductor")},
+            "prefill_hash": hashlib.sha256(prefill_logits.float().cpu().numpy().tobytes()).hexdigest(),
+            "step_hashes": hashes, "hash": digest.hexdigest()}
+
+
+# ----------------------------------------------------------------------------- parent
+def child_command(args, variant: str, phase: str, cache: Path, out: Path) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", phase, "--variant", variant,
+           "--cache", str(cache), "--child-out", str(out), "--out", str(out.parent),
+           "--config", args.config, "--device", args.device, "--buckets", args.buckets,
+           "--prefill", str(args.prefill), "--context", str(args.context), "--steps", str(args.steps)]
+    return cmd + (["--share-bucket-1"] if args.share_bucket_1 else [])
+
+
+def compare(cold: dict, warm: dict) -> dict:
+    if "step_hashes" not in cold or "step_hashes" not in warm:
+        return {"equal": None, "why": "a run failed"}
+    diff = [i for i, (a, b) in enumerate(zip(cold["step_hashes"], warm["step_hashes"])) if a != b]
+    return {"equal": cold["hash"] == warm["hash"], "prefill_equal": cold["prefill_hash"] == warm["prefill_hash"],
+            "first_differing_step": diff[0] if diff else None, "differing_steps": len(diff)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        result = run_child(args)
+        Path(args.child_out).write_text(json.dumps(result, indent=1))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "V41GRAPH_COMPILE_CACHE")}
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    results = {"args": {k: v for k, v in vars(args).items() if not k.startswith("child")}, "runs": [],
+               "compare": {}}
+    for variant in args.variant_list:
+        cache = Path(args.cache_root or out) / f"cache-{variant}"
+        shutil.rmtree(cache, ignore_errors=True)      # cold: empty
+        runs = {}
+        for phase in ("cold", "warm"):
+            child_out = out / f"{variant}-{phase}.json"
+            child_out.unlink(missing_ok=True)
+            log(f"{variant} {phase}: starting (cache {cache})")
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(child_command(args, variant, phase, cache, child_out), env=env,
+                                      timeout=args.child_timeout)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            wall = round(time.perf_counter() - t0, 1)
+            run = json.loads(child_out.read_text()) if child_out.exists() else {"variant": variant, "phase": phase}
+            run.update(rc=rc, process_wall_s=wall)
+            log(f"{variant} {phase}: rc {rc}, {wall} s")
+            runs[phase] = run
+            results["runs"].append(run)
+        results["compare"][variant] = compare(runs["cold"], runs["warm"])
+        (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
+    print_table(results)
+    return 0 if all(r.get("rc") == 0 for r in results["runs"]) else 1
+
+
+def print_table(results: dict) -> None:
+    head = ("variant", "phase", "rc", "process s", "to 1st step s", "warmup s", "prefill s", "trace s",
+            "first run s", "capture s", "lower s", "hits", "misses", "segs loaded")
+    rows = []
+    for r in results["runs"]:
+        t = r.get("timings", {})
+        rows.append((r["variant"], r["phase"], r.get("rc"), r.get("process_wall_s"), r.get("to_first_step_s"),
+                     r.get("warmup_s"), r.get("prefill_s"), t.get("trace_s"), t.get("first_run_s"),
+                     t.get("capture_s"), t.get("lower_s"), t.get("cache_hits", 0), t.get("cache_misses", 0),
+                     r.get("segments_loaded")))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    for row in (head, *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    for variant, c in results["compare"].items():
+        print(f"{variant}: warm == cold bit for bit: {c.get('equal')} (prefill {c.get('prefill_equal')}, "
+              f"first differing step {c.get('first_differing_step')}, {c.get('differing_steps')} differ)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
