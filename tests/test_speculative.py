@@ -24,6 +24,7 @@ from v41graph.model.dspark import DSparkHead
 from v41graph.runtime.engine import Engine
 from v41graph.runtime.sampling import SamplingParams
 from v41graph.runtime.speculative import SpecConfig, init_random_dspark_
+from v41graph.runtime.speculative_graph import ReferenceDrafts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -150,9 +151,12 @@ def _slot_state(eng, slot):
             c.engram_history[slot].clone())
 
 
-def test_caches_match_plain_engine_after_every_step(tiny_model, head):
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_caches_match_plain_engine_after_every_step(tiny_model, head, step):
     """For one request, after every speculative step the window rings, compressor rings and
-    Engram history of its slot equal the plain engine's at the same cached length.
+    Engram history of its slot equal the plain engine's at the same cached length; for the
+    reference decoder (eager, oracle drafts) and the static step (speculative_graph.py,
+    ReferenceDrafts at 60 %): the rollback, checked directly.
     (Full prefill: the prefill mode is beside the point here, and this prompt's continuation
     after a replay prefill hits an FP8 rounding flip that moves a compressor ring row of the
     one-token decodes by ~1e-3 against the 6-token verify chunks, without speculation too.)"""
@@ -167,9 +171,12 @@ def test_caches_match_plain_engine_after_every_step(tiny_model, head):
         plain.step()
         if req.status == "running":
             states[req.num_cached] = _slot_state(plain, req.slot)
-    spec = _engine(tiny_model, max_batch_size=1, speculative=SpecConfig(num_draft=5), draft_head=head,
-                   prefill_mode="full")
-    spec.spec._draft = _oracle(spec, [prompt], [ref])
+    spec = _engine(tiny_model, max_batch_size=1, speculative=SpecConfig(num_draft=5, step=step),
+                   draft_head=head, prefill_mode="full")
+    if step == "eager":
+        spec.spec._draft = _oracle(spec, [prompt], [ref])
+    else:
+        spec.spec.static.draft_override = ReferenceDrafts(spec, {tuple(prompt): prompt + ref}, 0.6)
     rid = spec.add_request(prompt, SamplingParams(max_tokens=N_NEW))
     compared = 0
     while spec.has_unfinished():
@@ -187,6 +194,7 @@ def test_caches_match_plain_engine_after_every_step(tiny_model, head):
         compared += 1
     assert spec.output(rid).token_ids == ref
     assert compared >= 3 and spec.stats["spec_rejections"] > 0
+    assert (spec.stats["spec_static_steps"] > 0) == (step == "static")
 
 
 # =============================================================================== sampling

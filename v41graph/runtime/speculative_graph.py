@@ -55,6 +55,7 @@ from v41graph.model.metadata import AttentionMetadata
 from .sampling import (DRAFT_TAG, accept_greedy, accept_rejection, filter_logits, noise_race,
                        noise_tag, row_keys, uniform_noise)
 
+
 def confidence_cap(conf: torch.Tensor, step_cost: float, token_cost: float, min_survival: float):
     """[B, k] raw confidence logits -> [B] drafts to verify: the prefix n maximising expected
     committed tokens per unit of step cost, (1 + S_n) / (step_cost + token_cost * (1 + n)),
@@ -92,9 +93,9 @@ class SpecStepInputs:
 
 
 class SpecStepGraph:
-    """One bucket of rows and one sampling kind ("greedy": every row greedy; "sample": some row
-    samples, with or without min_p / top-k/top-p filtering): its buffers, its program, and on
-    CUDA its captured graph."""
+    """One bucket of rows and one sampling kind, kind = (some row samples, some row uses min_p,
+    some row uses top-k / top-p): its buffers, its program, and on CUDA its captured graph (a
+    greedy-only batch skips every sampling op)."""
 
     def __init__(self, spec: "StaticSpeculativeStep", rows: int, kind: tuple):
         self.spec, self.rows, self.kind = spec, rows, kind
@@ -338,7 +339,7 @@ class ReferenceDrafts:
         i, k = graph.inputs, drafts.shape[1]
         idx = (i.pos[:, None] + 1 + torch.arange(k, device=drafts.device)).clamp_max(self.table.shape[1] - 1)
         true = self.table[i.slot[:, None], idx]
-        u = uniform_noise(row_keys(i.pos * 0 + self.seed, i.slot * 0, i.pos), k)     # [B, k]
+        u = uniform_noise(row_keys(torch.full_like(i.pos, self.seed), torch.zeros_like(i.pos), i.pos), k)
         wrong = (true + 1).remainder(self.engine.config.vocab_size)
         return torch.where(u < self.accept_rate, true, wrong)
 
