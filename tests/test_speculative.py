@@ -346,3 +346,17 @@ def test_compiled_verify_random_head_full_prefill(tiny_model, compiled, head, gr
     assert outs[1] == ref and outs[0] == ref
     assert drafts[1] == drafts[0] and len(drafts[1]) > 20
     assert len(graph_calls) == eng.stats["steps"] > 0
+
+
+def test_compiled_static_step(tiny_model, compiled, head, reference, graph_calls):
+    """SpecConfig's default step ("auto") takes the static step (speculative_graph.py) with a
+    compiled model: the plain engine's tokens with reference drafts at 70 %, and every step that
+    is not a decoder-replay prefill ran our compiled graph (the static steps' verify too)."""
+    eng = _engine(compiled, speculative=SpecConfig(num_draft=5), draft_head=head)
+    eng.spec.static.draft_override = ReferenceDrafts(
+        eng, {tuple(p): p + r for p, r in zip(PROMPTS, reference)}, 0.7)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
+    assert [o.token_ids for o in outs] == reference
+    s = eng.stats
+    assert s["spec_static_steps"] > 0 and s["spec_accepted"] > 0 and _all_free(eng)
+    assert len(graph_calls) == s["steps"] - s["replay_steps"]

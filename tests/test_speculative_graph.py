@@ -1,6 +1,7 @@
 """The static speculative step (v41graph.runtime.speculative_graph) on tiny() (fp32, CPU): the
-same program the CUDA path captures, run uncaptured through the eager model and once through a
-v41graph.compile()d one.
+same program the CUDA path captures, run uncaptured through the eager model (through a
+v41graph.compile()d one: test_speculative.py, test_compiled_static_step, which shares that
+module's compiled model).
 
 What is checked against what:
   * greedy output == the plain engine's (no speculation), with the random DSpark head (nearly
@@ -20,8 +21,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import v41graph
-from v41graph.compiler.backend import TracedGraph
 from v41graph.model.dspark import DSparkHead
 from v41graph.runtime.engine import Engine
 from v41graph.runtime.sampling import (SamplingParams, accept_greedy, accept_rejection, noise_race,
@@ -205,24 +204,3 @@ def test_confidence_schedule_lossless(tiny_model, head, reference):
     eng = _static(tiny_model, head, spec=dict(schedule="confidence", token_cost=0.2))
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
     assert [o.token_ids for o in outs] == reference and eng.stats["spec_static_steps"] > 0
-
-
-# =============================================================================== compiled target
-def test_static_step_through_compiled_model(tiny_model, head, reference, monkeypatch):
-    """SpecConfig's default step ("auto") takes the static step with a compiled model; every
-    static step's verify ran our compiled graph."""
-    calls = []
-    run = TracedGraph.__call__
-
-    def counting(self, *args):
-        calls.append(1)
-        return run(self, *args)
-    monkeypatch.setattr(TracedGraph, "__call__", counting)
-    compiled = v41graph.compile(tiny_model, backend="cpu", batch_sizes=(4,))
-    eng = _engine(compiled, speculative=SpecConfig(num_draft=5), draft_head=head)
-    eng = _with_reference_drafts(eng, PROMPTS, reference, 0.7)
-    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW))
-    assert [o.token_ids for o in outs] == reference
-    s = eng.stats
-    assert s["spec_static_steps"] > 0 and s["spec_accepted"] > 0
-    assert len(calls) == s["steps"] - s["replay_steps"]
