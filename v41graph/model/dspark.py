@@ -199,11 +199,11 @@ class DSparkHead(nn.Module):
         """Draft one block for one sequence: (ids [k+1] = anchor + k drafts, logits [k, V] fp32
         (base + Markov bias), confidence [k] raw logits). `draft_batch` of one row.
 
-        choose(logits_j [V]) -> token id picks each draft token (default: argmax, the greedy
+        choose(j, logits_j [V]) -> token id picks draft j + 1 (default: argmax, the greedy
         drafts); speculative sampling passes a sampler so drafts are drawn from q_j."""
         dev = lm_head.device
         one = lambda v: torch.tensor([v], dtype=torch.int64, device=dev)  # noqa: E731
-        pick = None if choose is None else (lambda j, lj: one(int(choose(lj[0]))))
+        pick = None if choose is None else (lambda j, lj: one(int(choose(j, lj[0]))))
         drafts, logits, conf = self.draft_batch(state, one(slot), one(anchor), one(anchor_pos),
                                                 one(state.length[slot]), embed, lm_head,
                                                 choose=pick, debug=debug)

@@ -163,13 +163,11 @@ class SpeculativeDecoder:
         choose = None
         if not p.greedy:
             key = self.step_key(req)
-            choose = lambda j, lj: noise_race(params_logits(lj, p), noise_tag(key, DRAFT_TAG + j))  # noqa: E731
-        one = lambda v: torch.tensor([v], dtype=torch.int64, device=self.engine.device)  # noqa: E731
-        drafts, logits, conf = self.head.draft_batch(self.state, one(req.slot), one(anchor), one(pos),
-                                                     one(self.state.length[req.slot]), self.model.embed,
-                                                     self.model.head, choose=choose)
-        q = None if p.greedy else torch.softmax(params_logits(logits[0], p), -1)
-        return drafts[0].tolist(), q, conf[0]
+            choose = lambda j, lj: noise_race(params_logits(lj[None], p), noise_tag(key, DRAFT_TAG + j))  # noqa: E731
+        ids, logits, conf = self.head.draft(self.state, req.slot, anchor, pos, self.model.embed,
+                                            self.model.head, choose=choose)
+        q = None if p.greedy else torch.softmax(params_logits(logits, p), -1)
+        return ids[1:].tolist(), q, conf
 
     def _verify_lengths(self, kmax: list, conf: list, budget: int) -> list:
         """Verify lengths k_r <= kmax[r] with sum(k_r) <= budget (the extra tokens beyond one
