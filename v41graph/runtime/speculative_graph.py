@@ -77,19 +77,26 @@ class SpecStepInputs:
 
     def __init__(self, rows: int, max_blocks: int, device):
         self.rows, self.max_blocks = rows, max_blocks
+        # one packed upload per dtype, then each field its own contiguous buffer: the verify
+        # graph guards on its inputs' strides, so strided column views would trace it again
         self.ints = torch.zeros(rows, len(self.INT_COLS) + max_blocks, dtype=torch.int64, device=device)
         self.floats = torch.zeros(rows, len(self.FLOAT_COLS), dtype=torch.float32, device=device)
-        for i, name in enumerate(self.INT_COLS):
-            setattr(self, name, self.ints[:, i])
-        self.block_table = self.ints[:, len(self.INT_COLS):]
-        for i, name in enumerate(self.FLOAT_COLS):
-            setattr(self, name, self.floats[:, i])
+        for name in self.INT_COLS + self.FLOAT_COLS:
+            dtype = torch.int64 if name in self.INT_COLS else torch.float32
+            setattr(self, name, torch.zeros(rows, dtype=dtype, device=device))
+        self.block_table = torch.zeros(rows, max_blocks, dtype=torch.int64, device=device)
 
     def load(self, ints: torch.Tensor, floats: torch.Tensor) -> None:
-        """Host tensors [rows, ...] (padding rows included) -> the buffers, one copy each."""
+        """Host tensors [rows, ...] (padding rows included) -> the buffers: one upload per
+        dtype, then device-side copies into the fields."""
         pinned = self.ints.device.type == "cuda"
         self.ints.copy_(ints.pin_memory() if pinned else ints, non_blocking=pinned)
         self.floats.copy_(floats.pin_memory() if pinned else floats, non_blocking=pinned)
+        for j, name in enumerate(self.INT_COLS):
+            getattr(self, name).copy_(self.ints[:, j])
+        self.block_table.copy_(self.ints[:, len(self.INT_COLS):])
+        for j, name in enumerate(self.FLOAT_COLS):
+            getattr(self, name).copy_(self.floats[:, j])
 
 
 class SpecStepGraph:
