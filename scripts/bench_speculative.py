@@ -42,20 +42,11 @@ BLOCK = 128
 PUBLIC_ACCEPTANCE = 3.51
 
 
-def _captured(fn, device: str):
+def _captured(compiled, fn, device: str):
     """fn as a replayable callable: on CUDA warmed up and captured (its outputs are reused)."""
     if device != "cuda":
         return fn
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return compiled.capture_graph(fn)[0].replay
 
 
 def _median_ms(fn, steps: int, device: str, time_calls) -> float:
@@ -70,7 +61,6 @@ def build_head(model, device: str) -> DSparkHead:
 
 
 def run(model, batches, context, ks, args, device, log, time_calls, random_bytes) -> list[dict]:
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     head = build_head(model, device)
     compiled = v41graph.compile(model, backend="auto", batch_sizes=batches)
     eng = Engine(compiled, max(batches), context + 16, block_size=BLOCK,
@@ -114,9 +104,9 @@ def run(model, batches, context, ks, args, device, log, time_calls, random_bytes
             vmeta = AttentionMetadata(token_seq=tok_seq, seq_slot=slots, chunk_start=pos, seq_len=pos + n,
                                       query_start=qs, block_table=table, logits_index=qs[1:] - 1)
             with torch.no_grad():
-                verify = _captured(lambda: compiled(ids, vpos, eng.caches, vmeta, all_logits=True,
+                verify = _captured(compiled, lambda: compiled(ids, vpos, eng.caches, vmeta, all_logits=True,
                                                     return_streams=targets), device)
-                draft = _captured(lambda: head.draft_batch(static.state, slots, anchors, pos, pos,
+                draft = _captured(compiled, lambda: head.draft_batch(static.state, slots, anchors, pos, pos,
                                                            model.embed, model.head), device)
             graph = SpecStepGraph(static, b, (False, False, False))
             graph.inputs.anchor.copy_(anchors)

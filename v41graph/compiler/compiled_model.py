@@ -325,6 +325,32 @@ class CompiledModel:
             self._graph_for(b, caches, max_blocks, prepare=True)
         _log.info("%s: %d buckets in %.1f s", what, len(self.batch_sizes), time.perf_counter() - t0)
 
+    def capture_graph(self, step, keep=(), warm_up=None):
+        """(CUDA graph, its output) of `step()`: warmed up on a side stream (compiles, allocates
+        workspaces; default: two calls of `step`), then captured into this model's pool, which
+        all its graphs share (they never run at the same time; it lives as long as this object,
+        so a later model never captures into a released pool). The tensors in `keep` are put
+        back afterwards: warm-up and capture must not advance state."""
+        saved = [t.clone() for t in keep]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.no_grad():
+            if warm_up is None:
+                step()
+                step()
+            else:
+                warm_up()
+            torch.cuda.synchronize()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.graph_pool), torch.no_grad():
+            output = step()
+        for t, old in zip(keep, saved):
+            t.copy_(old)
+        return graph, output
+
 
 def _mark_batch_dims_dynamic(input_ids, positions, metadata: AttentionMetadata) -> None:
     """Mark the token count and the sequence count of a step's inputs dynamic for Dynamo (a
@@ -465,27 +491,16 @@ class DecodeGraph:
         return self.output
 
     def _capture(self) -> None:
-        # Warm up on a side stream (compiles, allocates workspaces), then capture. Warm-up
-        # steps write only the scratch slot and real slots' current rows again.
-        saved = [t.clone() for t in self.caches.tensors()]
-        timings = self.compiled.timings
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        # Warm-up steps write only the scratch slot and real slots' current rows again.
+        t0 = [0.0]
+
+        def warm_up():
             self._first_step()
-            t0 = time.perf_counter()
+            t0[0] = time.perf_counter()
             self._step()                     # the second warm-up counts as capture
-            torch.cuda.synchronize()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        if self.compiled.graph_pool is None:   # one pool for all buckets of this model
-            self.compiled.graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.compiled.graph_pool):
-            self.output = self._step()
-        for t, old in zip(self.caches.tensors(), saved):   # capture must not advance state
-            t.copy_(old)
-        self.cuda_graph = graph
-        timings["capture_s"] += time.perf_counter() - t0
+        self.cuda_graph, self.output = self.compiled.capture_graph(self._step, keep=self.caches.tensors(),
+                                                                   warm_up=warm_up)
+        self.compiled.timings["capture_s"] += time.perf_counter() - t0[0]
 
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,

@@ -213,6 +213,19 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     return x
 
 
+def filter_logits_uniform(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                          min_p: float = 0.0) -> torch.Tensor:
+    """`filter_logits` with one set of parameters for every row of logits [N, V] (fp32), the
+    steps no row uses skipped."""
+    rows = logits.float()
+    n = rows.shape[0]
+
+    def full(value, dtype=torch.float32):
+        return torch.full((n,), value, dtype=dtype, device=rows.device)
+    return filter_logits(rows, full(float(temperature)), full(float(top_p)), full(int(top_k), torch.int64),
+                         full(float(min_p)), use_min_p=min_p > 0, use_top_k_p=top_k > 0 or top_p < 1.0)
+
+
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
                       min_p: float = 0.0) -> torch.Tensor:
     """The distribution one request samples from (no penalties): `filter_logits` with these
@@ -221,27 +234,14 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1
     logits = logits.float()
     if temperature == 0.0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    rows = logits.reshape(-1, logits.shape[-1])
-    n = rows.shape[0]
-
-    def full(value, dtype=torch.float32):
-        return torch.full((n,), value, dtype=dtype, device=rows.device)
-    x = filter_logits(rows, full(float(temperature)), full(float(top_p)), full(int(top_k), torch.int64),
-                      full(float(min_p)), use_min_p=min_p > 0, use_top_k_p=top_k > 0 or top_p < 1.0)
+    x = filter_logits_uniform(logits.reshape(-1, logits.shape[-1]), temperature, top_p, top_k, min_p)
     return torch.softmax(x, -1).reshape(logits.shape)
 
 
 def params_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> the filtered logits a request samples from (temperature, min_p, top_k,
-    top_p; its penalties are not applied), as `filter_logits` computes them for its rows."""
-    rows = logits.float()
-    n = rows.shape[0]
-
-    def full(value, dtype=torch.float32):
-        return torch.full((n,), value, dtype=dtype, device=rows.device)
-    return filter_logits(rows, full(float(params.temperature)), full(float(params.top_p)),
-                         full(int(params.top_k), torch.int64), full(float(params.min_p)),
-                         use_min_p=params.min_p > 0, use_top_k_p=params.top_k > 0 or params.top_p < 1.0)
+    top_p; its penalties are not applied)."""
+    return filter_logits_uniform(logits, params.temperature, params.top_p, params.top_k, params.min_p)
 
 
 def params_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -282,6 +282,12 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     col = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=keys.device))
     h = _mix32(col[None, :] ^ keys[:, None])
     return ((h >> 8).float() + 0.5) * (2.0 ** -24)
+
+
+def noise_race(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One draw per row of [B, V] log-weights (-inf = excluded) with the rows' noise keys [B]:
+    the exponential race, argmax log(p / E) with E = -log(u)."""
+    return (logp - torch.log(-torch.log(uniform_noise(keys, logp.shape[-1])))).argmax(-1)
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -346,8 +352,7 @@ def sample_logits(logits: torch.Tensor, st: SamplingTensors,
         filtered = filter_logits(x, st.temperature, st.top_p, st.top_k, st.min_p,
                                  st.use_min_p, st.use_top_k_p)
     if not st.all_greedy:
-        race = filtered - torch.log(-torch.log(uniform_noise(st.keys, x.shape[-1])))  # = log(p / E)
-        ids = torch.where(st.temperature > 0, race.argmax(-1), ids)
+        ids = torch.where(st.temperature > 0, noise_race(filtered, st.keys), ids)
     out = SampleOutput(ids)
     if st.num_logprobs is not None:
         lp = torch.log_softmax(raw if logprobs_mode == "raw_logprobs" else filtered, -1)
@@ -378,12 +383,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], params: Sampl
     committed tokens, refuses them)."""
     x = logits.float()
     if logprobs_mode == "processed_logprobs":
-        m = x.shape[0]
-
-        def full(value, dtype=torch.float32):
-            return torch.full((m,), value, dtype=dtype, device=x.device)
-        x = filter_logits(x, full(float(params.temperature)), full(float(params.top_p)),
-                          full(max(params.top_k, 0), torch.int64), full(float(params.min_p)))
+        x = params_logits(x, params)
     lp = torch.log_softmax(x, -1)
     k = params.logprobs or 0
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=lp.device)
@@ -545,11 +545,6 @@ DRAFT_TAG, ACCEPT_TAG, FINAL_TAG = 1, 17, 33
 def noise_tag(keys: torch.Tensor, tag: int) -> torch.Tensor:
     """The keys [B] of one draw of the step (see above)."""
     return _mix32(keys ^ tag)
-
-
-def noise_race(logp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """One draw per row of [B, V] log-weights (-inf = excluded): the exponential race."""
-    return (logp - torch.log(-torch.log(uniform_noise(keys, logp.shape[-1])))).argmax(-1)
 
 
 def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor, cap: torch.Tensor):

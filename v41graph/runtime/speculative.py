@@ -151,11 +151,16 @@ class SpeculativeDecoder:
                                         int(torch.randint(0, 2 ** 62, (1,), generator=g, device=g.device)))
         return req.noise_seed
 
+    def step_keys(self, reqs) -> torch.Tensor:
+        """[n] int64 on the host: each request's noise key for this step, (seed, tokens generated
+        so far); 0 for greedy requests (they draw nothing)."""
+        rows = [(*self.noise_seed(r), len(r.output)) if not r.params.greedy else (0, 0, 0) for r in reqs]
+        lo, hi, made = torch.tensor(rows, dtype=torch.int64).view(-1, 3).unbind(1)
+        return row_keys(lo, hi, made)
+
     def step_key(self, req) -> torch.Tensor:
-        """[1] the request's noise key for this step: (seed, tokens generated so far)."""
-        lo, hi = self.noise_seed(req)
-        t = torch.tensor([lo, hi, len(req.output)], dtype=torch.int64, device=self.engine.device)
-        return row_keys(t[:1], t[1:2], t[2:])
+        """[1] one request's step key on the device."""
+        return self.step_keys([req]).to(self.engine.device)
 
     def _draft(self, req, anchor: int, pos: int):
         """(draft ids [block], draft probs q [block, V] or None (greedy), confidence logits)."""

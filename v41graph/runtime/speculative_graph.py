@@ -214,26 +214,11 @@ class SpecStepGraph:
         return self.output
 
     def _capture(self) -> None:
-        """Warm up on a side stream, capture, and put back every state the warm-up and the
-        capture advanced (caches and DSpark rings)."""
+        """Capture the program; the caches and DSpark rings the warm-up and the capture advanced
+        are put back."""
         spec = self.spec
-        state = spec.engine.caches.tensors() + list(spec.state.kv)
-        saved = [t.clone() for t in state]
-        compiled = spec.engine.model
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), torch.no_grad():
-            for _ in range(2):
-                self.program()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        if compiled.graph_pool is None:
-            compiled.graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=compiled.graph_pool), torch.no_grad():
-            self.output = self.program()
-        for t, old in zip(state, saved):
-            t.copy_(old)
-        self.cuda_graph = graph
+        keep = spec.engine.caches.tensors() + list(spec.state.kv)
+        self.cuda_graph, self.output = spec.engine.model.capture_graph(self.program, keep=keep)
 
 
 class StaticSpeculativeStep:
@@ -276,22 +261,19 @@ class StaticSpeculativeStep:
             graph = self.graphs[(rows, kind)] = SpecStepGraph(self, rows, kind)
 
         width, pad = eng.max_blocks, [0, 0, eng.caches.scratch_slot, 0, 0]
-        ints, floats, keys = [], [], []
-        for req in decodes:
+        caps = [max(0, min(k, r.params.max_tokens - len(r.output) - 1)) for r in decodes]
+        keys = self.decoder.step_keys(decodes).tolist()        # host ints: no device work
+        ints, floats = [], []
+        for req, cap, key in zip(decodes, caps, keys):
             p = req.params
-            cap = max(0, min(k, p.max_tokens - len(req.output) - 1))
-            ints.append([req.tokens[-1], req.num_cached, req.slot, cap, 0]
+            ints.append([req.tokens[-1], req.num_cached, req.slot, cap, key]
                         + req.blocks + [-1] * (width - len(req.blocks)))
             floats.append([p.temperature, p.top_p, float(max(p.top_k, 0)), p.min_p])
-            keys.append((*self.decoder.noise_seed(req), len(req.output)) if not p.greedy else (0, 0, 0))
         ints += [pad + [-1] * width] * (rows - n)
         floats += [[0.0] * len(SpecStepInputs.FLOAT_COLS)] * (rows - n)
         if hasattr(self.draft_override, "prepare"):
             self.draft_override.prepare(decodes)
         graph.inputs.load(torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32))
-        if sampling:       # (seed, tokens generated) -> the row's step key, on the device
-            lo, hi, made = torch.tensor(keys + [(0, 0, 0)] * (rows - n), dtype=torch.int64).to(eng.device).unbind(1)
-            graph.inputs.key.copy_(row_keys(lo, hi, made))
 
         out = graph.run()[:n].tolist()              # the step's one device-to-host copy
         eng.stats["steps"] += 1
@@ -299,13 +281,13 @@ class StaticSpeculativeStep:
         eng.stats["spec_static_steps"] += 1
         now = time.perf_counter()
         events = []
-        for req, row in zip(decodes, out):
+        for req, row, cap in zip(decodes, out, caps):
             count = row[-1]
             committed = row[:count]
             m = count - 1
             req.num_cached += count
             self.state.length[req.slot] = req.num_cached
-            if min(k, req.params.max_tokens - len(req.output) - 1) > 0:
+            if cap > 0:
                 eng.stats["spec_verifies"] += 1
                 eng.stats["spec_drafted"] += k
                 eng.stats["spec_accepted"] += m
