@@ -36,6 +36,7 @@ import torch
 from v41graph.model.config import V41Config
 from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.layer_plan import build_layer_plan
+from v41graph.model.metadata import upload
 
 from .roles import decoder_start, fingerprint_mismatch
 
@@ -158,10 +159,10 @@ def _rows_of(caches: ModelCaches, f: Field, slot: int, blocks: list[int], n: int
     dev = t.device
     if f.kind in _KV_KINDS:
         rows = _compressed_rows(caches, blocks, plan[f.layer].ratio, f.shape[0])
-        return t.view(-1, t.shape[-1]), rows.to(dev)
+        return t.view(-1, t.shape[-1]), upload(rows, dev)
     size = t.shape[1]                                  # W (window) or COMPRESSOR_RING
     rows = slot * size + _ring_positions(n, size, f.shape[0])
-    return t.view(-1, t.shape[-1]), rows.to(dev)
+    return t.view(-1, t.shape[-1]), upload(rows, dev)
 
 
 def pack_part(caches: ModelCaches, part: Part, slot: int, blocks: list[int], n: int, plan,

@@ -141,6 +141,15 @@ class AttentionMetadata:
 
 _TENSOR_FIELDS = tuple(f for f in fields(AttentionMetadata) if f.metadata)
 
+def upload(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`; on CUDA through pinned memory, asynchronously (no wait for the
+    kernels already queued: a blocking host-to-device copy would stall the host until they end)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def build_metadata(seq_slots: Sequence[int], chunk_starts: Sequence[int], query_lens: Sequence[int],
                    block_tables: Sequence[Sequence[int]], max_blocks: int,
                    device: torch.device | str = "cpu") -> AttentionMetadata:

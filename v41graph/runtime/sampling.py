@@ -64,6 +64,7 @@ from typing import Sequence
 
 import torch
 
+from v41graph.model.metadata import upload
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
@@ -297,14 +298,6 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------- batched sampling
-def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on the device; on CUDA through pinned memory, asynchronously (no wait for
-    the step's kernels, as the engine's token upload)."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 @dataclass
 class SamplingTensors:
     """Per-row parameters of one batch on the device ([B] each), plus what the host knows about
@@ -404,7 +397,7 @@ class PenaltyState:
 
     def start(self, slot: int, prompt: Sequence[int]) -> None:
         self.prompt_mask[slot] = False
-        self.prompt_mask[slot, _upload(torch.tensor(list(prompt), dtype=torch.int64), self.prompt_mask.device)] = True
+        self.prompt_mask[slot, upload(torch.tensor(list(prompt), dtype=torch.int64), self.prompt_mask.device)] = True
         self.output_counts[slot] = 0
 
 
@@ -438,7 +431,7 @@ class BatchSampler:
             host.append([p.temperature, p.top_p, p.top_k if p.top_k > 0 else 0, p.min_p,
                          p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
                          lo, hi, n & _M32, p.seed is not None])
-        cols = _upload(torch.tensor(host, dtype=torch.float64), dev).unbind(1)   # one upload, exact
+        cols = upload(torch.tensor(host, dtype=torch.float64), dev).unbind(1)   # one upload, exact
         f32 = [c.float() for c in cols[:7]]
         lo, hi, step, seeded = (c.long() for c in cols[7:])
         keys = row_keys(lo, hi, step)
@@ -457,7 +450,7 @@ class BatchSampler:
             for p, slot, prompt, n in zip(params, slots, prompts, num_generated):
                 if p.penalized and n == 0:
                     self.penalties.start(slot, prompt)
-            rows = _upload(torch.tensor(list(slots), dtype=torch.int64), dev)
+            rows = upload(torch.tensor(list(slots), dtype=torch.int64), dev)
             st.prompt_mask = self.penalties.prompt_mask.index_select(0, rows)
             st.output_counts = self.penalties.output_counts.index_select(0, rows)
             st.penalty_slots = rows

@@ -51,7 +51,7 @@ import torch
 
 from v41graph.compiler.compiled_model import CompiledModel
 from v41graph.model.kv_cache import COMPRESSOR_RING
-from v41graph.model.metadata import AttentionMetadata
+from v41graph.model.metadata import AttentionMetadata, upload
 from .sampling import (DRAFT_TAG, accept_greedy, accept_rejection, filter_logits, noise_race,
                        noise_tag, row_keys, uniform_noise)
 
@@ -89,9 +89,8 @@ class SpecStepInputs:
     def load(self, ints: torch.Tensor, floats: torch.Tensor) -> None:
         """Host tensors [rows, ...] (padding rows included) -> the buffers: one upload per
         dtype, then device-side copies into the fields."""
-        pinned = self.ints.device.type == "cuda"
-        self.ints.copy_(ints.pin_memory() if pinned else ints, non_blocking=pinned)
-        self.floats.copy_(floats.pin_memory() if pinned else floats, non_blocking=pinned)
+        self.ints.copy_(upload(ints, self.ints.device))
+        self.floats.copy_(upload(floats, self.floats.device))
         for j, name in enumerate(self.INT_COLS):
             getattr(self, name).copy_(self.ints[:, j])
         self.block_table.copy_(self.ints[:, len(self.INT_COLS):])
