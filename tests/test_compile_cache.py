@@ -75,8 +75,6 @@ def test_cold_compile_traces_and_stores_every_graph(cold):
     assert compiled.timings["trace_s"] > 0 and compiled.pass_manager.graph_index == 2
     assert len(stored(root, "prefill")) == 1 and len(stored(root, "decode_shared")) == 1
     assert compiled.compile_cache.saved == 2
-    assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton") or "TRITON_CACHE_DIR" not in \
-        compiled.compile_cache.tool_caches      # pointed under the cache, unless set before
     assert compiled.notes["prefill"].startswith("traced its own graph (no decode graph")
     # the compiled model computes what the eager one does (test_compiler.py's tolerance)
     eager = run_session(fresh_tiny())
@@ -97,6 +95,14 @@ def test_warm_compile_loads_without_tracing_and_is_bit_identical(cold):
     assert warm.notes["prefill"] == "runs the stored prefill graph (compile cache)"
 
 
+def test_tool_caches_point_under_the_cache_only_when_unset(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert cc.point_tool_caches(tmp_path) == {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")     # the user's stays
+
+
 def test_env_variable_turns_the_cache_on_and_false_turns_it_off(cold, monkeypatch):
     root, _, _ = cold
     monkeypatch.setenv(cc.ENV_VAR, str(root))
@@ -113,6 +119,8 @@ def test_env_variable_turns_the_cache_on_and_false_turns_it_off(cold, monkeypatc
     not_a_dir.write_text("x")
     with pytest.raises(ValueError, match="exists and is not a directory"):
         v41graph.compile(model, backend="cpu", compile_cache=not_a_dir)
+    with pytest.raises(ValueError, match="compile_cache is an empty path"):
+        v41graph.compile(model, backend="cpu", compile_cache="")
 
 
 def _folder(compiled) -> str:
@@ -191,7 +199,7 @@ def test_a_stored_graph_is_refused_where_dynamo_would_have_traced_again(cold):
     # another argument value
     cache, signature, scope = _prefill_scope(warm, all_logits=True)
     entry, reasons = cache.lookup("prefill", signature, scope)
-    assert entry is None and "all_logits" in reasons[0]
+    assert entry is None and "call [('all_logits', True)" in reasons[0] and "stored [('all_logits', False)" in reasons[0]
     # a model whose weights have another shape (checked once per model object)
     cache, signature, scope = _prefill_scope(warm)
     scope["self"] = fresh_tiny(vocab_size=320)

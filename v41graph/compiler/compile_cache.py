@@ -92,6 +92,8 @@ def resolve_dir(compile_cache) -> Path | None:
         return None
     if not isinstance(compile_cache, (str, os.PathLike)):
         raise TypeError(f"compile_cache must be a directory path, None or False, got {type(compile_cache).__name__}")
+    if not str(compile_cache).strip():
+        raise ValueError("compile_cache is an empty path; pass a directory, or None / False to switch it off")
     path = Path(compile_cache).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(f"compile_cache {str(path)!r} exists and is not a directory")
@@ -425,8 +427,7 @@ def _tensor_meta(val) -> dict:
     raise NotCacheable(f"a graph input of type {type(val).__name__}")
 
 
-def _device_matches(expected: str, device: torch.device) -> bool:
-    want = torch.device(expected)
+def _device_matches(want: torch.device, device: torch.device) -> bool:
     return want.type == device.type and (want.index is None or want.index == device.index)
 
 
@@ -472,6 +473,11 @@ class LoadedEntry:
             if entry.shape_guards else None
         self._guard_positions = [i for i, m in enumerate(self._is_model) if not m]
         self._spec = pytree.treespec_loads(entry.out_spec)
+        # parsed once, not at every call's checks
+        self._devices = [torch.device(m["device"]) if m["kind"] == "tensor" else None for m in entry.inputs]
+        if self._shape_guards is not None:
+            from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+            self._shape_globals = dict(SYMPY_INTERP)
         self.hits = 0
 
     def args(self, scope: dict) -> list:
@@ -497,13 +503,12 @@ class LoadedEntry:
         for i, (value, meta, source) in enumerate(zip(args, e.inputs, e.sources)):
             if self._is_model[i] and not first:
                 continue
-            why = _input_failure(value, meta, symbols)
+            why = _input_failure(value, meta, self._devices[i], symbols)
             if why:
                 return f"{source}: {why}"
         if self._shape_guards is not None:
-            from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
             values = {f"t{j}": args[i] for j, i in enumerate(self._guard_positions)}
-            if not eval(self._shape_guards, dict(SYMPY_INTERP), {"L": values}):
+            if not eval(self._shape_guards, self._shape_globals, {"L": values}):
                 return f"the trace's shape guards fail ({e.shape_guards[:200]})"
         if first:
             self._inputs_ok.add(model)
@@ -516,7 +521,7 @@ class LoadedEntry:
         return pytree.tree_unflatten(leaves, self._spec)
 
 
-def _input_failure(value, meta: dict, symbols: dict) -> str | None:
+def _input_failure(value, meta: dict, device: torch.device | None, symbols: dict) -> str | None:
     if meta["kind"] == "int":
         if not isinstance(value, int):
             return f"expected an int, got {type(value).__name__}"
@@ -525,7 +530,7 @@ def _input_failure(value, meta: dict, symbols: dict) -> str | None:
         return f"expected a tensor, got {type(value).__name__}"
     if str(value.dtype) != meta["dtype"]:
         return f"dtype {value.dtype}, the trace had {meta['dtype']}"
-    if not _device_matches(meta["device"], value.device):
+    if not _device_matches(device, value.device):
         return f"device {value.device}, the trace had {meta['device']}"
     if value.dim() != len(meta["shape"]):
         return f"{value.dim()} dimensions, the trace had {len(meta['shape'])}"
@@ -577,6 +582,7 @@ class CompileCache:
         self.root = root
         self.events: list[str] = []       # misses, refusals, unreadable entries: readable reasons
         self._current: GraphRecord | None = None
+        self._active = False          # inside a cached function's call (begin .. finish)
         self._guards: list = []
         self.saved = 0
         self.load_s = 0.0
@@ -639,7 +645,19 @@ class CompileCache:
 
     # --------------------------------------------------------------- recording (cold path)
     def begin(self) -> None:
-        self._current, self._guards = None, []
+        """A cached function's call starts: the backend hooks record what it traces (a graph
+        traced outside such a call, e.g. CompiledModel.encode's, is not recorded: nothing would
+        store it, and its record would keep the call's tensors alive)."""
+        self._current, self._guards, self._active = None, [], True
+
+    def abandon(self) -> None:
+        """The call raised: forget what it recorded."""
+        self._current, self._guards, self._active = None, [], False
+
+    @property
+    def traced(self) -> bool:
+        """Whether the call since begin() traced a graph."""
+        return self._current is not None
 
     def guard_filter(self, entries) -> list[bool]:
         """torch.compile's guard_filter_fn: keeps every guard, notes them for the entry."""
@@ -648,6 +666,8 @@ class CompileCache:
 
     def dynamo_graph(self, gm: fx.GraphModule) -> None:
         """Backend hook, before AOT: the graph inputs' sources."""
+        if not self._active:
+            return
         record = self._current = GraphRecord()
         sources = []
         for node in gm.graph.nodes:
@@ -689,7 +709,7 @@ class CompileCache:
     def graph_ready(self, gm: fx.GraphModule, fn):
         """Backend hook, the final graph: keep it, and wrap fn to see its first call."""
         record = self._current
-        if record is None:
+        if record is None or not self._active:
             return fn
         record.gm = gm
 
@@ -704,7 +724,7 @@ class CompileCache:
     def finish(self, kind: str, signature: str, scope: dict, result) -> None:
         """After a call that may have traced: store the graph it traced, if any and if it can."""
         record, guards = self._current, self._guards
-        self._current, self._guards = None, []
+        self._current, self._guards, self._active = None, [], False
         if record is None:
             return          # Dynamo's own in-process cache served the call
         try:

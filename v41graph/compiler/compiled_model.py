@@ -395,8 +395,12 @@ class CachedFunction:
             return entry(found)
         self.last_entry_kind = None
         cache.begin()
-        result = self.fn(*args, **kwargs)
-        if cache._current is not None:     # this call traced: say why the stored graphs did not fit
+        try:
+            result = self.fn(*args, **kwargs)
+        except BaseException:
+            cache.abandon()
+            raise
+        if cache.traced:                   # this call traced: say why the stored graphs did not fit
             compiled.timings["cache_misses"] += 1
             cache.note(f"{self.kind}: traced, " + ("; ".join(found)[:1000] if found else "nothing stored"))
         cache.finish(self.kind, signature, scope, result)
