@@ -72,12 +72,6 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- child
-def _sync(device: str) -> None:
-    import torch
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_child(args) -> dict:
     import torch
     import_s = time.perf_counter() - _T_START
@@ -89,7 +83,7 @@ def run_child(args) -> dict:
     device = args.device
     t0 = time.perf_counter()
     model = bench.build_model(args.config, device)
-    _sync(device)
+    bench._sync(device)
     model_s = time.perf_counter() - t0
     buckets = args.bucket_list
     biggest = buckets[-1]
@@ -101,7 +95,7 @@ def run_child(args) -> dict:
                                 share_decode_graph="all" if args.share_bucket_1 else True,
                                 compile_cache=args.cache)
     compiled.warmup(caches, blocks, show_progress=False)
-    _sync(device)
+    bench._sync(device)
     t_warm = time.perf_counter()
     # one prefill chunk of sequence 0 (slot 0, its own blocks)
     table0 = list(range(blocks))
@@ -109,7 +103,7 @@ def run_child(args) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (args.prefill,), device=device,
                         generator=torch.Generator(device=device).manual_seed(3))
     prefill_logits = compiled(ids, positions_of(meta), caches, meta)
-    _sync(device)
+    bench._sync(device)
     t_prefill = time.perf_counter()
 
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(biggest)]
@@ -117,20 +111,21 @@ def run_child(args) -> dict:
     tokens = torch.randint(0, model.config.vocab_size, (biggest,), device=device,
                            generator=torch.Generator(device=device).manual_seed(4))
     hashes, first_step_s = [], None
-    digest = hashlib.sha256(prefill_logits.float().cpu().numpy().tobytes())
+    prefill_hash = hashlib.sha256(prefill_logits.float().cpu().numpy().tobytes()).hexdigest()
+    digest = hashlib.sha256(prefill_hash.encode())
     for step in range(args.steps):
         n = buckets[step % len(buckets)]
         meta = build_metadata(list(range(n)), pos[:n], [1] * n, tables[:n], blocks, device)
         logits = compiled.decode(tokens[:n], positions_of(meta), caches, meta)
         if first_step_s is None:
-            _sync(device)
+            bench._sync(device)
             first_step_s = time.perf_counter() - t_start
         tokens[:n] = logits.argmax(-1)
         pos[:n] = [p + 1 for p in pos[:n]]
         h = hashlib.sha256(logits.float().cpu().numpy().tobytes()).hexdigest()
         hashes.append(h)
         digest.update(h.encode())
-    _sync(device)
+    bench._sync(device)
     segments = compiled.compile_cache.segments if compiled.compile_cache else None
     return {"variant": args.variant, "phase": args.child, "device": device, "config": args.config,
             "buckets": buckets, "import_s": round(import_s, 2), "model_s": round(model_s, 2),
@@ -144,7 +139,7 @@ def run_child(args) -> dict:
             # whether Triton's / Inductor's caches went under the cache directory (files there)
             "tool_cache_files": {sub: sum(1 for p in Path(args.cache, sub).rglob("*") if p.is_file())
                                  for sub in ("triton", "inductor")},
-            "prefill_hash": hashlib.sha256(prefill_logits.float().cpu().numpy().tobytes()).hexdigest(),
+            "prefill_hash": prefill_hash,
             "step_hashes": hashes, "hash": digest.hexdigest()}
 
 
