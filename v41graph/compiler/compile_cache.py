@@ -101,6 +101,12 @@ def resolve_dir(compile_cache) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- the key
+def _tuple_code(expressions, filename: str):
+    """One compiled expression that evaluates every expression into a tuple (guards and graph
+    inputs are read thousands at a time: one eval instead of one per expression)."""
+    return compile("(" + "".join(f"({e}),\n" for e in expressions) + ")", filename, "eval")
+
+
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -389,7 +395,7 @@ class _Checks:
         self.passed = weakref.WeakSet()
         self.checks = checks
         names = [c[1] for c in checks]
-        self._values = compile("(" + "".join(f"({n}),\n" for n in names) + ")", "<v41graph guards>", "eval") \
+        self._values = _tuple_code(names, "<v41graph guards>") \
             if names else None
 
     def failure(self, scope: dict) -> str | None:
@@ -462,8 +468,7 @@ class LoadedEntry:
     def __init__(self, entry: Entry, segments: SegmentStore):
         self.entry = entry
         self.graph = LoadedGraph(entry.graph, segments)
-        self._extract = compile("(" + "".join(f"({s}),\n" for s in entry.sources) + ")",
-                                "<v41graph graph inputs>", "eval")
+        self._extract = _tuple_code(entry.sources, "<v41graph graph inputs>")
         self._arg_checks = _Checks(entry.arg_checks)
         self._model_checks = _Checks.of(entry.model_checks)
         self._inputs_ok = weakref.WeakSet()     # models whose tensors passed this entry's checks
@@ -754,7 +759,7 @@ class CompileCache:
         if record.first_args is None or record.gm is None:
             raise NotCacheable("the traced graph did not run in this call")
         # The calling convention, verified: the sources give what AOT handed to the graph.
-        expr = compile("(" + "".join(f"({s}),\n" for s in record.sources) + ")", "<sources>", "eval")
+        expr = _tuple_code(record.sources, "<sources>")
         try:
             found = list(eval(expr, {"__builtins__": builtins}, {"L": scope}))
         except Exception as exc:
