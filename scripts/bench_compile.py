@@ -16,6 +16,8 @@ steps (step i decodes the first b sequences, b cycling through the buckets, so e
 graph runs; the next token is the argmax) and hashes every step's logits. The parent prints a
 table last (and writes bench_compile.json to --out): times, CompiledModel.timings, cache hits,
 and whether the warm run's hashes equal the cold run's (the first differing step if not).
+Children run with torch.use_deterministic_algorithms on unless --nondeterministic (the fused
+wkv + RMSNorm's split-K atomics otherwise make two cold runs differ too).
 
 The children run with TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR unset, so both point under the
 cache directory (compile_cache.point_tool_caches): cold really is cold, and warm keeps the Triton
@@ -56,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=100, help="captured decode steps hashed")
     p.add_argument("--cache-root", default=None, help="cache directories (default: <out>/cache-<variant>)")
     p.add_argument("--child-timeout", type=int, default=480, help="seconds per child process")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="leave torch.use_deterministic_algorithms off (the fused wkv + RMSNorm then "
+                        "sums split-K partials with atomics, so two runs can differ in the last bit)")
     p.add_argument("--out", required=True)
     # internal: one child run
     p.add_argument("--child", choices=("cold", "warm"), help=argparse.SUPPRESS)
@@ -81,6 +86,11 @@ def run_child(args) -> dict:
     from v41graph.model.metadata import build_metadata, positions_of
 
     device = args.device
+    if not args.nondeterministic:
+        # the goal is "bit-identical with deterministic kernels": our kernels and cuBLAS pick
+        # their deterministic paths; uninitialized memory is not filled (that would add kernels)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
     t0 = time.perf_counter()
     model = bench.build_model(args.config, device)
     bench._sync(device)
@@ -149,7 +159,8 @@ def child_command(args, variant: str, phase: str, cache: Path, out: Path) -> lis
            "--cache", str(cache), "--child-out", str(out), "--out", str(out.parent),
            "--config", args.config, "--device", args.device, "--buckets", args.buckets,
            "--prefill", str(args.prefill), "--context", str(args.context), "--steps", str(args.steps)]
-    return cmd + (["--share-bucket-1"] if args.share_bucket_1 else [])
+    return (cmd + (["--share-bucket-1"] if args.share_bucket_1 else [])
+            + (["--nondeterministic"] if args.nondeterministic else []))
 
 
 def compare(cold: dict, warm: dict) -> dict:
