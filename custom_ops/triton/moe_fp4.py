@@ -3,14 +3,18 @@
 
   routing (torch)  reference.pairs_by_expert: the N*topk (token, expert) pairs sorted by
                    expert, group ends as a fixed [E] int32 tensor (no host sync: captures)
+  x quantized     once, per 32 to FP8 (quant_gemm's row kernel; bf16 holds the values exactly),
+                   not once per output tile: at decode sizes the redundant quantization cost
+                   about as many instructions per weight code as the FP4 decode itself
   gate_up kernel   grid (I/BN, E): a program loops over its expert's pairs BM at a time, loads
-                   the tokens' rows (gathered through the pair -> token index), quantizes them
-                   per 32 to FP8 in registers, dequantizes the FP4 tiles of w1 and w3 (same rows)
-                   to bf16 and runs two dots; the epilogue rounds gate and up to x's dtype as
-                   the reference's Linear does, applies the clamped SwiGLU and the routing weight
-                   and stores h (x's dtype). An expert nobody picked reads no weights.
-  down kernel      grid (d/BN, E): h quantized per 32 at load, times w2; each row is stored at
-                   its (token, slot) position (x's dtype, as the reference's w2 returns)
+                   the tokens' quantized rows (gathered through the pair -> token index),
+                   dequantizes the FP4 tiles of w1 and w3 (same rows) to bf16 and runs two dots;
+                   the epilogue rounds gate and up to x's dtype as the reference's Linear does,
+                   applies the clamped SwiGLU and the routing weight, rounds h to x's dtype and
+                   stores it quantized per 32 (w2's input quantization, done once here; exact
+                   in x's dtype). An expert nobody picked reads no weights.
+  down kernel      grid (d/BN, E): the quantized h times w2; each row is stored at its
+                   (token, slot) position (x's dtype, as the reference's w2 returns)
   combine (torch)  the topk slots summed in fp32 in ascending expert order: the loop's order.
 
 Pairs routed to an expert held elsewhere (chosen == E) sort past the last group and stay 0.
@@ -24,7 +28,7 @@ import triton.language as tl
 
 from ..reference import pairs_by_expert
 from .common import _FLOAT_DTYPES, _fp4_weight_tile, _qdq_fp8_blocks
-from .quant_gemm import _block_k, fp8_capable
+from .quant_gemm import _block_k, fp8_capable, quantize_rows
 
 
 @triton.jit
@@ -34,7 +38,7 @@ def _group_bounds(offs_ptr, e):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
+def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
                     HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n, e = tl.program_id(0), tl.program_id(1)
     start, end = _group_bounds(offs_ptr, e)
@@ -50,8 +54,7 @@ def _gate_up_kernel(x_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I,
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, D, BK):
             k = k0 + tl.arange(0, BK)
-            a = tl.load(x_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
-            a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+            a = tl.load(xq_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
             acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
             acc_u = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, up_rows, n_mask, k0, D, BN, BK)), acc_u)
         out_ty = h_ptr.dtype.element_ty
@@ -62,7 +65,8 @@ def _gate_up_kernel(x_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I,
             gate = tl.minimum(gate, limit)
         h = gate / (1.0 + tl.exp(-gate)) * up
         pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
-        h = pw[:, None] * h
+        h = (pw[:, None] * h).to(out_ty).to(tl.float32)
+        h = _qdq_fp8_blocks(h, BM, BN)                # BN is a multiple of 32 and so is I
         tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(out_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
 
@@ -82,7 +86,7 @@ def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
         for k0 in range(0, I, BK):
             k = k0 + tl.arange(0, BK)
             a = tl.load(h_ptr + r[:, None].to(tl.int64) * I + k[None, :], mask=r_mask[:, None], other=0.0)
-            a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+            a = a.to(tl.bfloat16)                     # quantized by the gate_up epilogue: exact
             acc = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, rows, n_mask, k0, I, BN, BK)), acc)
         dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
         tl.store(out_ptr + dest[:, None] * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -121,10 +125,11 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     tok = (perm // k).to(torch.int32)
     bm, bn, bk1, bk2, warps, stages = config or _config(n * k / e)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
-    xc = x.contiguous()
+    assert bn % 32 == 0, "the gate_up epilogue quantizes h per 32 columns of its tile"
+    xq = quantize_rows(x.contiguous())
     h = torch.empty((n * k, i), device=x.device, dtype=x.dtype)
     _gate_up_kernel[(triton.cdiv(i, bn), e)](
-        xc, tok, pair_w[perm].contiguous(), offs, w13, s13, h, d, i, float(limit),
+        xq, tok, pair_w[perm].contiguous(), offs, w13, s13, h, d, i, float(limit),
         HAS_LIMIT=limit > 0, BM=bm, BN=bn, BK=bk1, num_warps=warps, num_stages=stages)
     pairs = torch.zeros((n * k, d), device=x.device, dtype=x.dtype)
     _down_kernel[(triton.cdiv(d, bn), e)](h, perm.to(torch.int32), offs, w2, s2, pairs, d, i,

@@ -3,8 +3,9 @@ block, the activation's FP8 quantization fused in (imported lazily by cuda_impls
 
 Decode and small batches (M < PREFILL_ROWS, or a result that is not bf16): one kernel. A
 program owns a [BM, BN] output tile and a share of K (split-K when the tile grid alone would
-leave SMs idle, as in decode); per BK step it loads the activation tile, quantizes it per 32 in
-registers (common._qdq_fp8_blocks), loads the FP8 weight tile with its block scales,
+leave SMs idle, as in decode); per BK step it loads the activation tile (from
+QUANTIZE_FIRST_ROWS rows on, x quantized once by `quantize_rows`; below, quantized per 32 in
+registers, common._qdq_fp8_blocks, which at one real row is cheaper than a launch), loads the FP8 weight tile with its block scales,
 dequantizes it to bf16 (exact) and accumulates a bf16 tensor-core dot in fp32. Split-K
 partials go to an fp32 workspace [S, M, N] summed by torch in a fixed order (deterministic;
 no atomics), then cast once, as the reference casts once.
@@ -49,7 +50,8 @@ def fp8_capable(device: torch.device) -> bool:
 
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANTIZED: tl.constexpr):
+    """QUANTIZED: x is already FP8-quantized per 32 (quantize_rows); else quantize each tile."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BM + tl.arange(0, BM)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -60,7 +62,10 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
     for k0 in range(k_lo, k_hi, BK):
         k = k0 + tl.arange(0, BK)
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=m_mask[:, None], other=0.0)
-        a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
+        if QUANTIZED:
+            a = a.to(tl.bfloat16)
+        else:
+            a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
         w = _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN, BK)
         acc = tl.dot(a, tl.trans(w), acc)
     out = out_ptr + pid_k.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
@@ -122,6 +127,18 @@ def _qdq_rows_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
 
 
 PREFILL_ROWS = 256   # from here on: dequantize the weight (transient bf16) + cuBLAS
+QUANTIZE_FIRST_ROWS = 17   # from here on the decode kernel reads x quantized once (quantize_rows):
+                           # re-quantizing it in every output tile cost more than the extra launch
+
+
+def quantize_rows(x2: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] (K % 32 == 0) FP8-quantized per 32 (codecs.qdq_fp8_ue8m0's values), as bf16:
+    the values are E4M3 codes times powers of two, which bf16 holds exactly."""
+    m, k = x2.shape
+    bk = _block_k(k, 128)
+    a = torch.empty((m, k), device=x2.device, dtype=torch.bfloat16)
+    _qdq_rows_kernel[(triton.cdiv(m, 32), k // bk)](x2, a, m, k, BM=32, BK=bk, num_warps=4)
+    return a
 
 
 def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -132,10 +149,7 @@ def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     bk = _block_k(k, 128)
     dense = torch.empty((n, k), device=x2.device, dtype=torch.bfloat16)
     _fp8_dequant_kernel[(triton.cdiv(n, 64), k // bk)](weight, scale, dense, n, k, BN=64, BK=bk, num_warps=4)
-    a = torch.empty((x2.shape[0], k), device=x2.device, dtype=torch.bfloat16)
-    _qdq_rows_kernel[(triton.cdiv(x2.shape[0], 32), k // bk)](x2, a, x2.shape[0], k, BM=32, BK=bk,
-                                                               num_warps=4)
-    return torch.nn.functional.linear(a, dense)
+    return torch.nn.functional.linear(quantize_rows(x2), dense)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
@@ -152,8 +166,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     out = torch.empty((split, m, n) if split > 1 else (m, n), device=x.device,
                       dtype=torch.float32 if split > 1 else out_dtype)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    _fp8_linear_kernel[grid](x2, weight, scale, out, m, n, k, k_per_split, BM=bm, BN=bn, BK=bk,
-                             num_warps=warps, num_stages=stages)
+    quantized = m >= QUANTIZE_FIRST_ROWS
+    _fp8_linear_kernel[grid](quantize_rows(x2) if quantized else x2, weight, scale, out, m, n, k, k_per_split,
+                             BM=bm, BN=bn, BK=bk, QUANTIZED=quantized, num_warps=warps, num_stages=stages)
     if split > 1:
         out = out.sum(0).to(out_dtype)
     return out.view(*x.shape[:-1], n)
