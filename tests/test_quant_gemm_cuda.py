@@ -145,6 +145,23 @@ def test_mxfp4_moe_matches_reference(n, k, e, d, i, elsewhere, dtype):
     assert err < (1.5e-2 if dtype == torch.bfloat16 else 2e-3), err
 
 
+def test_mxfp4_moe_every_tile_config():
+    """The tile shapes the table and the sweep use agree with the reference (bf16 activations;
+    12 tokens x top-6 over 16 experts: groups of 0 to ~10 rows)."""
+    g = torch.Generator().manual_seed(11)
+    e, d, i = 16, 512, 256
+    w13, s13 = fp4_stack(e, 2 * i, d, g)
+    w2, s2 = fp4_stack(e, d, i, g)
+    x = activations(12, d, torch.bfloat16, g)
+    weights, chosen = _routing(12, 6, e, g)
+    args = (x, weights, chosen, w13, s13, w2, s2, 10.0)
+    want = ref.mxfp4_moe(*args)
+    for tile in [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 8, 3),
+                 (64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (16, 32, 32, 32, 4, 4)]:
+        err = rel_err(moe_fp4.mxfp4_moe(*args, config=tile), want)
+        assert err < 1.5e-2, (tile, err)
+
+
 def test_mxfp4_moe_unpicked_experts_and_no_limit():
     """Experts nobody picked contribute nothing; limit 0 = plain SwiGLU (no clamp)."""
     g = torch.Generator().manual_seed(9)

@@ -113,47 +113,26 @@ def _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.co
     return _scaled_tile(w.to(tl.float8e4nv, bitcast=True).to(tl.float32), s, BN, BK)
 
 
-# One call converts 4 packed bytes (8 E2M1 codes) in $4 and their 4 scales (bf16 pairs: $5 for
-# bytes 0-1, $6 for bytes 2-3) into the low-nibble values ($0, $1) and the high-nibble values
-# ($2, $3), bf16 pairs. Each byte goes to the low byte of a 16-bit lane (prmt); a code's
-# magnitude bits move to bf16 bits 8:6 and its sign to bit 15, which is the E2M1 value times
-# 2^-126 (E2M1's subnormal 0.5 lands on a bf16 subnormal); two exact bf16x2 FMAs with -0 apply
-# 2^126 and the scale. 26 instructions per 8 codes where the generic decode (fp16 bit moves,
-# fp32 scale, bf16 cast) took ~10 per code: the MXFP4 MoE is bound by this arithmetic (ncu on
-# the H200: ALU the busiest pipe, 71-77 % of issue slots).
-_E2M1_BYTES_PTX = tl.constexpr("""{
-.reg .b32 z, mag, k126, nz, x, t, u;
-mov.b32 z, 0;
-mov.b32 mag, 0x01C001C0;
-mov.b32 k126, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-prmt.b32 x, $4, z, 0x4140;
-shl.b32 t, x, 6;
-shl.b32 u, x, 12;
-and.b32 u, u, 0x80008000;
-lop3.b32 t, t, mag, u, 0xEA;
-fma.rn.bf16x2 t, t, k126, nz;
-fma.rn.bf16x2 $0, t, $5, nz;
-shl.b32 t, x, 2;
-shl.b32 u, x, 8;
-and.b32 u, u, 0x80008000;
-lop3.b32 t, t, mag, u, 0xEA;
-fma.rn.bf16x2 t, t, k126, nz;
-fma.rn.bf16x2 $2, t, $5, nz;
-prmt.b32 x, $4, z, 0x4342;
-shl.b32 t, x, 6;
-shl.b32 u, x, 12;
-and.b32 u, u, 0x80008000;
-lop3.b32 t, t, mag, u, 0xEA;
-fma.rn.bf16x2 t, t, k126, nz;
-fma.rn.bf16x2 $1, t, $6, nz;
-shl.b32 t, x, 2;
-shl.b32 u, x, 8;
-and.b32 u, u, 0x80008000;
-lop3.b32 t, t, mag, u, 0xEA;
-fma.rn.bf16x2 t, t, k126, nz;
-fma.rn.bf16x2 $3, t, $6, nz;
-}""")
+def _e2m1_bytes_ptx() -> str:
+    """PTX for one call over 4 packed bytes (8 E2M1 codes) in $4 and their 4 scales (bf16
+    pairs: $5 for bytes 0-1, $6 for bytes 2-3): the low-nibble values go to $0, $1 and the
+    high-nibble values to $2, $3 (bf16 pairs). Each byte goes to the low byte of a 16-bit lane
+    (prmt); a code's magnitude bits move to bf16 bits 8:6 and its sign to bit 15, which is the
+    E2M1 value times 2^-126 (E2M1's subnormal 0.5 lands on a bf16 subnormal); two exact bf16x2
+    FMAs with -0 apply 2^126 and the scale. 26 instructions per 8 codes where the generic
+    decode (fp16 bit moves, fp32 scale, bf16 cast) took ~10 per code."""
+    lines = [".reg .b32 z, mag, k126, nz, x, t, u;", "mov.b32 z, 0;", "mov.b32 mag, 0x01C001C0;",
+             "mov.b32 k126, 0x7E807E80;", "mov.b32 nz, 0x80008000;"]
+    for pair, (select, scale) in enumerate((("0x4140", "$5"), ("0x4342", "$6"))):
+        lines.append(f"prmt.b32 x, $4, z, {select};")
+        for out, mag_shift, sign_shift in ((pair, 6, 12), (pair + 2, 2, 8)):    # low nibble, high nibble
+            lines += [f"shl.b32 t, x, {mag_shift};", f"shl.b32 u, x, {sign_shift};",
+                      "and.b32 u, u, 0x80008000;", "lop3.b32 t, t, mag, u, 0xEA;",
+                      "fma.rn.bf16x2 t, t, k126, nz;", f"fma.rn.bf16x2 ${out}, t, {scale}, nz;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_E2M1_BYTES_PTX = tl.constexpr(_e2m1_bytes_ptx())
 
 
 @triton.jit

