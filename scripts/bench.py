@@ -409,6 +409,8 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e", action="store_true", help="(--speculative) end-to-end tokens/s with "
                     "reference drafts of a controlled acceptance rate")
     ap.add_argument("--rates", default="0.5,0.7,0.9", help="(--e2e) draft acceptance rates")
+    ap.add_argument("--e2e-only", action="store_true", help="(--speculative) only the end-to-end run: "
+                    "skips the per-part timings, whose captures cost 1.5-2 min per batch on the bench config")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.acceptance = [float(x) for x in args.acceptance.split(",") if x]

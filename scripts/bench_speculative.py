@@ -15,9 +15,10 @@ events around each replay, median of --steps:
   speedup(L) = L * decode_ms / (draft_ms + verify_ms) (the issue's formula) and
                L * decode_ms / step_ms, for L = 3.51 (InferenceX's reference acceptance length of
                5-token DSpark) and the lengths given by --acceptance.
-End to end (--e2e, CUDA only): B requests of 128-token prompts generate 64 tokens, plain engine
-vs the speculative engine with ReferenceDrafts (the plain run's own continuation, each draft
-kept with probability `rate`, so acceptance is controlled); tokens/s over the generate() call
+End to end (--e2e, or --e2e-only without the per-part timings): B requests of
+128-token prompts generate 64 tokens, plain engine vs the speculative engine with
+ReferenceDrafts (the plain run's own continuation, each draft kept with probability `rate`, so
+acceptance is controlled); tokens/s over the generate() call
 after a warm-up run, and whether the speculative output equals the plain one (the lossless
 check: with every draft verified by the target, any difference is a bug or a numerics flip).
 """
@@ -79,7 +80,7 @@ def run(model, batches, context, ks, args, device, log, time_calls, random_bytes
     width, cfg = eng.max_blocks, model.config
     targets = static.targets
     rows = []
-    for b in batches:
+    for b in ([] if args.e2e_only else batches):          # --e2e-only: no per-part timings
         i64 = dict(dtype=torch.int64, device=device)
         slots = torch.arange(b, **i64)
         table = slots[:, None] * width + torch.arange(width, **i64)
@@ -132,13 +133,15 @@ def run(model, batches, context, ks, args, device, log, time_calls, random_bytes
                 f"step {row['step_ms']:.2f} ms (setup {setup_s:.1f} s)")
         static.graphs.clear()
     static.k = max(ks)
-    if args.e2e and device == "cuda":
-        rows += run_e2e(compiled, head, batches, args, log)
+    if args.e2e or args.e2e_only:
+        rows += run_e2e(compiled, head, batches, args, log, device)
     return rows
 
 
-def run_e2e(compiled, head, batches, args, log, prompt_len: int = 128, new: int = 64) -> list[dict]:
+def run_e2e(compiled, head, batches, args, log, device: str, prompt_len: int = 128,
+            new: int = 64) -> list[dict]:
     cfg = compiled.config
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     for b in batches:
         g = torch.Generator().manual_seed(b)
@@ -147,10 +150,10 @@ def run_e2e(compiled, head, batches, args, log, prompt_len: int = 128, new: int 
 
         def timed(eng):
             eng.generate(prompts[:1], SamplingParams(max_tokens=8))      # warm-up (captures)
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             outs = [o.token_ids for o in eng.generate(prompts, params)]
-            torch.cuda.synchronize()
+            sync()
             return outs, time.perf_counter() - t0
         kw = dict(block_size=BLOCK, max_num_batched_tokens=max(4096, b * 8))
         plain, t_plain = timed(Engine(compiled, b, prompt_len + new + 16, **kw))
