@@ -130,11 +130,21 @@ def _indexer_scores(q, weights, key_cache, key_scale, rows, visible):
     return ref.indexer_scores(q, weights, ref.gather_index_k(key_cache, key_scale, rows, q.dtype), visible)
 
 
+def _topk_ascending(scores, k):
+    """reference.topk_ascending's ids: one Triton launch (a bitwise select in registers, no
+    sort) where supported, else torch's two sorts."""
+    tk = triton_module("indexer")
+    if tk is not None and tk.topk_ascending_supported(scores, k):
+        return tk.topk_ascending(scores, k)
+    return ref.topk_ascending(scores, k)
+
+
 @torch.library.register_kernel(f"{_NS}::indexer_topk", "cuda")
 def _indexer_topk_cuda(q, weights, key_cache, key_scale, key_rows, visible, topk,
                        candidate_block_size, candidate_keep_blocks):
     scores = _indexer_scores(q, weights, key_cache, key_scale, key_rows, visible)
-    return ref.select_from_scores(scores, visible, topk, candidate_block_size, candidate_keep_blocks)
+    return (_topk_ascending(scores, topk),
+            ref.candidate_positions(scores, visible, candidate_block_size, candidate_keep_blocks))
 
 
 @torch.library.register_kernel(f"{_NS}::indexer_topk_candidates", "cuda")
@@ -142,4 +152,4 @@ def _indexer_topk_candidates_cuda(q, weights, key_cache, key_scale, candidate_ro
                                   candidate_positions, topk):
     listed = ref.listed_candidates(candidate_rows, candidate_positions)
     scores = _indexer_scores(q, weights, key_cache, key_scale, candidate_rows, listed)
-    return ref.topk_over_candidates(scores, candidate_positions, topk)
+    return ref.topk_over_candidates(scores, candidate_positions, topk, select=_topk_ascending)

@@ -368,7 +368,8 @@ def listed_candidates(candidate_rows: torch.Tensor, candidate_positions: torch.T
     return (candidate_rows >= 0) & (candidate_positions >= 0)
 
 
-def topk_over_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+def topk_over_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int,
+                         select=None) -> torch.Tensor:
     """`topk_ascending` over the columns of a compact candidate list, mapped back to compressed
     positions: scores [N, P] (-inf where the entry is empty), positions [N, P] ascending with -1
     at the end -> [N, k] positions, ascending, -1 padded.
@@ -376,11 +377,12 @@ def topk_over_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) 
     Equal to `topk_ascending` over the full [N, C] scores with -inf outside the candidates: the
     list is in ascending position order, so column order is position order, the stable sort
     gives ties to the lower position in both, and mapping ascending columns through an
-    ascending list keeps the result ascending."""
+    ascending list keeps the result ascending. `select` computes topk_ascending's ids (a
+    kernel's; default topk_ascending)."""
     n, p = positions.shape
     if p == 0:
         return torch.full((n, k), -1, dtype=torch.int64, device=positions.device)
-    cols = topk_ascending(scores, k)
+    cols = (select or topk_ascending)(scores, k)
     return torch.where(cols >= 0, positions.gather(1, cols.clamp_min(0)), -1)
 
 

@@ -20,6 +20,8 @@ Needs a CUDA GPU and Triton. Everything is measured side by side in one process:
     rank (48 experts, top-6) vs the model's bf16 torch._grouped_mm path;
   - lightning indexer, decode: a Reindex layer (the P = 16384 listed candidates) vs a Full layer
     (all C positions) at contexts 64K..512K; the Reindex time must not grow with C.
+  - indexer top-k (--only topk): the one-launch top-512 select vs torch's sorts, N = 1..64,
+    C = 2048..16384.
 Each fast result is checked against its baseline before it is timed. Prints a short table last;
 writes bench.log, bench.json and bench_ops.md (the docs section) to --out (default $OUT).
 """
@@ -567,6 +569,26 @@ def bench_mxfp4_moe(bw, quick):
                     err=rel(got_b, want) if want is not None else None, bw=bw)
 
 
+# =============================================================================== indexer top-k
+def bench_topk(indexer, quick):
+    """The lightning indexer's top-512 selection over [N, C] scores: the one-launch Triton select
+    (indexer.topk_ascending) vs reference.topk_ascending (torch's two sorts, what ran before it),
+    the same ids checked first; N = 1 / 8 / 64 tokens, C = 2048 / 8192 / 16384 compressed
+    positions (8192 = a 32K context at ratio 4). CUDA-graph replay (both capture)."""
+    from v41graph.custom_ops import reference as ref
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n in ((64,) if quick else (1, 8, 64)):
+        for c in ((8192,) if quick else (2048, 8192, 16384)):
+            s = torch.randn(n, c, device="cuda", generator=g)
+            s[:, c // 2:][torch.rand(n, c - c // 2, device="cuda", generator=g) < 0.5] = float("-inf")
+            assert torch.equal(indexer.topk_ascending(s, 512), ref.topk_ascending(s, 512))
+            shape = f"top-512 of N={n} x C={c}"
+            t_ref = gbench([lambda: ref.topk_ascending(s, 512)])
+            row("indexer_topk", shape, "torch: sort + sort (reference)", t_ref)
+            row("indexer_topk", shape, "triton: bitwise select + compaction, 1 launch",
+                gbench([lambda: indexer.topk_ascending(s, 512)]), base_us=t_ref)
+
+
 # =============================================================================== main
 def main():
     global LOG
@@ -603,6 +625,7 @@ def main():
                 ("attn", lambda: bench_attention(attention, d2d, args.quick)),
                 ("engram", lambda: bench_engram(engram, d2d, h2d, args.quick)),
                 ("indexer", lambda: bench_indexer(indexer, d2d, args.quick)),
+                ("topk", lambda: bench_topk(indexer, args.quick)),
                 ("ratio2", lambda: bench_ratio2(compressor, d2d, args.quick)),
                 ("fp8", lambda: bench_fp8_linear(d2d, args.quick)),
                 ("mxfp4", lambda: bench_mxfp4_moe(d2d, args.quick))]

@@ -405,6 +405,29 @@ def test_indexer_scores_bit_identical(n, h, d, c, dtype):
     assert torch.equal(indexer.indexer_scores(*args, f32_dot=True).cpu(), want)
 
 
+@pytest.mark.parametrize("n,c,k", [(3, 100, 10), (2, 64, 64), (2, 50, 80), (64, 8192, 512), (4, 16384, 512),
+                                   (2, 17, 1), (8, 2048, 512)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "mostly_inf", "one_finite", "signed_zeros"])
+def test_topk_ascending_kernel_selects_the_reference_ids(n, c, k, kind):
+    """The one-launch select returns reference.topk_ascending's ids exactly: ties to the lower
+    column, -inf entries as -1 at the end, k > C padded, -0 ranked equal to +0."""
+    g = torch.Generator().manual_seed(n * 131 + c + k)
+    s = torch.randn(n, c, generator=g)
+    if kind == "ties":
+        s = torch.randint(0, 5, (n, c), generator=g).float()
+    elif kind == "mostly_inf":
+        s[torch.rand(n, c, generator=g) < 0.7] = float("-inf")
+    elif kind == "one_finite":
+        s[:] = float("-inf")
+        s[0, c // 2] = 1.0
+    elif kind == "signed_zeros":
+        s = torch.zeros(n, c)
+        s[:, ::3] = -0.0
+        s[:, 1::7] = -1.0
+    assert indexer.topk_ascending_supported(s.to(DEV), k)
+    assert torch.equal(indexer.topk_ascending(s.to(DEV), k).cpu(), ref.topk_ascending(s, k))
+
+
 def test_indexer_ops_with_kernel_match_reference():
     """indexer_topk / indexer_topk_candidates on CUDA (scores from the Triton kernel) give the
     reference's ids (same scores bit for bit, same selection code)."""

@@ -15,6 +15,7 @@ by tests/test_kernels_cuda.py.
   cache_writes  window_kv_write, global_kv_write, index_k_write, fake_quant
   attention     sparse_attention over the FP8 window ring and the FP4 global cache (+ combine)
   indexer       indexer_scores: lightning-indexer scores from the FP4 index keys in place
+                and topk_ascending: their top-k ids in one launch (no sort)
   engram        engram_gather from a device or pinned host table
   mhc           mhc_sinkhorn: the mHC predictor's Sinkhorn rounds in registers
   compressor    ratio2_compressor (pooling, RMSNorm, state-ring write after cuBLAS projections)

@@ -2,7 +2,10 @@
 
   indexer_scores      [N, C] scores of reference.indexer_scores, bit for bit, reading the FP4
                       index keys (E2M1 + UE8M0 per 32) in place from the paged cache: no [N, C, D]
-                      gather. indexer_topk / indexer_topk_candidates select from them in torch.
+                      gather.
+  topk_ascending      reference.topk_ascending's ids (the top-k of every row, ties to the lower
+                      column, ascending) in one launch: a bitwise select in registers, no sort.
+                      indexer_topk's candidate blocks are still chosen in torch.
 """
 from __future__ import annotations
 
@@ -101,4 +104,55 @@ def indexer_scores(q, weights, key_cache, key_scale, key_rows, visible, *, block
         # no fused multiply-add: in fp32 `relu(dot) * w` then the head sum would contract into
         # FMAs (one rounding instead of two) and differ from the reference in the last bit
         enable_fp_fusion=False)
+    return out
+
+
+# =============================================================================== top-k selection
+TOPK_MAX_COLUMNS = 16384   # a row lives in one program's registers (32 values per thread)
+
+
+@triton.jit
+def _topk_ascending_kernel(s_ptr, out_ptr, C, K, stride, BC: tl.constexpr, KP: tl.constexpr):
+    """Row n (program axis 0) of reference.topk_ascending: the column ids of the K largest of
+    scores[n, :C], ties to the lower column, in ascending order, then -1 (for -inf entries and
+    padding). The row is held in registers; the K-th largest value is found bit by bit (32
+    counting passes over an order-preserving integer key), then the selected columns are
+    compacted in column order with a prefix sum: no sort, one launch for all rows. NaN scores
+    are not expected (the reference's sort would rank them first)."""
+    n = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BC)
+    x = tl.load(s_ptr + n * stride + c, mask=c < C, other=float("-inf")) + 0.0   # -0 -> +0, as sort compares
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)     # int32 in the floats' order: negatives' magnitude flipped
+    finite = x > float("-inf")
+    # the K-th largest key = the largest t with count(key >= t) >= K: its sign first, then its
+    # bits from the top (t | bit only grows t, for negative t too)
+    kth = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= K, 0, -2147483648)
+    for b in tl.static_range(31):
+        candidate = kth | (1 << (30 - b))
+        kth = tl.where(tl.sum((key >= candidate).to(tl.int32), axis=0) >= K, candidate, kth)
+    above = key > kth
+    tied = key == kth
+    tie_rank = tl.cumsum(tied.to(tl.int32), axis=0) - tied.to(tl.int32)     # among ties, in column order
+    take = (above | (tied & (tie_rank < K - tl.sum(above.to(tl.int32), axis=0)))) & finite
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_ptr + n * K + slot, c.to(tl.int64), mask=take)
+    j = tl.arange(0, KP)
+    tl.store(out_ptr + n * K + j, tl.full([KP], -1, tl.int64), mask=(j < K) & (j >= tl.sum(take.to(tl.int32), axis=0)))
+
+
+def topk_ascending_supported(scores: torch.Tensor, k: int) -> bool:
+    return (scores.is_cuda and scores.dim() == 2 and scores.dtype == torch.float32 and k >= 1
+            and 0 < scores.shape[1] <= TOPK_MAX_COLUMNS and scores.stride(1) == 1)
+
+
+def topk_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """reference.topk_ascending, the same ids: [N, C] fp32 scores -> [N, k] int64."""
+    n, c = scores.shape
+    out = torch.empty((n, k), dtype=torch.int64, device=scores.device)
+    if n == 0:
+        return out
+    bc = triton.next_power_of_2(c)
+    _topk_ascending_kernel[(n,)](scores, out, c, k, scores.stride(0), BC=bc,
+                                 KP=triton.next_power_of_2(k), num_warps=max(4, min(16, bc // 512)))
     return out
