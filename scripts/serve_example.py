@@ -5,6 +5,7 @@ CPU by default, or the bench model (real widths, scripts/bench.py's build_model)
                                     [--spec K [--schedule fixed|confidence]]
                                     [--prefill auto|full|replay] [--rebuild-metadata]
     python scripts/serve_example.py --config bench --device cuda --compile --batch 32 [--eager-prefill]
+                                    [--compile-cache DIR]     # run twice: the second start is warm
 
 Requests arrive a few per engine step (Poisson-ish), with prompt lengths 4..64, 4..32 new
 tokens, half greedy and half sampled (temperature / top-p, per-request seeds), some with stop
@@ -41,6 +42,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="run through v41graph.compile (slow warm-up)")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR",
+                    help="with --compile: the persistent compile cache (a second run loads instead of tracing)")
     ap.add_argument("--eager-prefill", action="store_true",
                     help="with --compile: prefill / mixed steps run the eager model (one trace, "
                          "the decode graph, instead of two or three)")
@@ -54,6 +57,8 @@ def main():
     args = ap.parse_args()
     if args.eager_prefill and not args.compile:
         ap.error("--eager-prefill only applies with --compile")
+    if args.compile_cache and not args.compile:
+        ap.error("--compile-cache only applies with --compile")
     torch.set_num_threads(args.threads)
     if args.config == "tiny":
         cfg = v41graph.V41Config.tiny()
@@ -68,7 +73,8 @@ def main():
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(args.batch, 1))
     t_compile = time.perf_counter()
     runner = v41graph.compile(model, batch_sizes=buckets, share_decode_graph="all",
-                              compile_prefill=not args.eager_prefill) if args.compile else model
+                              compile_prefill=not args.eager_prefill,
+                              compile_cache=args.compile_cache) if args.compile else model
     spec_kw = {}
     if args.spec:
         from v41graph.model.dspark import DSparkHead

@@ -506,7 +506,11 @@ def test_serve_compile_option_compiles_every_bucket_before_serving(tiny_checkpoi
     srv, app = build_server(args)
     engine = app.state.engine_loop.engine
     assert isinstance(engine.model, FakeCompiled)
-    assert seen["compile"] == {"batch_sizes": (1, 2, 4, 8), "share_decode_graph": "all", "compile_prefill": False}
+    assert seen["compile"] == {"batch_sizes": (1, 2, 4, 8), "share_decode_graph": "all", "compile_prefill": False,
+                               "compile_cache": None}
     assert seen["warmup"] == (engine.caches, engine.max_blocks)
-    with pytest.raises(ValueError, match="--compile-prefill only applies with --compile"):
-        build_server(_parser().parse_args(["serve", str(tiny_checkpoint), "--compile-prefill"]))
+    build_server(_parser().parse_args(["serve", str(tiny_checkpoint), "--compile", "--compile-cache", "/tmp/cc"]))
+    assert seen["compile"]["compile_cache"] == "/tmp/cc"
+    for flag in (["--compile-prefill"], ["--compile-cache", "/tmp/cc"]):
+        with pytest.raises(ValueError, match=f"{flag[0]} only applies with --compile"):
+            build_server(_parser().parse_args(["serve", str(tiny_checkpoint), *flag]))

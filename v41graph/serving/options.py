@@ -37,6 +37,9 @@ def add_serve_arguments(p) -> None:
                         "bucket compiled before the server starts listening (slow start)")
     p.add_argument("--compile-prefill", action="store_true",
                    help="with --compile: prefill and mixed steps compiled too (default: eager)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="with --compile: the persistent compile cache (default $V41GRAPH_COMPILE_CACHE): "
+                        "a restart loads the traced graphs from DIR instead of tracing them again")
     p.add_argument("--parallel", default=None, metavar="tp=N,dp=N,ep=N",
                    help="run as one rank of a torchrun job over this layout (e.g. tp=2,ep=2: "
                         "torchrun --nproc-per-node 2 -m v41graph.tools.cli serve --parallel tp=2,ep=2 ...): "

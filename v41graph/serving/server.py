@@ -352,12 +352,13 @@ def decode_buckets(max_batch_size: int) -> tuple:
     return tuple(buckets)
 
 
-def compiled_for_serving(model, max_batch_size: int, compile_prefill: bool = False):
+def compiled_for_serving(model, max_batch_size: int, compile_prefill: bool = False, compile_cache=None):
     """The model through v41graph.compile for `serve --compile`: decode buckets up to the batch
-    size, one shared trace for all of them; prefill eager unless asked (its shapes vary)."""
+    size, one shared trace for all of them; prefill eager unless asked (its shapes vary);
+    `compile_cache` a directory (None: $V41GRAPH_COMPILE_CACHE, if set)."""
     import v41graph
     return v41graph.compile(model, batch_sizes=decode_buckets(max_batch_size), share_decode_graph="all",
-                            compile_prefill=compile_prefill)
+                            compile_prefill=compile_prefill, compile_cache=compile_cache)
 
 
 def build_server(args, model=None):
@@ -370,9 +371,12 @@ def build_server(args, model=None):
 
     if model is None:
         model = from_pretrained(args.checkpoint, numerics=args.numerics, device=args.device)
-    if args.compile_prefill and not args.compile:
-        raise ValueError("--compile-prefill only applies with --compile")
-    runner = compiled_for_serving(model, args.max_batch_size, args.compile_prefill) if args.compile else model
+    for flag in ("compile_prefill", "compile_cache"):
+        if getattr(args, flag, None) and not args.compile:
+            raise ValueError(f"--{flag.replace('_', '-')} only applies with --compile")
+    t0 = time.perf_counter()
+    runner = (compiled_for_serving(model, args.max_batch_size, args.compile_prefill, getattr(args, "compile_cache", None))
+              if args.compile else model)
     engine = Engine(runner, args.max_batch_size, args.max_seq_len, block_size=args.block_size,
                     num_blocks=args.num_blocks)
     if args.compile:     # compile (and capture) every decode bucket before the first request
@@ -380,6 +384,9 @@ def build_server(args, model=None):
             engine.spmd.warmup(engine.max_blocks)
         else:
             runner.warmup(engine.caches, engine.max_blocks)
+        cache = getattr(runner, "compile_cache", None)
+        log.info("decode buckets %s compiled and captured in %.1f s%s", runner.batch_sizes,
+                 time.perf_counter() - t0, f" (compile cache {cache.root}: {dict(runner.timings)})" if cache else "")
     name = args.served_model_name or Path(args.checkpoint).resolve().name
     app = build_app(engine, name)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
