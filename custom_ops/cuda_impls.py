@@ -144,7 +144,8 @@ def _indexer_topk_cuda(q, weights, key_cache, key_scale, key_rows, visible, topk
                        candidate_block_size, candidate_keep_blocks):
     scores = _indexer_scores(q, weights, key_cache, key_scale, key_rows, visible)
     return (_topk_ascending(scores, topk),
-            ref.candidate_positions(scores, visible, candidate_block_size, candidate_keep_blocks))
+            ref.candidate_positions(scores, visible, candidate_block_size, candidate_keep_blocks,
+                                    select=_topk_ascending))
 
 
 @torch.library.register_kernel(f"{_NS}::indexer_topk_candidates", "cuda")

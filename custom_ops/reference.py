@@ -282,12 +282,9 @@ def candidate_pool_size(capacity, block_size: int, keep_blocks: int):
     return torch.sym_min(pool, capacity) if isinstance(capacity, torch.SymInt) else min(pool, capacity)
 
 
-def _top_blocks(scores: torch.Tensor, visible_count: torch.Tensor, block_size: int,
-                keep_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block selection behind the candidates: block score = max over `block_size`
-    consecutive compressed positions, the block holding the newest visible position pinned to
-    +inf, stable descending sort (ties to the lower block id), first min(keep_blocks, n_blocks).
-    Returns (block ids [N, k], kept [N, k] bool: the block's score is finite or pinned)."""
+def _block_scores(scores: torch.Tensor, visible_count: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[N, n_blocks] fp32: the max over each `block_size` consecutive compressed positions, the
+    block holding the newest visible position pinned to +inf."""
     n, c = scores.shape
     n_blocks = (c + block_size - 1) // block_size
     padded = torch.nn.functional.pad(scores.float(), (0, n_blocks * block_size - c), value=float("-inf"))
@@ -295,8 +292,16 @@ def _top_blocks(scores: torch.Tensor, visible_count: torch.Tensor, block_size: i
     newest = ((visible_count - 1).clamp_min(0) // block_size).unsqueeze(-1)
     has_visible = (visible_count > 0).unsqueeze(-1)
     block_ids = torch.arange(n_blocks, device=scores.device).unsqueeze(0)
-    block_score = torch.where((block_ids == newest) & has_visible, float("inf"), block_score)
-    k = min(keep_blocks, n_blocks)
+    return torch.where((block_ids == newest) & has_visible, float("inf"), block_score)
+
+
+def _top_blocks(scores: torch.Tensor, visible_count: torch.Tensor, block_size: int,
+                keep_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block selection behind the candidates: `_block_scores`, stable descending sort
+    (ties to the lower block id), first min(keep_blocks, n_blocks). Returns (block ids [N, k],
+    kept [N, k] bool: the block's score is finite or pinned)."""
+    block_score = _block_scores(scores, visible_count, block_size)
+    k = min(keep_blocks, block_score.shape[1])
     order = torch.sort(block_score, dim=-1, descending=True, stable=True).indices[:, :k]
     return order, block_score.gather(1, order) > float("-inf")
 
@@ -316,22 +321,26 @@ def candidate_block_mask(scores: torch.Tensor, visible_count: torch.Tensor, bloc
 
 
 def candidate_positions(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
-                        keep_blocks: int) -> torch.Tensor:
+                        keep_blocks: int, select=None) -> torch.Tensor:
     """The compact candidate list: the positions of `candidate_block_mask(scores,
     visible.sum(-1), block_size, keep_blocks) & visible`, in ascending order, -1 padded at the
     end, fixed width P = candidate_pool_size(C, block_size, keep_blocks) (the kept blocks hold
     at most P positions below C, so nothing is cut off).
 
     scores [N, C] (-inf where invisible), visible [N, C] bool -> [N, P] int64.
-    Built from the k <= keep_blocks chosen blocks, so after the block top-k it costs O(P).
+    Built from the k <= keep_blocks chosen blocks, so after the block top-k it costs O(P). The
+    kept blocks in ascending order are `topk_ascending` over the block scores (the same stable
+    descending order, then ascending ids, -1 for blocks that are not kept); `select` computes
+    it (a kernel's; default topk_ascending).
     """
     n, c = scores.shape
     width = candidate_pool_size(c, block_size, keep_blocks)
     if width == 0:
         return torch.full((n, 0), -1, dtype=torch.int64, device=scores.device)
-    order, kept = _top_blocks(scores, visible.sum(-1), block_size, keep_blocks)
-    n_blocks = (c + block_size - 1) // block_size
-    blocks = torch.where(kept, order, n_blocks).sort(dim=-1).values           # ascending, unkept last
+    block_score = _block_scores(scores, visible.sum(-1), block_size)
+    n_blocks = block_score.shape[1]
+    blocks = (select or topk_ascending)(block_score, min(keep_blocks, n_blocks))
+    blocks = torch.where(blocks >= 0, blocks, n_blocks)                       # ascending, unkept last
     pos = (blocks.unsqueeze(-1) * block_size
            + torch.arange(block_size, device=scores.device)).flatten(1)       # [N, k*bs] ascending
     ok = (blocks < n_blocks).repeat_interleave(block_size, dim=1) & (pos < c)

@@ -5,7 +5,7 @@
                       gather.
   topk_ascending      reference.topk_ascending's ids (the top-k of every row, ties to the lower
                       column, ascending) in one launch: a bitwise select in registers, no sort.
-                      indexer_topk's candidate blocks are still chosen in torch.
+                      Also picks indexer_topk's candidate blocks (over the block scores).
 """
 from __future__ import annotations
 
