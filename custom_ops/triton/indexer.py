@@ -121,8 +121,9 @@ def _topk_ascending_kernel(s_ptr, out_ptr, C, K, stride, BC: tl.constexpr, KP: t
     are not expected (the reference's sort would rank them first)."""
     n = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
-    x = tl.load(s_ptr + n * stride + c, mask=c < C, other=float("-inf")) + 0.0   # -0 -> +0, as sort compares
+    x = tl.load(s_ptr + n * stride + c, mask=c < C, other=float("-inf"))
     bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)      # -0 as +0: the sort compares them equal
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)     # int32 in the floats' order: negatives' magnitude flipped
     finite = x > float("-inf")
     # the K-th largest key = the largest t with count(key >= t) >= K: its sign first, then its
