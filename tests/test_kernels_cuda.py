@@ -407,10 +407,11 @@ def test_indexer_scores_bit_identical(n, h, d, c, dtype):
 
 @pytest.mark.parametrize("n,c,k", [(3, 100, 10), (2, 64, 64), (2, 50, 80), (64, 8192, 512), (4, 16384, 512),
                                    (2, 17, 1), (8, 2048, 512)])
-@pytest.mark.parametrize("kind", ["randn", "ties", "mostly_inf", "one_finite", "signed_zeros"])
+@pytest.mark.parametrize("kind", ["randn", "ties", "mostly_inf", "one_finite", "signed_zeros", "pinned_inf"])
 def test_topk_ascending_kernel_selects_the_reference_ids(n, c, k, kind):
     """The one-launch select returns reference.topk_ascending's ids exactly: ties to the lower
-    column, -inf entries as -1 at the end, k > C padded, -0 ranked equal to +0."""
+    column, -inf entries as -1 at the end, k > C padded, -0 ranked equal to +0, +inf (the
+    candidate blocks' pinned newest block) first."""
     g = torch.Generator().manual_seed(n * 131 + c + k)
     s = torch.randn(n, c, generator=g)
     if kind == "ties":
@@ -424,6 +425,9 @@ def test_topk_ascending_kernel_selects_the_reference_ids(n, c, k, kind):
         s = torch.zeros(n, c)
         s[:, ::3] = -0.0
         s[:, 1::7] = -1.0
+    elif kind == "pinned_inf":
+        s[:, c - 1] = float("inf")
+        s[:, : c // 3] = float("-inf")
     assert indexer.topk_ascending_supported(s.to(DEV), k)
     assert torch.equal(indexer.topk_ascending(s.to(DEV), k).cpu(), ref.topk_ascending(s, k))
 
