@@ -415,6 +415,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.acceptance = [float(x) for x in args.acceptance.split(",") if x]
     args.rates = [float(x) for x in args.rates.split(",") if x]
+    if (args.e2e or args.e2e_only) and not args.speculative:
+        ap.error("--e2e / --e2e-only only apply with --speculative K,..")
     device = args.device
     batches = sorted(int(b) for b in args.batches.split(","))
     contexts = sorted(int(c) for c in args.contexts.split(","))

@@ -16,8 +16,9 @@ steps (step i decodes the first b sequences, b cycling through the buckets, so e
 graph runs; the next token is the argmax) and hashes every step's logits. The parent prints a
 table last (and writes bench_compile.json to --out): times, CompiledModel.timings, cache hits,
 and whether the warm run's hashes equal the cold run's (the first differing step if not).
-Children run with torch.use_deterministic_algorithms on unless --nondeterministic (the fused
-wkv + RMSNorm's split-K atomics otherwise make two cold runs differ too).
+Children run with torch.use_deterministic_algorithms on unless --nondeterministic: the fused
+wkv + RMSNorm's split-K atomics are not run-to-run deterministic, which is the likely (not yet
+shown) cause of the ninth session's warm-vs-cold difference.
 
 The children run with TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR unset, so both point under the
 cache directory (compile_cache.point_tool_caches): cold really is cold, and warm keeps the Triton

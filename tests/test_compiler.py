@@ -225,8 +225,8 @@ def test_p1_count_matches_ratio1_compressors_in_checkpoint_format():
     """With the released formats in reference numerics (FP8 wkv / wq_a run as blockwise FP8
     GEMMs, not Linear), the pairs left are the dense ones: the ratio-1 compressor and the
     indexer's wk -> k_norm in each Full layer. Three layers (window, Full ratio 2, Full ratio 1)
-    hold every case the count depends on; the blockwise GEMMs make the whole tiny model's
-    trace cost ~3 CPU minutes."""
+    hold the cases that add fusions (Reuse and Reindex layers, which add none, are left out:
+    the blockwise GEMMs make the whole tiny model's trace cost ~3 CPU minutes)."""
     cfg = v41graph.V41Config.tiny(weight_format="checkpoint", num_hidden_layers=3, compress_ratios=[0, 2, 1, 0, 0, 0],
                                   kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2],
                                   candidate_source_layer_id=2, engram_layer_ids=[1], engram_num_embeddings=[280],

@@ -118,7 +118,8 @@ def _topk_ascending_kernel(s_ptr, out_ptr, C, K, stride, BC: tl.constexpr, KP: t
     padding). The row is held in registers; the K-th largest value is found bit by bit (32
     counting passes over an order-preserving integer key), then the selected columns are
     compacted in column order with a prefix sum: no sort, one launch for all rows. NaN scores
-    are not expected (the reference's sort would rank them first)."""
+    are not expected: +NaN ranks first, as in the reference's sort, but a NaN with the sign bit
+    set ranks below -inf here (the sort puts every NaN first)."""
     n = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
     x = tl.load(s_ptr + n * stride + c, mask=c < C, other=float("-inf"))
