@@ -141,6 +141,7 @@ class AttentionMetadata:
 
 _TENSOR_FIELDS = tuple(f for f in fields(AttentionMetadata) if f.metadata)
 
+
 def upload(host: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on `device`; on CUDA through pinned memory, asynchronously (no wait for the
     kernels already queued: a blocking host-to-device copy would stall the host until they end)."""

@@ -65,6 +65,7 @@ from typing import Sequence
 import torch
 
 from v41graph.model.metadata import upload
+
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 

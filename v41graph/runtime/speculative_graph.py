@@ -76,11 +76,9 @@ class SpecStepInputs:
     FLOAT_COLS = ("temperature", "top_p", "top_k", "min_p")
 
     def __init__(self, rows: int, max_blocks: int, device):
-        self.rows, self.max_blocks = rows, max_blocks
-        # one packed upload per dtype, then each field its own contiguous buffer: the verify
-        # graph guards on its inputs' strides, so strided column views would trace it again
-        self.ints = torch.zeros(rows, len(self.INT_COLS) + max_blocks, dtype=torch.int64, device=device)
-        self.floats = torch.zeros(rows, len(self.FLOAT_COLS), dtype=torch.float32, device=device)
+        self.rows, self.max_blocks, self.device = rows, max_blocks, device
+        # each field its own contiguous buffer (the verify graph guards on its inputs' strides,
+        # so strided column views of one packed buffer would trace it again)
         for name in self.INT_COLS + self.FLOAT_COLS:
             dtype = torch.int64 if name in self.INT_COLS else torch.float32
             setattr(self, name, torch.zeros(rows, dtype=dtype, device=device))
@@ -89,13 +87,12 @@ class SpecStepInputs:
     def load(self, ints: torch.Tensor, floats: torch.Tensor) -> None:
         """Host tensors [rows, ...] (padding rows included) -> the buffers: one upload per
         dtype, then device-side copies into the fields."""
-        self.ints.copy_(upload(ints, self.ints.device))
-        self.floats.copy_(upload(floats, self.floats.device))
+        ints, floats = upload(ints, self.device), upload(floats, self.device)
         for j, name in enumerate(self.INT_COLS):
-            getattr(self, name).copy_(self.ints[:, j])
-        self.block_table.copy_(self.ints[:, len(self.INT_COLS):])
+            getattr(self, name).copy_(ints[:, j])
+        self.block_table.copy_(ints[:, len(self.INT_COLS):])
         for j, name in enumerate(self.FLOAT_COLS):
-            getattr(self, name).copy_(self.floats[:, j])
+            getattr(self, name).copy_(floats[:, j])
 
 
 class SpecStepGraph:
