@@ -17,10 +17,12 @@ events around each replay, median of --steps:
                5-token DSpark) and the lengths given by --acceptance.
 End to end (--e2e, or --e2e-only without the per-part timings): B requests of
 128-token prompts generate 64 tokens, plain engine vs the speculative engine with
-ReferenceDrafts (the plain run's own continuation, each draft kept with probability `rate`, so
-acceptance is controlled); tokens/s over the generate() call
-after a warm-up run, and whether the speculative output equals the plain one (the lossless
-check: with every draft verified by the target, any difference is a bug or a numerics flip).
+ReferenceDrafts (the expected continuation, each draft kept with probability `rate`, so
+acceptance is controlled; rate 0 = every draft rejected); tokens/s over the generate() call
+after a warm-up run. The random weights are made decisive first
+(make_greedy_successor_a_permutation_: greedy token t is followed by a fixed permutation of t,
+by a margin rounding cannot flip), so the expected output is known and every run, plain and
+speculative, is checked against it (the lossless check).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import v41graph
 from v41graph.model.dspark import DSparkHead
 from v41graph.model.layers import default_dtype
 from v41graph.model.metadata import AttentionMetadata
-from v41graph.model.model import init_random_weights_
+from v41graph.model.model import init_random_weights_, make_greedy_successor_a_permutation_
 from v41graph.runtime.engine import Engine
 from v41graph.runtime.sampling import SamplingParams
 from v41graph.runtime.speculative import SpecConfig
@@ -63,9 +65,12 @@ def build_head(model, device: str) -> DSparkHead:
 
 def run(model, batches, context, ks, args, device, log, time_calls, random_bytes) -> list[dict]:
     head = build_head(model, device)
+    next_id = None
+    if args.e2e or args.e2e_only:     # before compiling: the graphs see the final weights
+        next_id = make_greedy_successor_a_permutation_(model, torch.Generator(device=device).manual_seed(2))
     compiled = v41graph.compile(model, backend="auto", batch_sizes=batches)
     if args.e2e_only:                 # the e2e engines build their own caches
-        return run_e2e(compiled, head, batches, args, log, device)
+        return run_e2e(compiled, head, batches, args, log, device, next_id)
     eng = Engine(compiled, max(batches), context + 16, block_size=BLOCK,
                  max_num_batched_tokens=max(batches) * (max(ks) + 1) + 1024,
                  speculative=SpecConfig(num_draft=max(ks)), draft_head=head)
@@ -136,44 +141,63 @@ def run(model, batches, context, ks, args, device, log, time_calls, random_bytes
         static.graphs.clear()
     static.k = max(ks)
     if args.e2e:
-        rows += run_e2e(compiled, head, batches, args, log, device)
+        rows += run_e2e(compiled, head, batches, args, log, device, next_id)
     return rows
 
 
-def run_e2e(compiled, head, batches, args, log, device: str, prompt_len: int = 128,
-            new: int = 64) -> list[dict]:
+def _successors(next_id: torch.Tensor, last: int, n: int) -> list[int]:
+    """The n greedy tokens after `last` of a model built by make_greedy_successor_a_permutation_."""
+    out = []
+    for _ in range(n):
+        last = int(next_id[last])
+        out.append(last)
+    return out
+
+
+def run_e2e(compiled, head, batches, args, log, device: str, next_id: torch.Tensor,
+            prompt_len: int = 128, new: int = 64) -> list[dict]:
+    """Plain engine, then the speculative engine at rate 0 (every draft wrong: the cost of a
+    step that commits one token) and at each --rates. The model's greedy successor is a known
+    permutation (make_greedy_successor_a_permutation_, applied before compiling), so the
+    expected output is known without running anything; it is the drafts' source and the
+    lossless check for every run (with plain random weights reduction-order rounding flipped
+    greedy ids from the first tokens on: the H200, bench() config, eleventh session)."""
     cfg = compiled.config
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     for b in batches:
         g = torch.Generator().manual_seed(b)
         prompts = [torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(b)]
+        expected = [_successors(next_id.cpu(), p[-1], new) for p in prompts]
         params = SamplingParams(max_tokens=new)
 
-        def timed(eng):
-            eng.generate(prompts[:1], SamplingParams(max_tokens=8))      # warm-up (captures)
+        def timed(eng, variant, **extra):
+            eng.generate(prompts, SamplingParams(max_tokens=8))      # warm-up: this batch's captures
             sync()
             t0 = time.perf_counter()
             outs = [o.token_ids for o in eng.generate(prompts, params)]
             sync()
-            return outs, time.perf_counter() - t0
+            t = time.perf_counter() - t0
+            wrong = [i for i, (o, e) in enumerate(zip(outs, expected)) if o != e]
+            rows.append({"kind": "e2e", "batch": b, "variant": variant, "tokens_per_s": b * new / t,
+                         "seconds": t, "requests": b, "outputs_as_expected": b - len(wrong), **extra})
+            if wrong:
+                log(f"e2e B={b} {variant}: requests {wrong} differ from the expected greedy tokens")
+            return t
         kw = dict(block_size=BLOCK, max_num_batched_tokens=max(4096, b * 8))
-        plain, t_plain = timed(Engine(compiled, b, prompt_len + new + 16, **kw))
-        rows.append({"kind": "e2e", "batch": b, "variant": "plain", "tokens_per_s": b * new / t_plain})
-        for rate in args.rates:
+        t_plain = timed(Engine(compiled, b, prompt_len + new + 16, **kw), "plain")
+        log(f"e2e B={b} plain: {b * new / t_plain:.1f} tokens/s, {rows[-1]['outputs_as_expected']}/{b} outputs as expected")
+        for rate in [0.0] + [r for r in args.rates if r != 0.0]:
             eng = Engine(compiled, b, prompt_len + new + 16, speculative=SpecConfig(num_draft=5),
                          draft_head=head, **kw)
             eng.spec.static.draft_override = ReferenceDrafts(
-                eng, {tuple(p): p + o for p, o in zip(prompts, plain)}, rate)
-            outs, t = timed(eng)
-            same = sum(o == r for o, r in zip(outs, plain))
-            rows.append({"kind": "e2e", "batch": b, "variant": f"spec k=5 rate={rate}",
-                         "tokens_per_s": b * new / t, "speedup": t_plain / t,
-                         "acceptance_length": eng.spec.acceptance_length, "outputs_equal": same,
-                         "requests": b, "static_steps": eng.stats["spec_static_steps"],
-                         "steps": eng.stats["steps"]})
-            log(f"e2e B={b} rate={rate}: {t_plain / t:.2f}x plain, L={eng.spec.acceptance_length:.2f}, "
-                f"{same}/{b} outputs equal")
+                eng, {tuple(p): p + e for p, e in zip(prompts, expected)}, rate)
+            t = timed(eng, f"spec k=5 rate={rate}", expected_acceptance_length=sum(rate ** j for j in range(6)))
+            r = rows[-1]
+            r.update(speedup=t_plain / t, acceptance_length=eng.spec.acceptance_length,
+                     static_steps=eng.stats["spec_static_steps"], steps=eng.stats["steps"])
+            log(f"e2e B={b} rate={rate}: {r['speedup']:.2f}x plain, L={r['acceptance_length']:.2f} "
+                f"(expected {r['expected_acceptance_length']:.2f}), {r['outputs_as_expected']}/{b} outputs as expected")
     return rows
 
 
@@ -190,8 +214,9 @@ def print_table(rows: list[dict], acceptance) -> None:
               f"{r['step_ms']:>8.2f} {ratio:>9.2f} {sp}")
     for r in rows:
         if r["kind"] == "e2e":
-            extra = "" if r["variant"] == "plain" else (
-                f" {r['speedup']:.2f}x, L={r['acceptance_length']:.2f}, {r['outputs_equal']}/{r['requests']} equal")
+            extra = f" {r['outputs_as_expected']}/{r['requests']} as expected" + ("" if r["variant"] == "plain" else (
+                f", {r['speedup']:.2f}x, L={r['acceptance_length']:.2f} (expected "
+                f"{r['expected_acceptance_length']:.2f})"))
             print(f"e2e B={r['batch']:>3} {r['variant']:<20} {r['tokens_per_s']:>9.1f} tok/s{extra}")
 
 

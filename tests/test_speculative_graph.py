@@ -14,14 +14,19 @@ What is checked against what:
   * accept_greedy == verify_greedy row by row; accept_rejection's committed tokens distributed
     as the target p (chi-square, 40k rows), and the same test rejects a sampler without the
     residual correction (so it can fail);
-  * confidence_cap == a brute-force search of its objective.
+  * confidence_cap == a brute-force search of its objective;
+  * the benchmark's decisive weights: greedy output follows their successor permutation, also
+    with every other weight perturbed.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from v41graph.model.dspark import DSparkHead
+from v41graph.model.model import make_greedy_successor_a_permutation_
 from v41graph.runtime.engine import Engine
 from v41graph.runtime.sampling import (SamplingParams, accept_greedy, accept_rejection, noise_race,
                                        noise_tag, verify_greedy, FINAL_TAG)
@@ -71,6 +76,42 @@ def _with_reference_drafts(eng, prompts, refs, rate):
     eng.spec.static.draft_override = ReferenceDrafts(
         eng, {tuple(p): p + r for p, r in zip(prompts, refs)}, rate)
     return eng
+
+
+# =============================================================================== the benchmark's decisive weights
+def _perturbed(model, eps):
+    """A copy with every weight but the embedding and head scaled by (1 + eps * noise): rounding
+    differences between kernels, made large."""
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and name not in ("embed.weight", "head"):
+                p.mul_(1 + eps * torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_greedy_successor_permutation_survives_perturbation(tiny_model, reference):
+    """make_greedy_successor_a_permutation_ (bench_speculative's e2e run): greedy output is the
+    returned permutation iterated from the prompt's last token, also with every other weight
+    perturbed by 10 %; the same perturbation changes plain random weights' greedy output (so
+    the check can fail)."""
+    prompts = PROMPTS[:3]
+    plain_perturbed = [o.token_ids for o in _engine(_perturbed(tiny_model, 1e-2)).generate(
+        prompts, SamplingParams(max_tokens=N_NEW))]
+    assert plain_perturbed != reference[:3]
+    model = copy.deepcopy(tiny_model)
+    next_id = make_greedy_successor_a_permutation_(model, torch.Generator().manual_seed(3))
+    assert torch.equal(next_id.sort().values, torch.arange(model.config.vocab_size))
+    expected = []
+    for p in prompts:
+        t, row = p[-1], []
+        for _ in range(N_NEW):
+            t = int(next_id[t])
+            row.append(t)
+        expected.append(row)
+    for m in (model, _perturbed(model, 1e-1)):
+        assert [o.token_ids for o in _engine(m).generate(prompts, SamplingParams(max_tokens=N_NEW))] == expected
 
 
 # =============================================================================== greedy equality

@@ -379,6 +379,30 @@ def init_random_weights_(module: nn.Module, generator: torch.Generator) -> nn.Mo
     return module
 
 
+def make_greedy_successor_a_permutation_(model: nn.Module, generator: torch.Generator,
+                                          embed_scale: float = 1000.0) -> torch.Tensor:
+    """Random weights whose greedy ids survive rounding, for benchmarks that must check
+    outputs across kernels (speculative verify vs plain decode): random weights alone leave
+    top-2 logits so close that reduction order flips greedy ids from the first tokens on (the
+    H200, bench() config). The embedding is scaled by embed_scale, so it dominates the residual
+    streams (every layer reads them through an RMSNorm, so the layers compute as before and
+    their outputs stay small beside it; mHC's doubly stochastic mixing keeps the embedding), and
+    head row v becomes embedding row perm[v] (unit norm): the largest logit after token t is
+    then at v = perm^-1[t], ahead of the rest by about the embedding's norm. Returns that
+    successor table, next_id[t] (a permutation of the vocabulary)."""
+    if getattr(model, "vocab_parallel", False):
+        raise ValueError("make_greedy_successor_a_permutation_: the model's head is vocabulary-parallel "
+                         "(each rank holds a slice); build it on one rank")
+    with torch.no_grad():
+        e = model.embed.weight
+        vocab = e.shape[0]
+        perm = torch.randperm(vocab, generator=generator, device=generator.device).to(e.device)
+        unit = e.float() / e.float().norm(dim=-1, keepdim=True)
+        model.head.copy_(unit[perm].to(model.head.dtype))
+        e.mul_(embed_scale)
+    return torch.argsort(perm)
+
+
 def init_random_(model: V41Model, seed: int = 0) -> V41Model:
     """Deterministic random weights for the model (tests, demo, benchmarks), Engram tables
     included (FP8 codes without NaN)."""
