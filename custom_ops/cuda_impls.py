@@ -5,14 +5,18 @@ neither triton nor CUDA, so it is safe on CPU-only machines. Triton is imported 
 call on a CUDA tensor. Where Triton is missing, an input is outside what a kernel supports, or
 V41GRAPH_DISABLE_TRITON=1 is set, the call runs the pure-torch reference (the specification)
 on the GPU instead, so results never depend on which path ran beyond the stated tolerances.
+V41GRAPH_DISABLE_TRITON=name,.. turns off only the named kernels (an op name; for the
+indexer ops, indexer_scores and topk_ascending): A/B runs of one kernel inside the whole model
+(scripts/bench.py's v41graph-sorttopk variant). It is read at every call, so it takes effect at
+the next capture.
 
 Registered: fused_wkv_rmsnorm, rms_norm, rope, window_kv_write, global_kv_write, index_k_write,
 sparse_attention, engram_gather, mhc_sinkhorn, fake_quant, fp8_linear and mxfp4_moe (the released
 weight formats, dequantized in registers), fused_ratio2_compressor(_update)
 (cuBLAS projections + one Triton kernel for pooling, RMSNorm and the state-ring write); indexer_topk and
 indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place
-(bit-identical to the reference on the H200, fp32 and bf16), selection stays torch. (engram_hash and fused_pool_rmsnorm keep
-the reference on CUDA.)
+(bit-identical to the reference on the H200, fp32 and bf16) and select with a one-launch Triton
+top-k (the reference's ids). (engram_hash and fused_pool_rmsnorm keep the reference on CUDA.)
 """
 from __future__ import annotations
 
@@ -30,11 +34,19 @@ _TK: dict = {}          # kernel family ("norms", "attention", ...) -> its modul
 _TK_FAILED = False      # Triton could not be imported: every CUDA op runs the reference
 
 
-def triton_module(family: str):
+def _disabled(kernel: str | None) -> bool:
+    """V41GRAPH_DISABLE_TRITON: "1" turns every kernel off, a comma list the named ones."""
+    value = os.environ.get("V41GRAPH_DISABLE_TRITON", "0")
+    if value in ("", "0"):
+        return False
+    return value == "1" or (kernel is not None and kernel in value.split(","))
+
+
+def triton_module(family: str, kernel: str | None = None):
     """The kernel module triton/<family>.py, imported at the first call, or None when Triton is
-    unavailable or disabled."""
+    unavailable or disabled (all kernels, or `kernel` by name)."""
     global _TK_FAILED
-    if _TK_FAILED or os.environ.get("V41GRAPH_DISABLE_TRITON", "0") not in ("", "0"):
+    if _TK_FAILED or _disabled(kernel):
         return None
     tk = _TK.get(family)
     if tk is None:
@@ -53,7 +65,7 @@ def _register_triton_first(op: str, family: str, checked: int, fallback) -> None
     is usable and `<op>_supported(*args[:checked])` accepts the inputs, else `fallback(*args)`,
     the pure-torch reference on the GPU (a plain function: it never dispatches back here)."""
     def impl(*args):
-        tk = triton_module(family)
+        tk = triton_module(family, op)
         if tk is not None and getattr(tk, f"{op}_supported")(*args[:checked]):
             return getattr(tk, op)(*args)
         return fallback(*args)
@@ -76,7 +88,7 @@ def _register_cache_write(op: str, block: int) -> None:
     """CUDA impl of a cache write: the Triton kernel when it supports the inputs (scale
     block `block`), else the pure-torch reference."""
     def impl(cache, scale, values, slot_mapping):
-        tk = triton_module("cache_writes")
+        tk = triton_module("cache_writes", op)
         if tk is not None and tk.cache_write_supported(cache, scale, values, slot_mapping, block):
             getattr(tk, op)(cache, scale, values, slot_mapping)
         else:
@@ -91,7 +103,7 @@ _register_cache_write("index_k_write", 32)      # FP4 + UE8M0 per 32
 
 @torch.library.register_kernel(f"{_NS}::fused_ratio2_compressor", "cuda")
 def _fused_ratio2_compressor_cuda(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype):
-    tk = triton_module("compressor")
+    tk = triton_module("compressor", "fused_ratio2_compressor")
     if tk is not None and tk.ratio2_supported(x, wkv, wgate, state, member_rows, norm_weight, out_dtype):
         latent, kv, score = tk.ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype)
         return latent, torch.cat([kv, score], dim=-1)
@@ -101,7 +113,7 @@ def _fused_ratio2_compressor_cuda(x, wkv, wgate, state, member_rows, norm_weight
 @torch.library.register_kernel(f"{_NS}::fused_ratio2_compressor_update", "cuda")
 def _fused_ratio2_compressor_update_cuda(x, wkv, wgate, state, member_rows, state_rows, norm_weight,
                                          eps, out_dtype):
-    tk = triton_module("compressor")
+    tk = triton_module("compressor", "fused_ratio2_compressor_update")
     if (tk is not None and state_rows.dim() == 1 and state_rows.shape[0] == x.shape[0]
             and tk.ratio2_supported(x, wkv, wgate, state, member_rows, norm_weight, out_dtype)):
         return tk.ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype,
@@ -112,7 +124,7 @@ def _fused_ratio2_compressor_update_cuda(x, wkv, wgate, state, member_rows, stat
 
 @torch.library.register_kernel(f"{_NS}::engram_gather", "cuda")
 def _engram_gather_cuda(table, scale, row_ids, out_dtype):
-    tk = triton_module("engram")
+    tk = triton_module("engram", "engram_gather")
     if tk is not None and tk.engram_gather_supported(table, scale, row_ids, out_dtype):
         return tk.engram_gather(table, scale, row_ids, out_dtype)
     if not table.is_cuda:   # host table without a usable kernel: gather on the host, copy rows
@@ -124,7 +136,7 @@ def _engram_gather_cuda(table, scale, row_ids, out_dtype):
 def _indexer_scores(q, weights, key_cache, key_scale, rows, visible):
     """[N, C] scores: the in-place FP4 kernel where supported, else the reference (gather +
     dequantize + einsum); bit-identical either way (tests/test_kernels_cuda.py)."""
-    tk = triton_module("indexer")
+    tk = triton_module("indexer", "indexer_scores")
     if tk is not None and tk.indexer_scores_supported(q, weights, key_cache, key_scale, rows, visible):
         return tk.indexer_scores(q, weights, key_cache, key_scale, rows, visible)
     return ref.indexer_scores(q, weights, ref.gather_index_k(key_cache, key_scale, rows, q.dtype), visible)
@@ -133,7 +145,7 @@ def _indexer_scores(q, weights, key_cache, key_scale, rows, visible):
 def _topk_ascending(scores, k):
     """reference.topk_ascending's ids: one Triton launch (a bitwise select in registers, no
     sort) where supported, else torch's two sorts."""
-    tk = triton_module("indexer")
+    tk = triton_module("indexer", "topk_ascending")
     if tk is not None and tk.topk_ascending_supported(scores, k):
         return tk.topk_ascending(scores, k)
     return ref.topk_ascending(scores, k)

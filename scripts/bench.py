@@ -1,7 +1,8 @@
 """Decode-step and prefill benchmark of the whole model: eager vs torch.compile (Inductor) vs
 reduce-overhead vs v41graph (all passes + CUDA-graph capture) vs v41graph with one thing changed
 (P1 / P4 / P6 / the RMSNorm fusion off, stream-free segments compiled by Inductor, a BF16 global cache instead of FP4
-(P2), Engram tables in pinned host memory), side by side in one process.
+(P2), Engram tables in pinned host memory, the indexer's top-k by torch's sorts instead of the
+one-launch kernel), side by side in one process.
 
     python scripts/bench.py --out $OUT                          # the issue-8 run, on the H200
     python scripts/bench.py --config tiny --device cpu --batches 1,2 --contexts 64,128 \\
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -54,7 +56,10 @@ from v41graph.tools.profiling import profile_steps
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
             "v41graph-noP6", "v41graph-noRMS", "v41graph-inductor", "v41graph-bf16cache",
-            "v41graph-engram-host")
+            "v41graph-engram-host", "v41graph-sorttopk")
+# variant -> Triton kernels it runs as the torch reference (V41GRAPH_DISABLE_TRITON): one
+# kernel's share of the whole step, before / after in one run
+TRITON_OFF = {"v41graph-sorttopk": "topk_ascending"}
 DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",),
            "v41graph-noRMS": ("fuse_rmsnorm",)}
 # v41graph with its stream-free segments compiled by Inductor (compile(inductor_segments=True))
@@ -62,7 +67,7 @@ INDUCTOR_SEGMENT_VARIANTS = ("v41graph-inductor",)
 # One trace, pass lists (and the Inductor-segment lowering) switched by make_runner. In VARIANTS
 # they come before the variants after which main() calls torch._dynamo.reset() (that would make
 # the shared model trace again).
-SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE, *INDUCTOR_SEGMENT_VARIANTS)
+SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE, *INDUCTOR_SEGMENT_VARIANTS, *TRITON_OFF)
 BLOCK = 128
 SHARE_DECODE_GRAPH = True     # --no-shared-decode-graph: False; --share-bucket-1: "all"
 
@@ -449,6 +454,9 @@ def main(argv=None) -> int:
         bench_speculative.print_table(rows, args.acceptance)
         return 0
     for variant in variants:
+        kept = os.environ.get("V41GRAPH_DISABLE_TRITON")
+        if variant in TRITON_OFF:
+            os.environ["V41GRAPH_DISABLE_TRITON"] = TRITON_OFF[variant]
         try:
             rows += run_variant(model, variant, batches, contexts, args.prefill, args, device, bw)
         except Exception as e:   # one broken variant must not cost the others' device time
@@ -458,6 +466,11 @@ def main(argv=None) -> int:
             place_engram(model, "device")
             if device == "cuda":
                 torch.cuda.empty_cache()
+        finally:
+            if kept is None:
+                os.environ.pop("V41GRAPH_DISABLE_TRITON", None)
+            else:
+                os.environ["V41GRAPH_DISABLE_TRITON"] = kept
         if variant not in SHARED_TRACE_VARIANTS:   # those keep the shared trace (make_runner)
             torch._dynamo.reset()
         if out:   # after every variant: a killed run still leaves its numbers

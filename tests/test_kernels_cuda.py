@@ -432,6 +432,17 @@ def test_topk_ascending_kernel_selects_the_reference_ids(n, c, k, kind):
     assert torch.equal(indexer.topk_ascending(s.to(DEV), k).cpu(), ref.topk_ascending(s, k))
 
 
+def test_disable_triton_by_kernel_name(monkeypatch):
+    """V41GRAPH_DISABLE_TRITON=topk_ascending (bench.py's v41graph-sorttopk) turns off only the
+    top-k kernel: the indexer's score kernel stays, "1" turns off both."""
+    from v41graph.custom_ops import cuda_impls
+    monkeypatch.setenv("V41GRAPH_DISABLE_TRITON", "topk_ascending")
+    assert cuda_impls.triton_module("indexer", "topk_ascending") is None
+    assert cuda_impls.triton_module("indexer", "indexer_scores") is not None
+    monkeypatch.setenv("V41GRAPH_DISABLE_TRITON", "1")
+    assert cuda_impls.triton_module("indexer", "indexer_scores") is None
+
+
 def test_indexer_ops_with_kernel_match_reference():
     """indexer_topk / indexer_topk_candidates on CUDA (scores from the Triton kernel) give the
     reference's ids (same scores bit for bit, same selection code)."""
