@@ -119,6 +119,36 @@ def test_e2m1_byte_decode_is_exact_for_every_byte_and_scale():
             (got != want).nonzero()[:5].flatten().tolist()
 
 
+def test_fp8_tile_decode_is_exact_for_every_byte_and_scale():
+    """The FP8 weight tile's dequantization (fp8_linear, the shared expert) equals the E4M3
+    value times the E8M0 scale rounded to bf16 for all 254 non-NaN bytes x all 255 finite
+    scales: scale byte 0 is 2^-127 (the codec's value, not 0), subnormal products and overflow
+    to inf included."""
+    import triton.language as tl
+    from v41graph.custom_ops import codecs
+    from v41graph.custom_ops.triton import common
+
+    @triton.jit
+    def decode(w_ptr, u_ptr, out_ptr):
+        k = tl.arange(0, 256)
+        codes = tl.load(w_ptr + k).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load(u_ptr + tl.program_id(0) + 0 * tl.arange(0, 8))          # one scale, 8 blocks
+        tile = common._scaled_tile(tl.broadcast_to(codes[None, :], (16, 256)),
+                                   tl.broadcast_to(scale[None, :], (16, 8)), 16, 256)
+        tl.store(out_ptr + tl.program_id(0) * 256 + k, tl.max(tile.to(tl.float32), axis=0))   # rows equal
+
+    w = torch.arange(256, dtype=torch.uint8)
+    u = torch.arange(255, dtype=torch.uint8)
+    out = torch.empty(255 * 256, dtype=torch.float32, device=DEV)
+    decode[(255,)](w.to(DEV), u.to(DEV), out)
+    want = (w.view(torch.float8_e4m3fn).float()[None, :] * codecs.e8m0_to_float(u)[:, None]).bfloat16()
+    got = out.cpu().view(255, 256).bfloat16()
+    finite = ~want.isnan()            # bytes 0x7F and 0xFF are E4M3's NaN
+    assert finite.sum() == 255 * 254
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16)), \
+        (got != want)[finite].nonzero()[:5].flatten().tolist()
+
+
 def _routing(n: int, k: int, e: int, g: torch.Generator, held_elsewhere: bool = False):
     scores = torch.rand(n, e + int(held_elsewhere), generator=g)
     chosen = scores.topk(k, dim=-1).indices                       # e = an expert of another rank

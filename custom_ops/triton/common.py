@@ -96,8 +96,11 @@ def _qdq_fp8_blocks(x, BM: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _scaled_tile(v, scale_bytes, BN: tl.constexpr, BK: tl.constexpr):
-    """v [BN, BK] fp32 codes times their E8M0 scales [BN, BK/32] (one per 32 columns), as bf16."""
-    s = _exp2i(scale_bytes.to(tl.int32) - 127)
+    """v [BN, BK] fp32 codes times their E8M0 scales [BN, BK/32] (one per 32 columns), as bf16.
+    The scale is built from its bits: byte u is the fp32 exponent field, and u = 0 is the
+    subnormal 2^-127 (bits 0x00400000; _exp2i would give 0.0)."""
+    u = scale_bytes.to(tl.int32)
+    s = tl.where(u == 0, 0x00400000, u << 23).to(tl.float32, bitcast=True)
     v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
     return v.to(tl.bfloat16)
 
