@@ -1,0 +1,112 @@
+"""Compile one of our Triton kernels for sm90 on this machine, no GPU needed, and count the SASS
+instructions of its hottest loop: a proxy for instruction-bound kernels (the MXFP4 MoE, the FP8
+linear) between device sessions. It says nothing about stalls, occupancy or numerics.
+
+    pip install triton==3.6.0      # anywhere: its ptxas and cuobjdump come with the wheel
+    python scripts/offline_sass.py moe_gate_up                      # the decode tile
+    python scripts/offline_sass.py moe_gate_up BM=64 --warps 4 --dump /tmp/k.sass
+    python scripts/offline_sass.py fp8_linear BM=64 BN=64 BK=128
+
+Pointer arguments and the model-width sizes get Triton's divisibility-by-16 hint, as a launch
+with aligned torch tensors and sizes that are multiples of 16 does; without it the loads would not
+vectorize and the count would mislead. The loop is the innermost one with the most MMA
+instructions (the K loop); prints its length and opcode histogram. Codes per loop iteration: BN x BK per weight tile, times the
+tiles a kernel decodes per iteration (2 for gate+up).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# name -> (module under custom_ops/triton, kernel, signature, default constexprs, weight tiles per iteration)
+KERNELS = {
+    "moe_gate_up": ("moe_fp4", "_gate_up_kernel",
+                    {"xq_ptr": "*bf16", "tok_ptr": "*i32", "pw_ptr": "*fp32", "offs_ptr": "*i32", "w_ptr": "*u8",
+                     "s_ptr": "*u8", "h_ptr": "*bf16", "D": "i32", "I": "i32", "limit": "fp32"},
+                    {"HAS_LIMIT": True, "BM": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16"}, 2),
+    "moe_down": ("moe_fp4", "_down_kernel",
+                 {"h_ptr": "*bf16", "dest_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
+                  "out_ptr": "*bf16", "D": "i32", "I": "i32"},
+                 {"BM": 16, "BN": 64, "BK": 128}, 1),
+    "fp8_linear": ("quant_gemm", "_fp8_linear_kernel",
+                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+                    "K": "i32", "K_PER_SPLIT": "i32"},
+                   {"BM": 16, "BN": 64, "BK": 128, "QUANTIZED": True}, 1),
+}
+# the sizes that are multiples of 16 at every launch (M, the token count, is not at decode)
+ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT")
+_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
+
+
+def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
+    import importlib
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    module, kernel, signature, constexprs, tiles = KERNELS[name]
+    fn = getattr(importlib.import_module(f"v41graph.custom_ops.triton.{module}"), kernel)
+    constexprs = {**constexprs, **overrides}
+    constexprs = {k: getattr(tl, v) if isinstance(v, str) else v for k, v in constexprs.items()}
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
+               for a, t in signature.items() if t.startswith("*") or a in ALIGNED_SIZES}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    return compiled, constexprs["BN"] * constexprs["BK"] * tiles
+
+
+def sass_of(cubin: bytes) -> str:
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path("/tmp/offline_sass.cubin")
+    path.write_bytes(cubin)
+    return subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def hottest_loop(sass: str) -> list[str]:
+    """The body of the innermost loop (a backward branch with no other inside it) that holds the
+    most tensor-core instructions: the K loop of a GEMM kernel."""
+    listing = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
+    loops = [(int(b.group(1), 16), addr) for addr, text in listing
+             if (b := _BRANCH.search(text)) and int(b.group(1), 16) < addr]
+    innermost = [(lo, hi) for lo, hi in loops if not any(lo < s_hi < hi for _, s_hi in loops)]
+
+    def body(loop):
+        return [text for addr, text in listing if loop[0] <= addr <= loop[1]]
+    return max((body(loop) for loop in innermost), key=lambda b: (sum("MMA" in t for t in b), len(b)), default=[])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("kernel", choices=sorted(KERNELS))
+    ap.add_argument("constexprs", nargs="*", help="NAME=int overrides, e.g. BM=64")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--dump", help="write the whole SASS listing here")
+    args = ap.parse_args()
+    overrides = {k: int(v) for k, v in (a.split("=", 1) for a in args.constexprs)}
+    compiled, codes = compile_kernel(args.kernel, overrides, args.warps, args.stages)
+    sass = sass_of(compiled.asm["cubin"])
+    if args.dump:
+        Path(args.dump).write_text(sass)
+    loop = hottest_loop(sass)
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
+    threads = 32 * args.warps
+    print(f"{args.kernel} {overrides or ''} warps={args.warps} stages={args.stages}: loop {len(loop)} "
+          f"instructions per thread per iteration, {len(loop) * threads / codes:.2f} thread instructions "
+          f"per weight code ({codes} codes per iteration)")
+    for op, count in ops.most_common(20):
+        print(f"  {count:5d} {op}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
