@@ -151,8 +151,9 @@ def _e2m1_bytes_to_bf16(packed, scale):
 @triton.jit
 def _e8m0_to_bf16(u):
     """E8M0 scale bytes -> 2^(u-127) as bf16, exactly (u = 0 is the subnormal 2^-127)."""
-    u16 = u.to(tl.int16)
-    return tl.where(u16 == 0, 64, u16 << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    # bits u << 7 put u in the exponent field; 2^-127 is bits 64, below every u >= 1's bits,
+    # so one max covers u = 0 (no compare and select)
+    return tl.maximum(u.to(tl.int16) << 7, 64).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
