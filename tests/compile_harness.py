@@ -20,6 +20,7 @@ import contextlib
 import torch
 import torch.fx as fx
 
+from v41graph import V41Config
 from v41graph.compiler.backend import TracedGraph, make_backend
 from v41graph.passes.pass_manager import PassManager, resolve_passes
 from v41graph.runtime.session import Session
@@ -169,4 +170,15 @@ class CompiledSession(Session):
         self.model = _CompiledSteps(fn)
 
 
-__all__ = ["PassHarness", "CompiledSession", "count_ops"]
+def three_layer_config(**overrides) -> V41Config:
+    """tiny() cut to a window layer, a Full ratio-2 and a Full ratio-1 layer (the candidate
+    source), with Engram and the DSpark targets: every kind of compressor, indexer and cache,
+    at a third of tiny()'s CPU trace time. Reuse and Reindex layers are left out: for tests of
+    the compile API and the compile cache, or of fusions those layers do not add."""
+    return V41Config.tiny(num_hidden_layers=3, compress_ratios=[0, 2, 1, 0, 0, 0],
+                          kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2],
+                          candidate_source_layer_id=2, engram_layer_ids=[1], engram_num_embeddings=[280],
+                          dspark_target_layer_ids=[0, 1, 2], **overrides)
+
+
+__all__ = ["PassHarness", "CompiledSession", "count_ops", "three_layer_config"]

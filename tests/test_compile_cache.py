@@ -1,4 +1,4 @@
-"""The persistent compile cache (compiler/compile_cache.py) on the tiny model, CPU, our executor.
+"""The persistent compile cache (compiler/compile_cache.py) on a three-layer tiny model, CPU, our executor.
 
 One cold compile (prefill + decode traced and stored) is shared by the module; the warm
 CompiledModels load from its directory. Inductor segments' persistence runs on a toy graph
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import v41graph
-from compile_harness import PassHarness
+from compile_harness import PassHarness, three_layer_config
 from v41graph.compiler import compile_cache as cc
 from v41graph.compiler.inductor_segments import InductorSegment, lower_inductor_segments
 from v41graph.model.model import V41Model, init_random_
@@ -27,9 +27,11 @@ PROMPT = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(5
 
 
 def fresh_tiny(**overrides) -> V41Model:
-    """The same weights as every other call (a new process would build the model again)."""
+    """The same weights as every other call (a new process would build the model again): the
+    three-layer cut of tiny() (every cache kind and compressor; the cache's logic does not
+    depend on the layer count)."""
     torch.manual_seed(0)
-    return init_random_(V41Model(v41graph.V41Config.tiny(**overrides)), seed=0).eval()
+    return init_random_(V41Model(three_layer_config(**overrides)), seed=0).eval()
 
 
 def run_session(compiled, steps: int = STEPS) -> list[torch.Tensor]:

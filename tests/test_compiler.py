@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import v41graph
-from compile_harness import CompiledSession, PassHarness, count_ops
+from compile_harness import CompiledSession, PassHarness, count_ops, three_layer_config
 from v41graph.compiler.backend import copy_graph_module
 from v41graph.model.layers import RMSNorm
 from v41graph.model.model import V41Model, init_random_
@@ -34,23 +34,12 @@ def tiny():
     return init_random_(V41Model(v41graph.V41Config.tiny()), seed=11).eval().requires_grad_(False)
 
 
-def _three_layer_config(**overrides) -> v41graph.V41Config:
-    """tiny() cut to a window layer, a Full ratio-2 and a Full ratio-1 layer (the candidate
-    source), with Engram and the DSpark targets: every kind of compressor, indexer and cache,
-    at a third of tiny()'s CPU trace time. Reuse and Reindex layers are left out; the tests
-    that use it are about the compile API, or about fusions those layers do not add."""
-    return v41graph.V41Config.tiny(num_hidden_layers=3, compress_ratios=[0, 2, 1, 0, 0, 0],
-                                   kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2],
-                                   candidate_source_layer_id=2, engram_layer_ids=[1], engram_num_embeddings=[280],
-                                   dspark_target_layer_ids=[0, 1, 2], **overrides)
-
-
 @pytest.fixture(scope="module")
 def small():
     """The three-layer model, for tests of the compile API (buckets, shared traces, set_passes,
     timings) that each trace the whole model."""
     torch.manual_seed(0)
-    return init_random_(V41Model(_three_layer_config()), seed=11).eval().requires_grad_(False)
+    return init_random_(V41Model(three_layer_config()), seed=11).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +235,7 @@ def test_p1_count_matches_ratio1_compressors_in_checkpoint_format():
     indexer's wk -> k_norm in each Full layer. Three layers (window, Full ratio 2, Full ratio 1)
     hold the cases that add fusions (Reuse and Reindex layers, which add none, are left out:
     the blockwise GEMMs make the whole tiny model's trace cost ~3 CPU minutes)."""
-    cfg = _three_layer_config(weight_format="checkpoint")
+    cfg = three_layer_config(weight_format="checkpoint")
     model = init_random_(V41Model(cfg), seed=2).set_numerics("reference").eval().requires_grad_(False)
     vb = PassHarness(ALL)
     fn = vb.compile(model, dynamic=False)
