@@ -388,8 +388,9 @@ def make_greedy_successor_a_permutation_(model: nn.Module, generator: torch.Gene
     streams (every layer reads them through an RMSNorm, so the layers compute as before and
     their outputs stay small beside it; mHC's doubly stochastic mixing keeps the embedding), and
     head row v becomes embedding row perm[v] (unit norm): the largest logit after token t is
-    then at v = perm^-1[t], ahead of the rest by about the embedding's norm. Returns that
-    successor table, next_id[t] (a permutation of the vocabulary)."""
+    then at v = perm^-1[t], about sqrt(hidden_size) (the final RMSNorm's output norm) against
+    a few for the rest. Returns that successor table, next_id[t] (a permutation of the
+    vocabulary)."""
     if getattr(model, "vocab_parallel", False):
         raise ValueError("make_greedy_successor_a_permutation_: the model's head is vocabulary-parallel "
                          "(each rank holds a slice); build it on one rank")
