@@ -74,7 +74,7 @@ def sass_of(cubin: bytes) -> str:
 def hottest_loop(sass: str) -> list[str]:
     """The body of the innermost loop (a backward branch with no other inside it) that holds the
     most tensor-core instructions: the K loop of a GEMM kernel."""
-    listing = [(int(m.group(1), 16), m.group(2)) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
+    listing = [(int(m.group(1), 16), m.group(2).strip()) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
     loops = [(int(b.group(1), 16), addr) for addr, text in listing
              if (b := _BRANCH.search(text)) and int(b.group(1), 16) < addr]
     innermost = [(lo, hi) for lo, hi in loops if not any(lo < s_hi < hi for _, s_hi in loops)]

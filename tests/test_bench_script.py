@@ -104,3 +104,23 @@ def test_bench_released_weights_run_the_released_ops(tmp_path):
     run = json.loads((tmp_path / "bench.json").read_text())
     assert run["weights"] == "released" and run["weight_bytes"] == sum(
         p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_offline_sass_finds_the_innermost_mma_loop():
+    """scripts/offline_sass.py's loop finder on a hand-written listing: an outer loop around an
+    inner K loop with the MMAs and a second inner loop without them; the K loop's body is
+    returned, branch included (no Triton needed)."""
+    sass = "\n".join(f"        /*{addr:04x}*/                   {text} ;" for addr, text in [
+        (0x00, "MOV R1, R2"),
+        (0x10, "LDS R4, [R1]"),          # outer loop starts here
+        (0x20, "HMMA.16816.F32.BF16 R8, R4, R6, R8"),   # inner K loop: 0x20-0x40
+        (0x30, "IADD3 R1, R1, 0x1, RZ"),
+        (0x40, "@!P0 BRA 0x20"),
+        (0x50, "FMUL R9, R9, R9"),       # epilogue loop without MMAs: 0x50-0x70
+        (0x60, "FADD R9, R9, R9"),
+        (0x70, "@P1 BRA 0x50"),
+        (0x80, "@P2 BRA 0x10"),          # the outer loop's branch
+        (0x90, "EXIT"),
+    ])
+    loop = _load("offline_sass").hottest_loop(sass)
+    assert loop == ["HMMA.16816.F32.BF16 R8, R4, R6, R8", "IADD3 R1, R1, 0x1, RZ", "@!P0 BRA 0x20"]
