@@ -155,7 +155,7 @@ def _successors(next_id: torch.Tensor, last: int, n: int) -> list[int]:
 
 
 def run_e2e(compiled, head, batches, args, log, device: str, next_id: torch.Tensor,
-            prompt_len: int = 128, new: int = 64) -> list[dict]:
+            prompt_len: int = 128, new: int = 64, k: int = 5) -> list[dict]:
     """Plain engine, then the speculative engine at rate 0 (every draft wrong: the cost of a
     step that commits one token) and at each --rates. The model's greedy successor is a known
     permutation (make_greedy_successor_a_permutation_, applied before compiling), so the
@@ -188,11 +188,12 @@ def run_e2e(compiled, head, batches, args, log, device: str, next_id: torch.Tens
         t_plain = timed(Engine(compiled, b, prompt_len + new + 16, **kw), "plain")
         log(f"e2e B={b} plain: {b * new / t_plain:.1f} tokens/s, {rows[-1]['outputs_as_expected']}/{b} outputs as expected")
         for rate in [0.0] + [r for r in args.rates if r != 0.0]:
-            eng = Engine(compiled, b, prompt_len + new + 16, speculative=SpecConfig(num_draft=5),
+            eng = Engine(compiled, b, prompt_len + new + 16, speculative=SpecConfig(num_draft=k),
                          draft_head=head, **kw)
             eng.spec.static.draft_override = ReferenceDrafts(
                 eng, {tuple(p): p + e for p, e in zip(prompts, expected)}, rate)
-            t = timed(eng, f"spec k=5 rate={rate}", expected_acceptance_length=sum(rate ** j for j in range(6)))
+            # each draft survives with probability `rate` given the ones before it
+            t = timed(eng, f"spec k={k} rate={rate}", expected_acceptance_length=sum(rate ** j for j in range(k + 1)))
             r = rows[-1]
             r.update(speedup=t_plain / t, acceptance_length=eng.spec.acceptance_length,
                      static_steps=eng.stats["spec_static_steps"], steps=eng.stats["steps"])
