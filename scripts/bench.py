@@ -289,7 +289,7 @@ def profile_step(fn, device: str, steps: int = 3, trace: Path | None = None) -> 
         ms_calls[1] += 1
         n_kernels += 1
     # the kernels that cost most, by name: where the next fusion or GEMM fix should look
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:60]
     return {"by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
             "by_stream_ms": by_stream, "kernels_per_step": n_kernels / steps,
             "top_kernels": [{"name": k, "ms_per_step": round(v[0], 4), "calls_per_step": v[1] / steps}
@@ -414,6 +414,8 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e", action="store_true", help="(--speculative) end-to-end tokens/s with "
                     "reference drafts of a controlled acceptance rate")
     ap.add_argument("--rates", default="0.5,0.7,0.9", help="(--e2e) draft acceptance rates")
+    ap.add_argument("--e2e-tokens", type=int, default=64, help="(--e2e) tokens generated per request; "
+                    "each is checked against the known greedy successor")
     ap.add_argument("--e2e-only", action="store_true", help="(--speculative) only the end-to-end run: "
                     "skips the per-part timings, whose captures cost 1.5-2 min per batch on the bench config")
     ap.add_argument("--out", default=None)

@@ -70,7 +70,7 @@ def run(model, batches, context, ks, args, device, log, time_calls, random_bytes
         next_id = make_greedy_successor_a_permutation_(model, torch.Generator(device=device).manual_seed(2))
     compiled = v41graph.compile(model, backend="auto", batch_sizes=batches)
     if args.e2e_only:                 # the e2e engines build their own caches
-        return run_e2e(compiled, head, batches, args, log, device, next_id)
+        return run_e2e(compiled, head, batches, args, log, device, next_id, new=args.e2e_tokens)
     eng = Engine(compiled, max(batches), context + 16, block_size=BLOCK,
                  max_num_batched_tokens=max(batches) * (max(ks) + 1) + 1024,
                  speculative=SpecConfig(num_draft=max(ks)), draft_head=head)
@@ -141,7 +141,7 @@ def run(model, batches, context, ks, args, device, log, time_calls, random_bytes
         static.graphs.clear()
     static.k = max(ks)
     if args.e2e:
-        rows += run_e2e(compiled, head, batches, args, log, device, next_id)
+        rows += run_e2e(compiled, head, batches, args, log, device, next_id, new=args.e2e_tokens)
     return rows
 
 
