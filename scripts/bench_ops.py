@@ -284,30 +284,34 @@ def bench_attention(tk, bw, quick):
             base = None
         splits = [1] if prefill else [None, 1]
         best = {}
+        # (BH, BS, prefetch, split, PTX decodes); the generic decodes at the default split only
+        configs = [(bh, 32, True, sp, True) for bh in (16, 64) for sp in splits] + \
+            [(bh, 32, True, None if not prefill else 1, False) for bh in (16, 64)]
         for fmt in ("fp4", "bf16"):
-            for bh, bs, pf in [(16, 32, True), (64, 32, True)]:
-                for sp in splits:
-                    try:
-                        gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
+            for bh, bs, pf, sp, ptx in configs:
+                try:
+                    gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
 
-                        def fn():
-                            return tk.sparse_attention(q, ring, ring_sc, fresh, wrows, gcache,
-                                                       gscale, grows, sink, scale, block_h=bh,
-                                                       block_s=bs, n_split=sp, prefetch=pf)
-                        out = fn()
-                        err = rel(out, base) if (base is not None and fmt == "fp4") else None
-                        t = cbench(fn, reps=4 if prefill else 8)
-                        cfg = tk.attention_config(ntok, h, w, kg, q.device, bh, bs, sp)
-                        nb = nb_fp4 if fmt == "fp4" else nb_bf16
-                        r = row("sparse_attention", shape,
-                                f"triton {fmt} BH={bh} BS={bs} split={cfg[2]} prefetch={int(pf)}"
-                                + (" (default split)" if sp is None else ""),
-                                t, nb, base_us=t_ref, err=err, bw=bw)
-                        if fmt not in best or t < best[fmt]["us"]:
-                            best[fmt] = r
-                    except Exception as ex:   # noqa: BLE001
-                        say(f"  FAILED {fmt} BH={bh} BS={bs} split={sp} pf={pf}: {type(ex).__name__}: "
-                            + str(ex)[-600:])
+                    def fn():
+                        return tk.sparse_attention(q, ring, ring_sc, fresh, wrows, gcache,
+                                                   gscale, grows, sink, scale, block_h=bh,
+                                                   block_s=bs, n_split=sp, prefetch=pf,
+                                                   ptx_decode=ptx)
+                    out = fn()
+                    err = rel(out, base) if (base is not None and fmt == "fp4") else None
+                    t = cbench(fn, reps=4 if prefill else 8)
+                    cfg = tk.attention_config(ntok, h, w, kg, q.device, bh, bs, sp)
+                    nb = nb_fp4 if fmt == "fp4" else nb_bf16
+                    r = row("sparse_attention", shape,
+                            f"triton {fmt} BH={bh} BS={bs} split={cfg[2]} prefetch={int(pf)}"
+                            + ("" if ptx else " generic decode")
+                            + (" (default split)" if sp is None else ""),
+                            t, nb, base_us=t_ref, err=err, bw=bw)
+                    if fmt not in best or t < best[fmt]["us"]:
+                        best[fmt] = r
+                except Exception as ex:   # noqa: BLE001
+                    say(f"  FAILED {fmt} BH={bh} BS={bs} split={sp} pf={pf} ptx={ptx}: {type(ex).__name__}: "
+                        + str(ex)[-600:])
         if "fp4" in best and "bf16" in best:
             row("sparse_attention", shape, "BEST fp4 vs BEST bf16 cache: " + best["fp4"]["variant"],
                 best["fp4"]["us"], nb_fp4, base_us=best["bf16"]["us"], bw=bw,

@@ -11,7 +11,10 @@ Pointer arguments and the model-width sizes get Triton's divisibility-by-16 hint
 with aligned torch tensors and sizes that are multiples of 16 does; without it the loads would not
 vectorize and the count would mislead. The loop is the innermost one with the most MMA
 instructions (the K loop); prints its length and opcode histogram. Codes per loop iteration: BN x BK per weight tile, times the
-tiles a kernel decodes per iteration (2 for gate+up).
+tiles a kernel decodes per iteration (2 for gate+up); BS x D for the attention's row blocks.
+
+    python scripts/offline_sass.py sparse_attn --stages 1         # window loop, then the FP4 loop
+    python scripts/offline_sass.py sparse_attn PTX=0 --stages 1   # the generic FP8 and FP4 decodes
 """
 from __future__ import annotations
 
@@ -24,23 +27,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# name -> (module under custom_ops/triton, kernel, signature, default constexprs, weight tiles per iteration)
+# name -> (module under custom_ops/triton, kernel, signature, default constexprs,
+#          weight codes per loop iteration as a function of the constexprs)
 KERNELS = {
     "moe_gate_up": ("moe_fp4", "_gate_up_kernel",
                     {"xq_ptr": "*bf16", "tok_ptr": "*i32", "pw_ptr": "*fp32", "offs_ptr": "*i32", "w_ptr": "*u8",
                      "s_ptr": "*u8", "h_ptr": "*bf16", "D": "i32", "I": "i32", "limit": "fp32"},
-                    {"HAS_LIMIT": True, "BM": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16"}, 2),
+                    {"HAS_LIMIT": True, "BM": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16"},
+                    lambda c: 2 * c["BN"] * c["BK"]),
     "moe_down": ("moe_fp4", "_down_kernel",
                  {"h_ptr": "*bf16", "dest_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
                   "out_ptr": "*bf16", "D": "i32", "I": "i32"},
-                 {"BM": 16, "BN": 64, "BK": 128}, 1),
+                 {"BM": 16, "BN": 64, "BK": 128}, lambda c: c["BN"] * c["BK"]),
     "fp8_linear": ("quant_gemm", "_fp8_linear_kernel",
                    {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32",
                     "K": "i32", "K_PER_SPLIT": "i32"},
-                   {"BM": 16, "BN": 64, "BK": 128, "QUANTIZED": True}, 1),
+                   {"BM": 16, "BN": 64, "BK": 128, "QUANTIZED": True}, lambda c: c["BN"] * c["BK"]),
+    # decode attention, a block of BS rows x D per iteration: the window-ring loop is the one
+    # counted (the longest of the loops with the most MMAs), the FP4 row loop is listed after
+    # it; the launch uses --stages 1
+    "sparse_attn": ("attention", "_sparse_attn_kernel",
+                    {"q_ptr": "*i32", "ring_ptr": "*i16", "rsc_ptr": "*u8", "fresh_ptr": "*i32",
+                     "wrows_ptr": "*i64", "gc_ptr": "*u8", "gs_ptr": "*u8", "grows_ptr": "*i64",
+                     "sink_ptr": "*fp32", "out_ptr": "*i32", "ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32",
+                     "H": "i32", "W": "i32", "KG": "i32", "n_ring": "i32", "sm_scale": "fp32",
+                     "blocks_per_split": "i32", "n_split": "i32"},
+                    {"D": 512, "D2": 256, "NB16": 32, "NB32": 16, "BH": 16, "BS": 32, "DTYPE": "bfloat16",
+                     "IS16": True, "GLOBAL_FP4": True, "IEEE": False, "DIRECT": False, "PREFETCH": True,
+                     "PTX": True}, lambda c: c["BS"] * c["D"]),
 }
 # the sizes that are multiples of 16 at every launch (M, the token count, is not at decode)
-ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT")
+ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT", "H")
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
 
@@ -51,7 +68,7 @@ def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    module, kernel, signature, constexprs, tiles = KERNELS[name]
+    module, kernel, signature, constexprs, codes_per_iteration = KERNELS[name]
     fn = getattr(importlib.import_module(f"v41graph.custom_ops.triton.{module}"), kernel)
     constexprs = {**constexprs, **overrides}
     constexprs = {k: getattr(tl, v) if isinstance(v, str) else v for k, v in constexprs.items()}
@@ -60,7 +77,7 @@ def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
                for a, t in signature.items() if t.startswith("*") or a in ALIGNED_SIZES}
     compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
-    return compiled, constexprs["BN"] * constexprs["BK"] * tiles
+    return compiled, codes_per_iteration(constexprs)
 
 
 def sass_of(cubin: bytes) -> str:
@@ -71,17 +88,23 @@ def sass_of(cubin: bytes) -> str:
     return subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
 
 
-def hottest_loop(sass: str) -> list[str]:
-    """The body of the innermost loop (a backward branch with no other inside it) that holds the
-    most tensor-core instructions: the K loop of a GEMM kernel."""
+def mma_loops(sass: str) -> list[list[str]]:
+    """The bodies of the innermost loops (a backward branch with no other inside it) that hold
+    tensor-core instructions, most MMAs first, then longest first."""
     listing = [(int(m.group(1), 16), m.group(2).strip()) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
     loops = [(int(b.group(1), 16), addr) for addr, text in listing
              if (b := _BRANCH.search(text)) and int(b.group(1), 16) < addr]
     innermost = [(lo, hi) for lo, hi in loops if not any(lo < s_hi < hi for _, s_hi in loops)]
+    bodies = [[text for addr, text in listing if lo <= addr <= hi] for lo, hi in innermost]
+    bodies = [b for b in bodies if any("MMA" in t for t in b)]
+    return sorted(bodies, key=lambda b: (-sum("MMA" in t for t in b), -len(b)))
 
-    def body(loop):
-        return [text for addr, text in listing if loop[0] <= addr <= loop[1]]
-    return max((body(loop) for loop in innermost), key=lambda b: (sum("MMA" in t for t in b), len(b)), default=[])
+
+def hottest_loop(sass: str) -> list[str]:
+    """The innermost loop with the most tensor-core instructions (the longest of those): the K
+    loop of a GEMM kernel, the window-ring loop of the attention kernel."""
+    loops = mma_loops(sass)
+    return loops[0] if loops else []
 
 
 def main() -> int:
@@ -105,6 +128,9 @@ def main() -> int:
           f"per weight code ({codes} codes per iteration)")
     for op, count in ops.most_common(20):
         print(f"  {count:5d} {op}")
+    others = [len(b) for b in mma_loops(sass)[1:]]
+    if others:
+        print(f"other loops with MMAs: {others} instructions per iteration")
     return 0
 
 

@@ -12,7 +12,8 @@ Error measure (METHOD.md): rel = ||out - ref|| / ||ref|| in float64, NaN never p
                                     under torch.use_deterministic_algorithms(True)
   sparse_attention   bf16           rel < 1e-2 vs the CPU reference; fp32: rel < 1e-5; window
                                     rows read from the FP8 ring (dequantized in registers) or the
-                                    fresh rows: bit-identical values (one-row lists)
+                                    fresh rows: bit-identical values (one-row lists), both
+                                    decodes over every FP8 / FP4 code and scale
 """
 from __future__ import annotations
 
@@ -301,9 +302,10 @@ def test_sparse_attention(n, h, d, w, kg, slots, dtype):
     want = ops.sparse_attention(*inputs, scale)                                  # CPU reference
     args = [t.to(DEV) for t in inputs]
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    # default (prefetch on), no prefetch, splits + combine, BS = 64, all 64 heads in one program
+    # default (prefetch on, PTX decodes), no prefetch, splits + combine, the generic decodes,
+    # BS = 64, all 64 heads in one program
     variants = [dict(), dict(block_h=16, n_split=1, prefetch=False),
-                dict(block_h=16, n_split=3, prefetch=True)]
+                dict(block_h=16, n_split=3, prefetch=True), dict(ptx_decode=False)]
     if dtype == torch.bfloat16 and d == 512:
         variants += [dict(block_h=16, block_s=64, n_split=1), dict(block_h=64, n_split=2)]
     for v in variants:
@@ -338,6 +340,39 @@ def test_sparse_attention_window_rows_exact(dtype):
     attention.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows, gc, gs,
                                                      grows, sink)], d ** -0.5, n_split=1, out=out)
     assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.parametrize("ptx_decode", [True, False])
+def test_sparse_attention_decodes_exact_over_every_code(ptx_decode):
+    """Both decodes of both caches, every code at every scale: each query lists one ring row or
+    one global row, q = 0 and a -inf-like sink make the output that row, so it must equal the
+    reference's dequantized row bit for bit. Ring: all 254 non-NaN E4M3 bytes at each UE8M0
+    scale byte 0..245 (larger ones overflow 448 x scale); global: all 256 E2M1 byte pairs at
+    each of the 254 non-NaN E4M3 scales."""
+    d, h = 512, 16
+    e4m3 = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    n_ring_rows = 246 * 8 * 32 // d                        # 8 blocks of 32 codes per scale byte
+    ring = e4m3[torch.arange(n_ring_rows * d) % 254].view(1, n_ring_rows, d)
+    ring_scale = (torch.arange(n_ring_rows * d // 32) // 8).to(torch.uint8).view(1, n_ring_rows, d // 32)
+    gc = torch.arange(256, dtype=torch.uint8).repeat(254, d // 2 // 256)       # [254, D/2]
+    gs = e4m3[:, None].expand(254, d // 16).contiguous()                      # one scale per row
+    n = n_ring_rows + 254
+    wrows = torch.full((n, 1), -1, dtype=torch.int64)
+    grows = torch.full((n, 1), -1, dtype=torch.int64)
+    wrows[:n_ring_rows, 0] = torch.arange(n_ring_rows)
+    grows[n_ring_rows:, 0] = torch.arange(254)
+    fresh = torch.zeros(1, d, dtype=torch.bfloat16)
+    want = torch.cat([ref.gather_window_or_fresh(ring, ring_scale, fresh, wrows[:n_ring_rows])[:, 0],
+                      ref.gather_global_kv(gc, gs, torch.arange(254), torch.float32)]).bfloat16()
+    q = torch.zeros(n, h, d, dtype=torch.bfloat16)
+    sink = torch.full((h,), -1e4)
+    out = poisoned((n, h, d), torch.bfloat16)
+    attention.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows, gc, gs,
+                                                     grows, sink)], d ** -0.5, n_split=1,
+                               ptx_decode=ptx_decode, out=out)
+    got = out.cpu()
+    assert torch.equal(got, want.unsqueeze(1).expand(n, h, d)), \
+        [int(i) for i in (got != want.unsqueeze(1)).any(-1).any(-1).nonzero()[:8, 0]]
 
 
 @pytest.mark.parametrize("n_split,prefetch", [(1, False), (4, True)])

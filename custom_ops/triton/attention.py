@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES, _TL_DTYPE, _e2m1_decode, _num_sms, _pow2
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e2m1_bytes_to_bf16, _e2m1_decode, _e4m3_pairs_to_bf16,
+                     _e8m0_to_bf16, _num_sms, _pow2)
 
 
 # =============================================================================== sparse attention
@@ -46,10 +47,17 @@ def _load_raw(data_ptr, scale_ptr, rows, valid, D: tl.constexpr, D2: tl.constexp
 
 @triton.jit
 def _decode_raw(ra, rb, BS: tl.constexpr, D2: tl.constexpr, DTYPE: tl.constexpr,
-                FP4: tl.constexpr, IS16: tl.constexpr):
+                FP4: tl.constexpr, IS16: tl.constexpr, PTX: tl.constexpr = False):
     """Raw rows -> (even, odd) halves [BS, D/2] in DTYPE; FP4 is dequantized here, in registers
-    (E2M1 value x E4M3 scale is exact in bf16)."""
-    if FP4:
+    (E2M1 value x E4M3 scale is exact in bf16). PTX (bf16 only): the MoE's PTX byte decode,
+    ~3 instructions per code instead of ~10 (the sm90 global-row loop: 1266 instructions per
+    block of 32 rows instead of 1800, scripts/offline_sass.py); E2M1 (2 significant bits) x
+    E4M3 (4) fits bf16's 8, so its FMA is exact and the values are the generic path's."""
+    if FP4 and PTX:
+        s = rb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)[:, :, None]
+        lo, hi = _e2m1_bytes_to_bf16(ra, s)
+        return tl.reshape(lo, (BS, D2)), tl.reshape(hi, (BS, D2))
+    elif FP4:
         c = ra.to(tl.int32)
         s = rb.to(tl.float8e4nv, bitcast=True).to(tl.float32)[:, :, None]
         lo = (_e2m1_decode(c & 0xF) * s).to(DTYPE)
@@ -80,14 +88,18 @@ def _load_ring_raw(ring_ptr, rsc_ptr, rows, is_ring, D2: tl.constexpr, NB32: tl.
 
 @triton.jit
 def _decode_window(rw, rs, fa, fb, is_ring, BS: tl.constexpr, D2: tl.constexpr,
-                   DTYPE: tl.constexpr, IS16: tl.constexpr):
+                   DTYPE: tl.constexpr, IS16: tl.constexpr, PTX: tl.constexpr = False):
     """Window raw rows -> (even, odd) halves [BS, D/2] in DTYPE: ring rows dequantized in
-    registers, E4M3 x 2^(e-127) in fp32 (exact, as codecs.dequant_fp8_ue8m0), fresh rows as is."""
-    w = rw.to(tl.int32)
-    sc = rs.to(tl.int32)
-    s = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(e-127)
-    lo = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
-    hi = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+    registers, E4M3 x 2^(e-127) in fp32 (exact, as codecs.dequant_fp8_ue8m0), fresh rows as is.
+    PTX (bf16 only): the same values from bf16 multiplies (common._e4m3_pairs_to_bf16)."""
+    if PTX:
+        lo, hi = _e4m3_pairs_to_bf16(rw, _e8m0_to_bf16(rs)[:, :, None])
+    else:
+        w = rw.to(tl.int32)
+        sc = rs.to(tl.int32)
+        s = tl.where(sc == 0, 0x400000, sc << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2^(e-127)
+        lo = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+        hi = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
     fe, fo = _decode_raw(fa, fb, BS, D2, DTYPE, False, IS16)
     ke = tl.where(is_ring[:, None], tl.reshape(lo.to(DTYPE), (BS, D2)), fe)
     ko = tl.where(is_ring[:, None], tl.reshape(hi.to(DTYPE), (BS, D2)), fo)
@@ -122,7 +134,7 @@ def _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, IEEE: tl.c
 def _attn_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_hi, data_ptr, scale_ptr,
                   sm_scale, D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr,
                   BS: tl.constexpr, DTYPE: tl.constexpr, FP4: tl.constexpr, IS16: tl.constexpr,
-                  IEEE: tl.constexpr, PREFETCH: tl.constexpr):
+                  IEEE: tl.constexpr, PREFETCH: tl.constexpr, PTX: tl.constexpr):
     """Online-softmax over blocks blk_lo..blk_hi-1 of one row list (window or global)."""
     jj = tl.arange(0, BS)
     base = idx_ptr + n.to(tl.int64) * L
@@ -138,7 +150,7 @@ def _attn_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_hi, dat
             valid_n = rows_n >= 0
             ra_n, rb_n = _load_raw(data_ptr, scale_ptr, tl.where(valid_n, rows_n, 0), valid_n,
                                    D, D2, NB16, FP4, IS16)
-            ke, ko = _decode_raw(ra, rb, BS, D2, DTYPE, FP4, IS16)
+            ke, ko = _decode_raw(ra, rb, BS, D2, DTYPE, FP4, IS16, PTX)
             m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
                                               sm_scale, IEEE)
             ra = ra_n
@@ -151,7 +163,7 @@ def _attn_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_hi, dat
             valid = rows >= 0
             ra, rb = _load_raw(data_ptr, scale_ptr, tl.where(valid, rows, 0), valid, D, D2, NB16,
                                FP4, IS16)
-            ke, ko = _decode_raw(ra, rb, BS, D2, DTYPE, FP4, IS16)
+            ke, ko = _decode_raw(ra, rb, BS, D2, DTYPE, FP4, IS16, PTX)
             m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
                                               sm_scale, IEEE)
     return m, l, acc_e, acc_o
@@ -162,7 +174,7 @@ def _attn_window_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_
                          rsc_ptr, fresh_ptr, n_ring, sm_scale, D: tl.constexpr, D2: tl.constexpr,
                          NB16: tl.constexpr, NB32: tl.constexpr, BS: tl.constexpr,
                          DTYPE: tl.constexpr, IS16: tl.constexpr, IEEE: tl.constexpr,
-                         PREFETCH: tl.constexpr):
+                         PREFETCH: tl.constexpr, PTX: tl.constexpr):
     """_attn_segment over the window row list: row r < n_ring is FP8 ring row r, row r >= n_ring
     fresh row r - n_ring. Prefetching carries only the ring bytes one block ahead (at decode
     nearly every row is a ring row); the few fresh rows are loaded in the block that uses them."""
@@ -182,7 +194,7 @@ def _attn_window_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_
             rw_n, rs_n = _load_ring_raw(ring_ptr, rsc_ptr, rows_n, is_ring_n, D2, NB32)
             fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D,
                                D2, NB16, False, IS16)
-            ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, DTYPE, IS16)
+            ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, DTYPE, IS16, PTX)
             m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
                                               sm_scale, IEEE)
             rw = rw_n
@@ -199,7 +211,7 @@ def _attn_window_segment(qe, qo, m, l, acc_e, acc_o, idx_ptr, n, L, blk_lo, blk_
             rw, rs = _load_ring_raw(ring_ptr, rsc_ptr, rows, is_ring, D2, NB32)
             fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D,
                                D2, NB16, False, IS16)
-            ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, DTYPE, IS16)
+            ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, DTYPE, IS16, PTX)
             m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o,
                                               sm_scale, IEEE)
     return m, l, acc_e, acc_o
@@ -227,7 +239,8 @@ def _sparse_attn_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_ptr, 
                         D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr, NB32: tl.constexpr,
                         BH: tl.constexpr, BS: tl.constexpr,
                         DTYPE: tl.constexpr, IS16: tl.constexpr, GLOBAL_FP4: tl.constexpr,
-                        IEEE: tl.constexpr, DIRECT: tl.constexpr, PREFETCH: tl.constexpr):
+                        IEEE: tl.constexpr, DIRECT: tl.constexpr, PREFETCH: tl.constexpr,
+                        PTX: tl.constexpr):
     """Program (n, head tile, split): query token n, heads hb*BH.., blocks of its row list
     [window rows ++ global rows] in split sp. All BH heads share each loaded KV block. Window
     rows < n_ring are FP8 ring rows (ring_ptr: int16 words, rsc_ptr: UE8M0 bytes), the others
@@ -251,11 +264,11 @@ def _sparse_attn_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_ptr, 
     m, l, acc_e, acc_o = _attn_window_segment(qe, qo, m, l, acc_e, acc_o, wrows_ptr, n, W,
                                               b0, tl.minimum(b1, nbw), ring_ptr, rsc_ptr,
                                               fresh_ptr, n_ring, sm_scale, D, D2, NB16, NB32, BS,
-                                              DTYPE, IS16, IEEE, PREFETCH)
+                                              DTYPE, IS16, IEEE, PREFETCH, PTX)
     m, l, acc_e, acc_o = _attn_segment(qe, qo, m, l, acc_e, acc_o, grows_ptr, n, KG,
                                        tl.maximum(b0, nbw) - nbw, b1 - nbw, gc_ptr, gs_ptr,
                                        sm_scale, D, D2, NB16, BS, DTYPE, GLOBAL_FP4, IS16, IEEE,
-                                       PREFETCH)
+                                       PREFETCH, PTX)
     if DIRECT:
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
         l = l + tl.exp(sink - m)
@@ -357,15 +370,19 @@ def attention_config(n: int, h: int, w: int, kg: int, device, block_h=None, bloc
 
 
 ATTN_PREFETCH = True    # default; the bench compares both
+# FP8 ring rows and FP4 rows decoded by PTX (bf16 q only; the values are the generic decode's)
+ATTN_PTX_DECODE = True  # default; the bench compares both
 
 
 def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
                      global_scale, global_rows, sink, softmax_scale, *, block_h=None,
-                     block_s=None, n_split=None, prefetch=None, out=None):
+                     block_s=None, n_split=None, prefetch=None, ptx_decode=None, out=None):
     """torch.ops.v41graph.sparse_attention semantics: window rows r < slots*W read the FP8 ring
     window_kv / window_scale in place, rows r >= slots*W are fresh_kv[r - slots*W].
     `global_scale=None` (or a float `global_cache`) with a float `global_cache` [R, D] runs the
-    same algorithm on a bf16/fp32 global cache."""
+    same algorithm on a bf16/fp32 global cache. `ptx_decode` (default ATTN_PTX_DECODE) picks the
+    FP8 ring and FP4 decodes for bf16 q: PTX (common._e4m3_pairs_to_bf16, _e2m1_bytes_to_bf16)
+    or the generic ones (fp16 / fp32 q always use the generic ones); both give the same values."""
     n, h, d = q.shape
     dt = q.dtype
     is16 = dt != torch.float32
@@ -402,6 +419,7 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
     dtl = _TL_DTYPE[dt]
     if prefetch is None:
         prefetch = ATTN_PREFETCH
+    ptx_decode = bool(ATTN_PTX_DECODE if ptx_decode is None else ptx_decode) and dt == torch.bfloat16
 
     def i32(t):   # 16-bit float tensors are read/written as int32 words
         return t.view(torch.int32) if is16 else t
@@ -417,7 +435,7 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
         i32(qc), ring, rsc, i32(fresh), wrows, i32(gc) if not fp4 else gc, gs, grows, sink,
         i32(out), ws_acc, ws_ml, h, w, kg, n_ring, float(softmax_scale), per, n_split,
         D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, DTYPE=dtl, IS16=is16, GLOBAL_FP4=fp4,
-        IEEE=(dt == torch.float32), DIRECT=direct, PREFETCH=bool(prefetch),
+        IEEE=(dt == torch.float32), DIRECT=direct, PREFETCH=bool(prefetch), PTX=ptx_decode,
         num_warps=warps, num_stages=1)
     if not direct:
         cbh = 16

@@ -169,5 +169,35 @@ def _fp4_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.co
     return tl.reshape(tl.join(even, odd), (BN, BK))
 
 
+def _e4m3_pairs_ptx() -> str:
+    """PTX for one call over 2 int16 words ($2: 4 E4M3 bytes, each word = elements 2i (low
+    byte), 2i+1 (high byte)) and their 2 scales ($3, a bf16 pair): the low bytes' values go to
+    $0 and the high bytes' to $1 (bf16 pairs). Each byte goes to the low byte of a 16-bit lane;
+    its magnitude bits move to bf16 bits 10:4 and its sign to bit 15, which is the E4M3 value
+    times 2^-120 (E4M3 subnormals land on bf16 subnormals); two bf16x2 FMAs with -0 apply 2^120
+    and the scale. 14 instructions per 4 elements, against ~9 per element through fp32."""
+    lines = [".reg .b32 z, mag, k120, nz, x, t, u;", "mov.b32 z, 0;", "mov.b32 mag, 0x07F007F0;",
+             "mov.b32 k120, 0x7B807B80;", "mov.b32 nz, 0x80008000;"]
+    for out, select in ((0, "0x4240"), (1, "0x4341")):          # low bytes, high bytes
+        lines += [f"prmt.b32 x, $2, z, {select};", "shl.b32 t, x, 4;", "shl.b32 u, x, 8;",
+                  "and.b32 u, u, 0x80008000;", "lop3.b32 t, t, mag, u, 0xEA;",
+                  "fma.rn.bf16x2 t, t, k120, nz;", f"fma.rn.bf16x2 ${out}, t, $3, nz;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_E4M3_PAIRS_PTX = tl.constexpr(_e4m3_pairs_ptx())
+
+
+@triton.jit
+def _e4m3_pairs_to_bf16(words, scale):
+    """int16 words (two E4M3 codes: element 2i in the low byte) times scale (bf16, broadcast to
+    words' shape) -> (even, odd) bf16 values: the E4M3 value times the scale rounded once to
+    bf16, which is codecs.dequant_fp8_ue8m0's fp32 product cast to bf16 whenever that product
+    is exact (always, for a power-of-two scale, down to 2^-149). NaN codes are not kept (cache
+    writes saturate, so none are stored)."""
+    return tl.inline_asm_elementwise(_E4M3_PAIRS_PTX, "=r,=r,r,r", [words, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+
+
 def _capability_at_least(device: torch.device, major: int, minor: int) -> bool:
     return torch.cuda.get_device_capability(device) >= (major, minor)
