@@ -424,6 +424,8 @@ def main(argv=None) -> int:
     args.rates = [float(x) for x in args.rates.split(",") if x]
     if (args.e2e or args.e2e_only) and not args.speculative:
         ap.error("--e2e / --e2e-only only apply with --speculative K,..")
+    if args.e2e_tokens < 1:
+        ap.error(f"--e2e-tokens must be >= 1, got {args.e2e_tokens}")
     device = args.device
     batches = sorted(int(b) for b in args.batches.split(","))
     contexts = sorted(int(c) for c in args.contexts.split(","))

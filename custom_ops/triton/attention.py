@@ -50,7 +50,7 @@ def _decode_raw(ra, rb, BS: tl.constexpr, D2: tl.constexpr, DTYPE: tl.constexpr,
                 FP4: tl.constexpr, IS16: tl.constexpr, PTX: tl.constexpr = False):
     """Raw rows -> (even, odd) halves [BS, D/2] in DTYPE; FP4 is dequantized here, in registers
     (E2M1 value x E4M3 scale is exact in bf16). PTX (bf16 only): the MoE's PTX byte decode,
-    ~3 instructions per code instead of ~10 (the sm90 global-row loop: 1266 instructions per
+    ~3 instructions per code instead of ~10 (the sm90 global-row loop: 1268 instructions per
     block of 32 rows instead of 1800, scripts/offline_sass.py); E2M1 (2 significant bits) x
     E4M3 (4) fits bf16's 8, so its FMA is exact and the values are the generic path's."""
     if FP4 and PTX:

@@ -116,23 +116,34 @@ def _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.co
     return _scaled_tile(w.to(tl.float8e4nv, bitcast=True).to(tl.float32), s, BN, BK)
 
 
+# The two PTX decodes below share one idea: each code byte goes to the low byte of a 16-bit lane
+# (prmt), its magnitude bits are shifted under a bf16's exponent/mantissa and its sign to bit 15,
+# which is the code's value times a power of two 2^-p (the format's subnormals land on bf16
+# subnormals); two bf16x2 FMAs with -0 apply 2^p (exact) and the scale (one rounding).
+def _lane_decode_prologue(mag_mask: int, power_bits: int) -> list[str]:
+    """Registers and constants of a lane decode: the magnitude mask and 2^p (bf16 pairs)."""
+    return [".reg .b32 z, mag, k, nz, x, t, u;", "mov.b32 z, 0;", f"mov.b32 mag, 0x{mag_mask:08X};",
+            f"mov.b32 k, 0x{power_bits:08X};", "mov.b32 nz, 0x80008000;"]
+
+
+def _lane_decode(out: str, mag_shift: int, sign_shift: int, scale: str) -> list[str]:
+    """Lanes of x -> bf16 pairs in `out`: magnitude and sign bits moved, times 2^p, times scale."""
+    return [f"shl.b32 t, x, {mag_shift};", f"shl.b32 u, x, {sign_shift};", "and.b32 u, u, 0x80008000;",
+            "lop3.b32 t, t, mag, u, 0xEA;", "fma.rn.bf16x2 t, t, k, nz;", f"fma.rn.bf16x2 {out}, t, {scale}, nz;"]
+
+
 def _e2m1_bytes_ptx() -> str:
     """PTX for one call over 4 packed bytes (8 E2M1 codes) in $4 and their 4 scales (bf16
     pairs: $5 for bytes 0-1, $6 for bytes 2-3): the low-nibble values go to $0, $1 and the
-    high-nibble values to $2, $3 (bf16 pairs). Each byte goes to the low byte of a 16-bit lane
-    (prmt); a code's magnitude bits move to bf16 bits 8:6 and its sign to bit 15, which is the
-    E2M1 value times 2^-126 (E2M1's subnormal 0.5 lands on a bf16 subnormal); two exact bf16x2
-    FMAs with -0 apply 2^126 and the scale. 26 instructions per 8 codes (plus 5 constant moves
+    high-nibble values to $2, $3 (bf16 pairs). A code's magnitude bits move to bf16 bits 8:6,
+    which is the E2M1 value times 2^-126. 26 instructions per 8 codes (plus 5 constant moves
     per call) where the generic decode (fp16 bit moves, fp32 scale, bf16 cast) took ~10 per
     code."""
-    lines = [".reg .b32 z, mag, k126, nz, x, t, u;", "mov.b32 z, 0;", "mov.b32 mag, 0x01C001C0;",
-             "mov.b32 k126, 0x7E807E80;", "mov.b32 nz, 0x80008000;"]
+    lines = _lane_decode_prologue(0x01C001C0, 0x7E807E80)                    # 2^126
     for pair, (select, scale) in enumerate((("0x4140", "$5"), ("0x4342", "$6"))):
         lines.append(f"prmt.b32 x, $4, z, {select};")
         for out, mag_shift, sign_shift in ((pair, 6, 12), (pair + 2, 2, 8)):    # low nibble, high nibble
-            lines += [f"shl.b32 t, x, {mag_shift};", f"shl.b32 u, x, {sign_shift};",
-                      "and.b32 u, u, 0x80008000;", "lop3.b32 t, t, mag, u, 0xEA;",
-                      "fma.rn.bf16x2 t, t, k126, nz;", f"fma.rn.bf16x2 ${out}, t, {scale}, nz;"]
+            lines += _lane_decode(f"${out}", mag_shift, sign_shift, scale)
     return "{\n" + "\n".join(lines) + "\n}"
 
 
@@ -141,9 +152,10 @@ _E2M1_BYTES_PTX = tl.constexpr(_e2m1_bytes_ptx())
 
 @triton.jit
 def _e2m1_bytes_to_bf16(packed, scale):
-    """packed uint8 (two E2M1 codes, the even column in the low nibble) times scale (bf16, a
-    power of two, broadcast to packed's shape) -> (even, odd) bf16 values, exactly
-    codecs.e2m1_decode(code) * scale rounded to bf16 (exact unless it overflows)."""
+    """packed uint8 (two E2M1 codes, the even column in the low nibble) times scale (bf16,
+    broadcast to packed's shape: a power of two, or an E4M3 value, whose 4 significant bits
+    times E2M1's 2 fit bf16's 8) -> (even, odd) bf16 values, exactly codecs.e2m1_decode(code) *
+    scale rounded to bf16 (exact unless it overflows)."""
     return tl.inline_asm_elementwise(_E2M1_BYTES_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
@@ -172,16 +184,12 @@ def _fp4_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.co
 def _e4m3_pairs_ptx() -> str:
     """PTX for one call over 2 int16 words ($2: 4 E4M3 bytes, each word = elements 2i (low
     byte), 2i+1 (high byte)) and their 2 scales ($3, a bf16 pair): the low bytes' values go to
-    $0 and the high bytes' to $1 (bf16 pairs). Each byte goes to the low byte of a 16-bit lane;
-    its magnitude bits move to bf16 bits 10:4 and its sign to bit 15, which is the E4M3 value
-    times 2^-120 (E4M3 subnormals land on bf16 subnormals); two bf16x2 FMAs with -0 apply 2^120
-    and the scale. 14 instructions per 4 elements, against ~9 per element through fp32."""
-    lines = [".reg .b32 z, mag, k120, nz, x, t, u;", "mov.b32 z, 0;", "mov.b32 mag, 0x07F007F0;",
-             "mov.b32 k120, 0x7B807B80;", "mov.b32 nz, 0x80008000;"]
+    $0 and the high bytes' to $1 (bf16 pairs). A byte's magnitude bits move to bf16 bits 10:4,
+    which is the E4M3 value times 2^-120. 14 instructions per 4 elements, against ~9 per
+    element through fp32."""
+    lines = _lane_decode_prologue(0x07F007F0, 0x7B807B80)                    # 2^120
     for out, select in ((0, "0x4240"), (1, "0x4341")):          # low bytes, high bytes
-        lines += [f"prmt.b32 x, $2, z, {select};", "shl.b32 t, x, 4;", "shl.b32 u, x, 8;",
-                  "and.b32 u, u, 0x80008000;", "lop3.b32 t, t, mag, u, 0xEA;",
-                  "fma.rn.bf16x2 t, t, k120, nz;", f"fma.rn.bf16x2 ${out}, t, $3, nz;"]
+        lines += [f"prmt.b32 x, $2, z, {select};", *_lane_decode(f"${out}", 4, 8, "$3")]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
