@@ -69,7 +69,7 @@ INDUCTOR_SEGMENT_VARIANTS = ("v41graph-inductor",)
 # the shared model trace again).
 SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE, *INDUCTOR_SEGMENT_VARIANTS, *TRITON_OFF)
 BLOCK = 128
-SHARE_DECODE_GRAPH = True     # --no-shared-decode-graph: False; --share-bucket-1: "all"
+SHARE_DECODE_GRAPH = "all"    # the default; --bucket-1-static: True; --no-shared-decode-graph: False
 
 
 def log(msg: str) -> None:
@@ -404,8 +404,12 @@ def main(argv=None) -> int:
                     help="profile on the CPU too (the op-by-op trace of uncaptured steps)")
     ap.add_argument("--no-shared-decode-graph", dest="shared", action="store_false",
                     help="v41graph: trace each decode bucket separately")
+    ap.add_argument("--bucket-1-static", dest="shared", action="store_const", const=True,
+                    help="v41graph: bucket 1 traced on its own, buckets >= 2 share a graph "
+                         "(share_decode_graph=True; the default is 'all': every bucket and the prefill on one trace)")
     ap.add_argument("--share-bucket-1", dest="shared", action="store_const", const="all",
-                    help="v41graph: bucket 1 shares the decode graph too (share_decode_graph='all')")
+                    help="(the default) every bucket shares the decode graph (share_decode_graph='all')")
+    ap.set_defaults(shared="all")
     ap.add_argument("--speculative", default=None, metavar="K,..",
                     help="instead of the variants: the speculative step for these draft counts "
                          "(scripts/bench_speculative.py) at --batches and the first of --contexts")

@@ -1,7 +1,7 @@
 """Compile time, cold vs warm persistent compile cache (issue 24), and whether warm == cold bit for bit.
 
     python scripts/bench_compile.py --out $OUT                              # H200: both variants
-    python scripts/bench_compile.py --variants executor --out $OUT          # one variant (~5 min)
+    python scripts/bench_compile.py --variants executor --control --out $OUT   # + a cold-vs-cold control
     python scripts/bench_compile.py --variants inductor --out $OUT          # the long one
     python scripts/bench_compile.py --config tiny --device cpu --buckets 1,4 --steps 4 \\
         --prefill 16 --context 40 --out /tmp/bc                             # CPU smoke run
@@ -16,6 +16,8 @@ steps (step i decodes the first b sequences, b cycling through the buckets, so e
 graph runs; the next token is the argmax) and hashes every step's logits. The parent prints a
 table last (and writes bench_compile.json to --out): times, CompiledModel.timings, cache hits,
 and whether the warm run's hashes equal the cold run's (the first differing step if not).
+--control adds a second cold process (its own empty directory) between the two: whether two
+cold starts agree bit for bit, without which warm != cold would say nothing about the cache.
 Children run with torch.use_deterministic_algorithms on unless --nondeterministic: the fused
 wkv + RMSNorm's split-K atomics are not run-to-run deterministic, which is the likely (not yet
 shown) cause of the ninth session's warm-vs-cold difference.
@@ -40,6 +42,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 VARIANTS = ("executor", "inductor")
+PHASES = ("cold", "cold2", "warm")     # cold2: the --control run
 
 
 def log(msg: str) -> None:
@@ -52,8 +55,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--variants", default="executor,inductor", help="comma list of " + ", ".join(VARIANTS))
     p.add_argument("--buckets", default="1,8,32,64", help="decode buckets (batch sizes)")
-    p.add_argument("--share-bucket-1", action="store_true",
-                   help='share_decode_graph="all": bucket 1 shares the symbolic-batch trace too')
+    p.add_argument("--bucket-1-static", action="store_true",
+                   help='share_decode_graph=True: bucket 1 traced on its own (the default "all": every '
+                        'bucket and the prefill on one trace)')
+    p.add_argument("--control", action="store_true",
+                   help="a second cold process (its own empty cache directory) between cold and warm: "
+                        "whether two cold starts agree bit for bit, the control for warm == cold")
     p.add_argument("--prefill", type=int, default=512, help="tokens of the one prefill call")
     p.add_argument("--context", type=int, default=1024, help="decode position of every sequence at step 0")
     p.add_argument("--steps", type=int, default=100, help="captured decode steps hashed")
@@ -64,7 +71,7 @@ def parse_args(argv=None):
                         "sums split-K partials with atomics, so two runs can differ in the last bit)")
     p.add_argument("--out", required=True)
     # internal: one child run
-    p.add_argument("--child", choices=("cold", "warm"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=PHASES, help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -103,7 +110,7 @@ def run_child(args) -> dict:
 
     t_start = time.perf_counter()
     compiled = v41graph.compile(model, batch_sizes=buckets, inductor_segments=args.variant == "inductor",
-                                share_decode_graph="all" if args.share_bucket_1 else True,
+                                share_decode_graph=True if args.bucket_1_static else "all",
                                 compile_cache=args.cache)
     compiled.warmup(caches, blocks, show_progress=False)
     bench._sync(device)
@@ -160,7 +167,7 @@ def child_command(args, variant: str, phase: str, cache: Path, out: Path) -> lis
            "--cache", str(cache), "--child-out", str(out), "--out", str(out.parent),
            "--config", args.config, "--device", args.device, "--buckets", args.buckets,
            "--prefill", str(args.prefill), "--context", str(args.context), "--steps", str(args.steps)]
-    return (cmd + (["--share-bucket-1"] if args.share_bucket_1 else [])
+    return (cmd + (["--bucket-1-static"] if args.bucket_1_static else [])
             + (["--nondeterministic"] if args.nondeterministic else []))
 
 
@@ -186,10 +193,12 @@ def main(argv=None) -> int:
     results = {"args": {k: v for k, v in vars(args).items() if not k.startswith("child")}, "runs": [],
                "compare": {}}
     for variant in args.variant_list:
-        cache = Path(args.cache_root or out) / f"cache-{variant}"
-        shutil.rmtree(cache, ignore_errors=True)      # cold: empty
         runs = {}
-        for phase in ("cold", "warm"):
+        for phase in ("cold", "cold2", "warm") if args.control else ("cold", "warm"):
+            # cold2 gets a directory of its own, so warm still loads what cold stored
+            cache = Path(args.cache_root or out) / f"cache-{variant}{'-cold2' if phase == 'cold2' else ''}"
+            if phase != "warm":
+                shutil.rmtree(cache, ignore_errors=True)      # cold: empty
             child_out = out / f"{variant}-{phase}.json"
             child_out.unlink(missing_ok=True)
             log(f"{variant} {phase}: starting (cache {cache})")
@@ -207,6 +216,8 @@ def main(argv=None) -> int:
             runs[phase] = run
             results["runs"].append(run)
         results["compare"][variant] = compare(runs["cold"], runs["warm"])
+        if "cold2" in runs:
+            results["compare"][variant + " control"] = compare(runs["cold"], runs["cold2"])
         (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     return 0 if all(r.get("rc") == 0 for r in results["runs"]) else 1
@@ -226,7 +237,8 @@ def print_table(results: dict) -> None:
     for row in (head, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
     for variant, c in results["compare"].items():
-        print(f"{variant}: warm == cold bit for bit: {c.get('equal')} (prefill {c.get('prefill_equal')}, "
+        what = "cold2 == cold" if variant.endswith(" control") else "warm == cold"
+        print(f"{variant}: {what} bit for bit: {c.get('equal')} (prefill {c.get('prefill_equal')}, "
               f"first differing step {c.get('first_differing_step')}, {c.get('differing_steps')} differ)")
 
 

@@ -22,6 +22,9 @@ from v41graph.model.model import V41Model, init_random_
 from v41graph.runtime.session import Session
 
 STEPS = 4
+# share_decode_graph=True: the prefill and the decode bucket trace a graph each, so that storing,
+# looking up and refusing is seen on two kinds; the default ("all": one graph) has its own test
+SHARE = True
 ATOL = 1e-4      # compiled vs eager (test_compiler.py's); warm vs cold is compared bit for bit
 PROMPT = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(5))
 
@@ -62,7 +65,7 @@ def tool_cache_variables():
 def cold(tmp_path_factory):
     """A cold compile into an empty cache directory: (directory, logits, compiled model)."""
     root = tmp_path_factory.mktemp("compile_cache")
-    compiled = v41graph.compile(fresh_tiny(), backend="cpu", batch_sizes=(4,), compile_cache=root)
+    compiled = v41graph.compile(fresh_tiny(), backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), compile_cache=root)
     outs = run_session(compiled)
     return root, outs, compiled
 
@@ -85,7 +88,7 @@ def test_cold_compile_traces_and_stores_every_graph(cold):
 
 def test_warm_compile_loads_without_tracing_and_is_bit_identical(cold):
     root, cold_outs, _ = cold
-    warm = v41graph.compile(fresh_tiny(), backend="cpu", batch_sizes=(4,), compile_cache=str(root))
+    warm = v41graph.compile(fresh_tiny(), backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), compile_cache=str(root))
     outs = run_session(warm)
     assert len(outs) == STEPS + 1
     assert all(torch.equal(a, b) for a, b in zip(outs, cold_outs))
@@ -94,6 +97,22 @@ def test_warm_compile_loads_without_tracing_and_is_bit_identical(cold):
     assert warm.timings["trace_s"] == 0 and warm.timings.get("cache_misses", 0) == 0
     assert warm.timings["cache_hits"] == 2
     assert warm.compile_cache.saved == 0
+    assert warm.notes["prefill"] == "runs the stored prefill graph (compile cache)"
+
+
+def test_the_default_one_graph_serves_prefill_and_decode_warm(tmp_path):
+    """share_decode_graph="all" (the default): the cold prefill traces the one graph (stored as
+    a prefill entry), the decode steps run it, and a warm process runs both the prefill and the
+    decode bucket on that stored graph (a lookup across kinds) without tracing, bit for bit."""
+    cold = v41graph.compile(fresh_tiny(), backend="cpu", batch_sizes=(4,), compile_cache=tmp_path)
+    cold_outs = run_session(cold)
+    assert cold.pass_manager.graph_index == 1 and stored(tmp_path) == stored(tmp_path, "prefill")
+    assert len(stored(tmp_path)) == 1
+    warm = v41graph.compile(fresh_tiny(), backend="cpu", batch_sizes=(4,), compile_cache=tmp_path)
+    outs = run_session(warm)
+    assert all(torch.equal(a, b) for a, b in zip(outs, cold_outs))
+    assert warm.pass_manager.graph_index == 0 and warm.timings.get("cache_misses", 0) == 0
+    assert warm.timings["cache_hits"] == 2          # the one entry, by the prefill and the decode function
     assert warm.notes["prefill"] == "runs the stored prefill graph (compile cache)"
 
 
@@ -109,20 +128,20 @@ def test_env_variable_turns_the_cache_on_and_false_turns_it_off(cold, monkeypatc
     root, _, _ = cold
     monkeypatch.setenv(cc.ENV_VAR, str(root))
     model = fresh_tiny()
-    assert v41graph.compile(model, backend="cpu", batch_sizes=(4,)).compile_cache.root == root
-    assert v41graph.compile(model, backend="cpu", batch_sizes=(4,), compile_cache=False).compile_cache is None
+    assert v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,)).compile_cache.root == root
+    assert v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), compile_cache=False).compile_cache is None
     # a dump is written while tracing: with a dump directory the cache is off
-    assert v41graph.compile(model, backend="cpu", batch_sizes=(4,), dump_dir=root / "dumps").compile_cache is None
+    assert v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), dump_dir=root / "dumps").compile_cache is None
     monkeypatch.delenv(cc.ENV_VAR)
-    assert v41graph.compile(model, backend="cpu", batch_sizes=(4,)).compile_cache is None
+    assert v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,)).compile_cache is None
     with pytest.raises(TypeError, match="compile_cache must be a directory path"):
-        v41graph.compile(model, backend="cpu", compile_cache=3)
+        v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, compile_cache=3)
     not_a_dir = root / "key-file"
     not_a_dir.write_text("x")
     with pytest.raises(ValueError, match="exists and is not a directory"):
-        v41graph.compile(model, backend="cpu", compile_cache=not_a_dir)
+        v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, compile_cache=not_a_dir)
     with pytest.raises(ValueError, match="compile_cache is an empty path"):
-        v41graph.compile(model, backend="cpu", compile_cache="")
+        v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, compile_cache="")
 
 
 def _folder(compiled) -> str:
@@ -132,7 +151,7 @@ def _folder(compiled) -> str:
 def test_a_pass_edit_the_config_and_the_buckets_each_miss(cold, monkeypatch):
     root, _, compiled = cold
     model = fresh_tiny()
-    same = v41graph.compile(model, backend="cpu", batch_sizes=(4,), compile_cache=root)
+    same = v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), compile_cache=root)
     assert _folder(same) == _folder(compiled) and len(same.compile_cache.entries("prefill")) == 1
 
     # An edit of a helper a pass imports (patterns.py) changes that pass's uuid, so the key
@@ -140,17 +159,17 @@ def test_a_pass_edit_the_config_and_the_buckets_each_miss(cold, monkeypatch):
     before = compiled.pass_manager.uuid()
     real, patterns = inspect.getsource, importlib.import_module("v41graph.passes.patterns")
     monkeypatch.setattr(inspect, "getsource", lambda obj: real(obj) + ("\n# edited\n" if obj is patterns else ""))
-    after_edit = v41graph.compile(model, backend="cpu", batch_sizes=(4,), compile_cache=root)
+    after_edit = v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), compile_cache=root)
     assert after_edit.pass_manager.uuid() != before
     assert _folder(after_edit) != _folder(compiled)
     assert after_edit.compile_cache.entries("prefill") == []
     monkeypatch.undo()
 
-    other_config = v41graph.compile(fresh_tiny(index_topk=8), backend="cpu", batch_sizes=(4,), compile_cache=root)
+    other_config = v41graph.compile(fresh_tiny(index_topk=8), backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), compile_cache=root)
     assert _folder(other_config) != _folder(compiled) and other_config.compile_cache.entries("prefill") == []
-    other_buckets = v41graph.compile(model, backend="cpu", batch_sizes=(2, 4), compile_cache=root)
+    other_buckets = v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, batch_sizes=(2, 4), compile_cache=root)
     assert _folder(other_buckets) != _folder(compiled)
-    other_passes = v41graph.compile(model, backend="cpu", batch_sizes=(4,), disable=("P1",), compile_cache=root)
+    other_passes = v41graph.compile(model, backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), disable=("P1",), compile_cache=root)
     assert _folder(other_passes) != _folder(compiled)
     # set_passes moves to the new pass list's folder
     same.set_passes(disable=("P1",))
@@ -182,7 +201,7 @@ def _prefill_scope(compiled, **changes):
 @torch.no_grad()     # as CompiledModel calls its graphs
 def test_a_stored_graph_is_refused_where_dynamo_would_have_traced_again(cold):
     root, _, _ = cold
-    warm = v41graph.compile(fresh_tiny(), backend="cpu", batch_sizes=(4,), compile_cache=root)
+    warm = v41graph.compile(fresh_tiny(), backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), compile_cache=root)
     cache, signature, scope = _prefill_scope(warm)
     entry, reasons = cache.lookup("prefill", signature, scope)
     assert entry is not None, reasons               # the same call fits
@@ -215,7 +234,7 @@ def test_a_corrupted_entry_is_reported_and_traced_again(cold, tmp_path):
     shutil.copytree(root, copy)
     [decode] = [p for p in copy.glob("*/decode_shared-*.pt")]
     decode.write_bytes(decode.read_bytes()[:1000])
-    warm = v41graph.compile(fresh_tiny(), backend="cpu", batch_sizes=(4,), compile_cache=copy)
+    warm = v41graph.compile(fresh_tiny(), backend="cpu", share_decode_graph=SHARE, batch_sizes=(4,), compile_cache=copy)
     outs = run_session(warm, steps=2)
     assert all(torch.equal(a, b) for a, b in zip(outs, cold_outs))
     events = "\n".join(warm.compile_cache.events)

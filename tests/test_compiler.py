@@ -428,7 +428,9 @@ def test_set_passes_switches_without_tracing_again(small):
     """set_passes re-runs the kept post-AOT graphs through another pass list: no new trace,
     the switched-off fusions are gone from the running graph, and results still match eager;
     switching back brings them back."""
-    compiled = v41graph.compile(small, backend="cpu", batch_sizes=(4,))
+    # share_decode_graph=True: the prefill and the decode bucket trace a graph each, so the
+    # switch is seen on two graphs
+    compiled = v41graph.compile(small, backend="cpu", batch_sizes=(4,), share_decode_graph=True)
     _eager_vs_compiled_decodes(small, compiled, 3, 12, 2)
     traced = len(compiled.traced)
     assert traced == 2                                           # prefill + decode
@@ -555,8 +557,10 @@ def test_share_decode_graph_switch(tiny):
 def test_shared_decode_graph_block_table_width_is_symbolic(small):
     """Sessions whose block tables have another width (max_seq_len 48 vs 96: 3 vs 6 blocks) over
     caches of one size reuse the shared decode trace (a new capture, no new trace) and match
-    eager. (Caches of another size would retrace: their shapes are static.)"""
-    compiled = v41graph.compile(small, backend="cpu", batch_sizes=(4,))
+    eager. (Caches of another size would retrace: their shapes are static.) share_decode_graph
+    =True, so that the first decode step traces the shared graph (with the default "all" the
+    first prefill traces it: test_share_all_prefill_first_traces_the_one_graph)."""
+    compiled = v41graph.compile(small, backend="cpu", batch_sizes=(4,), share_decode_graph=True)
     decode_graphs = []
     for max_len, seed in ((48, 30), (96, 31)):
         eager, comp = (Session(m, 3, max_len, block_size=16, num_blocks=24) for m in (small, compiled))
@@ -576,12 +580,32 @@ def test_share_all_buckets_one_decode_trace(small):
     """share_decode_graph="all": buckets 1, 2 and 4 run one traced decode graph, and each
     matches eager (1, 2 and 3 sequences)."""
     compiled = v41graph.compile(small, backend="cpu", batch_sizes=(1, 2, 4), share_decode_graph="all")
+    first = Session(compiled, 3, 48, block_size=16)     # the caches' shapes of the sessions below
+    compiled.warmup(first.caches, first.max_blocks)      # decode before any prefill
+    assert len(compiled.traced) == 1
     decode_graphs = 0
     for n_seqs in (1, 2, 3):
         _, new = _eager_vs_compiled_decodes(small, compiled, n_seqs, 20 + n_seqs, 2)
         decode_graphs += new
-    assert decode_graphs == 1
-    assert {key[0] for key in compiled._decode} == {1, 2, 4}
+    assert decode_graphs == 0 and len(compiled.traced) == 1      # the prefills ran it too
+    assert {key[0] for key in compiled._decode} >= {1, 2, 4}
+
+
+def test_share_all_prefill_first_traces_the_one_graph(small):
+    """The default share_decode_graph="all" when a prefill comes before any decode step (a
+    serving engine's order): the prefill traces the graph, and decode steps of buckets 1 and 4
+    (1 and 3 sequences) and the second prefill run it without tracing again; every logit
+    matches eager. (With share_decode_graph=True the same order traces four graphs: the
+    one-sequence prefill's, bucket 1's static one, the three-sequence prefill's (Dynamo marks
+    the changed sizes dynamic) and the shared one of buckets >= 2.)"""
+    counts = {}
+    for share in ("all", True):
+        compiled = v41graph.compile(small, backend="cpu", batch_sizes=(1, 4), share_decode_graph=share)
+        for n_seqs in (1, 3):
+            _eager_vs_compiled_decodes(small, compiled, n_seqs, 40 + n_seqs, 2)
+        counts[share] = len(compiled.traced)
+        assert compiled.notes["prefill"] == "traced its own graph (no decode graph had been traced before it)"
+    assert counts == {"all": 1, True: 4}
 
 
 # ---------------------------------------------------------------------------- P1, ratio 2

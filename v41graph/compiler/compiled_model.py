@@ -2,7 +2,7 @@
 static capture.
 
     compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
-                                batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
+                                batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph="all",
                                 inductor_segments=False, compile_prefill=True,
                                 compile_cache=None)      # a directory: $V41GRAPH_COMPILE_CACHE
     logits = compiled(input_ids, positions, caches, metadata)         # any step
@@ -38,7 +38,7 @@ class CompiledModel:
     """The compiled model: same call signature as V41Model.forward."""
 
     def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
-                 batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph=True,
+                 batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph="all",
                  inductor_segments=False, compile_prefill=True, compile_cache=None):
         from v41graph.model.model import V41Model
         if not isinstance(model, V41Model):
@@ -104,10 +104,13 @@ class CompiledModel:
             return {"options": {"guard_filter_fn": self.compile_cache.guard_filter}} if self.compile_cache else {}
         self._fn = CachedFunction(self, "decode", torch.compile(self.model, backend=self.backend, fullgraph=True,
                                                                  dynamic=False, **options()))
-        # Decode buckets >= 2 share one graph whose batch dimension is symbolic (marked on the
+        # The decode buckets share one graph whose batch dimension is symbolic (marked on the
         # bucket's persistent buffers): tracing + passes run once, each bucket only captures.
-        # Tracing the 40-layer model is most of compile time (~2 min per graph on an H200 host).
-        # Dynamo specializes size-1 dimensions, so bucket 1 gets its own static graph (_fn).
+        # Tracing the 40-layer model is most of compile time (~50 s per graph on an H200 host).
+        # The default "all" marks the batch unbacked, so bucket 1 and the prefill (one sequence,
+        # any token count) run that graph too; share_decode_graph=True marks it backed, which
+        # Dynamo specializes at 1, so bucket 1 gets its own static graph (_fn) and a prefill of
+        # one sequence traces a third graph (the shared one guards 2 <= the sequence count).
         self._shared_decode_fn = CachedFunction(self, "decode_shared", torch.compile(
             self.model, backend=self.backend, fullgraph=True, dynamic=None, **options()))
         # Everything that is not a decode step (prefill chunks, mixed steps, verify steps) runs
@@ -217,6 +220,10 @@ class CompiledModel:
                                   **extra)
             if return_streams and self.compile_prefill:
                 _mark_batch_dims_dynamic(input_ids, positions, metadata)
+            elif self.share_decode_graph == "all" and self.compile_prefill:
+                # marked as the decode buckets mark theirs: a prefill before the first decode
+                # step traces the graph every bucket then runs (one trace, whichever comes first)
+                _mark_shared_graph_dims(input_ids, positions, metadata, unbacked=True)
             what = "verify" if return_streams else "prefill"
             traced_before = self.traced_by[what]
             with self._traces(what):
@@ -359,6 +366,18 @@ def _mark_batch_dims_dynamic(input_ids, positions, metadata: AttentionMetadata) 
         torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
+def _mark_shared_graph_dims(input_ids, positions, metadata: AttentionMetadata, unbacked: bool) -> None:
+    """Mark what the shared decode graph has symbolic: dim 0 of every batch tensor (token and
+    sequence counts) and the block-table width (when >= 2: Dynamo would specialize a width of
+    1). unbacked (share_decode_graph="all"): counts Dynamo does not specialize at 1 either, so
+    every bucket and any prefill step marked the same way fit one graph, whichever traced it."""
+    mark = torch._dynamo.decorators.mark_unbacked if unbacked else torch._dynamo.mark_dynamic
+    for t in (input_ids, positions, *metadata.batch_tensors()):
+        mark(t, 0)
+    if metadata.block_table.shape[1] >= 2:
+        torch._dynamo.mark_dynamic(metadata.block_table, 1)
+
+
 class CachedFunction:
     """One of CompiledModel's compiled functions (decode, shared decode, prefill) in front of
     the persistent compile cache: a call that a stored graph fits runs it without Dynamo; any
@@ -423,13 +442,7 @@ class DecodeGraph:
         share = compiled.share_decode_graph
         self.shared = share == "all" or (bucket >= 2 and bool(share))
         if self.shared:   # the shared symbolic-batch graph (see CompiledModel.__init__)
-            # "all": an unbacked batch size, which Dynamo does not specialize at 1, so bucket 1
-            # shares the graph too (every bucket marks it that way, so one graph serves all)
-            mark = torch._dynamo.decorators.mark_unbacked if share == "all" else torch._dynamo.mark_dynamic
-            for t in (self.input_ids, self.positions, *self.meta.batch_tensors()):
-                mark(t, 0)
-            if max_blocks >= 2:   # the width too (Dynamo would specialize a width of 1)
-                torch._dynamo.mark_dynamic(self.meta.block_table, 1)
+            _mark_shared_graph_dims(self.input_ids, self.positions, self.meta, unbacked=share == "all")
         # cpu: the plain graph; npu: torchair captures itself; capture=False: the same bucketed
         # graph and buffers without a CUDA graph (so capture on/off changes nothing else)
         self.captures = compiled.platform == "cuda" and compiled.capture
@@ -508,17 +521,17 @@ class DecodeGraph:
 
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
-            batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = True,
+            batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = "all",
             inductor_segments: bool = False, compile_prefill: bool = True,
             compile_cache=None) -> CompiledModel:
     """Compile a V41Model with the v41graph backend (a TypeError for any other module: compile
     those with torch.compile(module, backend="v41graph")). See the module docstring.
     capture=False runs the same decode buckets (padding, persistent buffers, graphs) without
     CUDA-graph capture: for debugging a capture, everything else stays the same.
-    share_decode_graph=False traces every decode bucket on its own (static shapes throughout);
-    "all" lets bucket 1 share the graph too (an unbacked batch size: 4 buckets = 1 trace; on the
-    H200 4 buckets compiled and captured in 81-93 s cold, 54.6 s with a kept Triton cache,
-    docs/BENCHMARKS.md).
+    share_decode_graph="all" (the default) traces one graph for every decode bucket and the
+    prefill (an unbacked batch size: 4 buckets + prefill = 1 trace); True traces bucket 1 on its
+    own and shares one graph among buckets >= 2 (a one-sequence prefill then traces a third);
+    False traces every decode bucket on its own (static shapes throughout).
     inductor_segments=True compiles the final graph's stream-free stretches with Inductor
     (passes/inductor_segments.py); stream ops and cache writes stay with our executor.
     compile_prefill=False runs every step that is not a plain decode step (prefill, mixed and
