@@ -124,6 +124,16 @@ def test_tool_caches_point_under_the_cache_only_when_unset(tmp_path, monkeypatch
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")     # the user's stays
 
 
+def test_inductor_cache_moves_under_the_cache_from_its_own_default(tmp_path, monkeypatch):
+    # Inductor puts its default into the environment when first asked (importing v41graph
+    # does): that is not the user's choice, so the cache directory takes its place
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert cc.point_tool_caches(tmp_path) == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+
+
 def test_env_variable_turns_the_cache_on_and_false_turns_it_off(cold, monkeypatch):
     root, _, _ = cold
     monkeypatch.setenv(cc.ENV_VAR, str(root))

@@ -154,12 +154,27 @@ def cache_key(config, pass_uuid: str, lowering: str, buckets, platform: str, dev
             "env": environment(device), "source": source_hash()}
 
 
+def _inductor_default_cache_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
 def point_tool_caches(root: Path) -> dict:
     """Triton's and Inductor's caches under `root` when the user set none (a warm start then
-    also skips the Triton JIT of our kernels and Inductor's). Returns what was set."""
+    also skips the Triton JIT of our kernels and Inductor's, and finds Inductor's autotuning
+    results). Returns what was set.
+
+    Inductor writes its default directory into TORCHINDUCTOR_CACHE_DIR the first time anything
+    asks for it (importing v41graph does), so that value counts as unset: without this rule
+    Inductor's cache stayed in /tmp, where a restarted machine loses it."""
     set_now = {}
+    inductor_default = _inductor_default_cache_dir()
     for var, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
-        if not os.environ.get(var):
+        value = os.environ.get(var)
+        if not value or (var == "TORCHINDUCTOR_CACHE_DIR" and os.path.abspath(value) == inductor_default):
             os.environ[var] = str(root / sub)
             set_now[var] = os.environ[var]
     return set_now
