@@ -51,7 +51,10 @@ def _random_model(config: str, seed: int):
 def run_dump(out, config: str = "tiny", disable=(), seed: int = 0, prompt_len: int = 12,
              progress=_progress):
     """Build `config` with random weights, compile it with dump_dir=out, run one prefill (graph
-    0) and one decode step (graph 1) so both graphs are dumped. Returns the compiled model."""
+    0) and one decode step (graph 1) so both graphs are dumped. Returns the compiled model.
+    The dump traces the two on their own (share_decode_graph=True: bucket 1 static), not as
+    compile()'s default one shared symbolic graph: each graph then shows its own concrete
+    shapes, and the decode graph is the one a bucket-1 capture runs."""
     import torch
 
     from v41graph.compiler.compiled_model import compile as v41compile
@@ -59,7 +62,8 @@ def run_dump(out, config: str = "tiny", disable=(), seed: int = 0, prompt_len: i
 
     model = _random_model(config, seed)
     cfg = model.config
-    compiled = v41compile(model, backend="cpu", disable=tuple(disable), batch_sizes=(1,), dump_dir=str(out))
+    compiled = v41compile(model, backend="cpu", disable=tuple(disable), batch_sizes=(1,), dump_dir=str(out),
+                          share_decode_graph=True)
     session = Session(compiled, max_batch_size=1, max_seq_len=prompt_len + 2, block_size=16)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     t0 = time.perf_counter()
