@@ -42,7 +42,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 VARIANTS = ("executor", "inductor")
-PHASES = ("cold", "cold2", "warm")     # cold2: the --control run
+PHASES = ("cold", "cold2", "warm", "warm2", "warm3")     # cold2: the --control run; warm2+: --warm-runs
 
 
 def log(msg: str) -> None:
@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--control", action="store_true",
                    help="a second cold process (its own empty cache directory) between cold and warm: "
                         "whether two cold starts agree bit for bit, the control for warm == cold")
+    p.add_argument("--warm-runs", type=int, default=1,
+                   help="warm processes one after the other on the cache (2: whether the first warm "
+                        "still leaves work for the second, e.g. Triton kernels compiled again)")
     p.add_argument("--prefill", type=int, default=512, help="tokens of the one prefill call")
     p.add_argument("--context", type=int, default=1024, help="decode position of every sequence at step 0")
     p.add_argument("--steps", type=int, default=100, help="captured decode steps hashed")
@@ -76,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--cache", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not 1 <= args.warm_runs <= 3:
+        p.error(f"--warm-runs must be 1, 2 or 3, got {args.warm_runs}")
     args.bucket_list = sorted({int(b) for b in args.buckets.split(",")})
     args.variant_list = [v for v in args.variants.split(",") if v]
     for v in args.variant_list:
@@ -162,6 +167,63 @@ def run_child(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- parent
+def tool_cache_snapshot(cache: Path) -> dict:
+    """What Triton's and Inductor's caches under `cache` hold: Triton's kernel directories (one
+    per compiled kernel and key) with the kernel's name, and Inductor's files."""
+    triton = {}
+    # Inductor keeps its kernels in its own Triton directory when TRITON_CACHE_DIR is unset
+    for root in (Path(cache, "triton"), Path(cache, "inductor", "triton")):
+        for meta in root.rglob("*.json"):
+            if not meta.name.startswith("__grp__"):
+                triton[str(meta.parent.relative_to(cache))] = meta.stem
+    inductor = {str(p.relative_to(cache)) for p in Path(cache, "inductor").rglob("*")
+                if p.is_file() and "triton" not in p.relative_to(cache).parts}
+    return {"triton": triton, "inductor": inductor}
+
+
+def _first_differing_line(a: Path, b: Path) -> str | None:
+    try:
+        la, lb = a.read_text().splitlines(), b.read_text().splitlines()
+    except OSError as e:
+        return f"unreadable: {e}"
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if x != y:
+            return f"line {i + 1}: {x.strip()[:160]!r} vs {y.strip()[:160]!r}"
+    return None if len(la) == len(lb) else f"lengths {len(la)} vs {len(lb)}"
+
+
+def _differing_keys(a: Path, b: Path) -> dict | str:
+    try:
+        da, db = json.loads(a.read_text()), json.loads(b.read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable: {e}"
+    return {k: [str(da.get(k))[:120], str(db.get(k))[:120]] for k in sorted(set(da) | set(db))
+            if da.get(k) != db.get(k)}
+
+
+def tool_cache_growth(cache: Path, before: dict, after: dict, examples: int = 3) -> dict:
+    """The Triton kernels and Inductor files a phase added (a warm start that adds Triton
+    kernels paid their JIT again). For a few new kernels whose name cold had compiled under
+    another key, the first line where the two Triton IRs differ: what changed the key."""
+    new = {h: n for h, n in after["triton"].items() if h not in before["triton"]}
+    old_by_name = {}
+    for h, n in before["triton"].items():
+        old_by_name.setdefault(n, h)
+    same_name = []
+    for h, n in sorted(new.items(), key=lambda kv: kv[1]):
+        if n in old_by_name and len(same_name) < examples:
+            old_dir, new_dir = Path(cache, old_by_name[n]), Path(cache, h)
+            same_name.append({"kernel": n,
+                              "ttir": _first_differing_line(old_dir / f"{n}.ttir", new_dir / f"{n}.ttir"),
+                              "metadata": _differing_keys(old_dir / f"{n}.json", new_dir / f"{n}.json")})
+    new_inductor = sorted(after["inductor"] - before["inductor"])
+    return {"triton_kernels_new": len(new), "triton_new_names": sorted(set(new.values()))[:80],
+            "triton_new_with_a_name_seen_before": sum(n in old_by_name for n in new.values()),
+            "triton_same_name_diffs": same_name,
+            "inductor_files_new": len(new_inductor),
+            "inductor_new_suffixes": sorted({Path(p).suffix or Path(p).name for p in new_inductor})}
+
+
 def child_command(args, variant: str, phase: str, cache: Path, out: Path) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", phase, "--variant", variant,
            "--cache", str(cache), "--child-out", str(out), "--out", str(out.parent),
@@ -194,11 +256,13 @@ def main(argv=None) -> int:
                "compare": {}}
     for variant in args.variant_list:
         runs = {}
-        for phase in ("cold", "cold2", "warm") if args.control else ("cold", "warm"):
+        warms = ["warm"] + [f"warm{i}" for i in range(2, args.warm_runs + 1)]
+        for phase in (["cold", "cold2"] if args.control else ["cold"]) + warms:
             # cold2 gets a directory of its own, so warm still loads what cold stored
             cache = Path(args.cache_root or out) / f"cache-{variant}{'-cold2' if phase == 'cold2' else ''}"
-            if phase != "warm":
+            if phase.startswith("cold"):
                 shutil.rmtree(cache, ignore_errors=True)      # cold: empty
+            before = tool_cache_snapshot(cache)
             child_out = out / f"{variant}-{phase}.json"
             child_out.unlink(missing_ok=True)
             log(f"{variant} {phase}: starting (cache {cache})")
@@ -211,11 +275,14 @@ def main(argv=None) -> int:
                 rc = "timeout"
             wall = round(time.perf_counter() - t0, 1)
             run = json.loads(child_out.read_text()) if child_out.exists() else {"variant": variant, "phase": phase}
-            run.update(rc=rc, process_wall_s=wall)
+            run.update(rc=rc, process_wall_s=wall, tool_cache_growth=tool_cache_growth(
+                cache, before, tool_cache_snapshot(cache)))
             log(f"{variant} {phase}: rc {rc}, {wall} s")
             runs[phase] = run
             results["runs"].append(run)
         results["compare"][variant] = compare(runs["cold"], runs["warm"])
+        for phase in warms[1:]:
+            results["compare"][f"{variant} {phase}"] = compare(runs["cold"], runs[phase])
         if "cold2" in runs:
             results["compare"][variant + " control"] = compare(runs["cold"], runs["cold2"])
         (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
@@ -225,19 +292,20 @@ def main(argv=None) -> int:
 
 def print_table(results: dict) -> None:
     head = ("variant", "phase", "rc", "process s", "to 1st step s", "warmup s", "prefill s", "trace s",
-            "first run s", "capture s", "lower s", "hits", "misses", "segs loaded")
+            "first run s", "capture s", "lower s", "hits", "misses", "segs loaded", "triton new")
     rows = []
     for r in results["runs"]:
         t = r.get("timings", {})
         rows.append((r["variant"], r["phase"], r.get("rc"), r.get("process_wall_s"), r.get("to_first_step_s"),
                      r.get("warmup_s"), r.get("prefill_s"), t.get("trace_s"), t.get("first_run_s"),
                      t.get("capture_s"), t.get("lower_s"), t.get("cache_hits", 0), t.get("cache_misses", 0),
-                     r.get("segments_loaded")))
+                     r.get("segments_loaded"), r.get("tool_cache_growth", {}).get("triton_kernels_new")))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for row in (head, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
     for variant, c in results["compare"].items():
-        what = "cold2 == cold" if variant.endswith(" control") else "warm == cold"
+        what = ("cold2 == cold" if variant.endswith(" control") else
+                f"{variant.split()[-1]} == cold" if " warm" in variant else "warm == cold")
         print(f"{variant}: {what} bit for bit: {c.get('equal')} (prefill {c.get('prefill_equal')}, "
               f"first differing step {c.get('first_differing_step')}, {c.get('differing_steps')} differ)")
 

@@ -6,6 +6,8 @@ which has that graph traced already.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.fx as fx
 
@@ -108,3 +110,25 @@ def test_toy_graph_segments_between_stream_ops_and_writes_match_eager():
     assert torch.allclose(got, expected, atol=ATOL, rtol=0), (got - expected).abs().max()
     assert torch.allclose(compiled_state, eager_state, atol=ATOL, rtol=0)
     assert compiled_state.abs().sum() > 0          # the write happened
+
+
+def test_triton_environment_is_pinned_as_inductor_sets_it(monkeypatch):
+    # Inductor's helpers put TRITON_PTXAS_PATH / TRITON_LIBDEVICE_PATH into the environment
+    # (part of Triton's kernel cache key); ours must call them with compile_segment's settings
+    # in force (libdevice is gated on emulate_precision_casts) and report what they set
+    from torch._inductor import config as inductor_config
+    from torch._inductor.runtime import compile_tasks
+    from v41graph.compiler.inductor_segments import pin_inductor_triton_env
+    seen, setting_before = [], inductor_config.emulate_precision_casts
+
+    def fake_libdevice():
+        seen.append(inductor_config.emulate_precision_casts)
+        os.environ["TRITON_LIBDEVICE_PATH"] = "/cuda/nvvm/libdevice/libdevice.10.bc"
+    monkeypatch.delenv("TRITON_LIBDEVICE_PATH", raising=False)
+    monkeypatch.setattr(compile_tasks, "_set_triton_libdevice_path", fake_libdevice, raising=False)
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: None, raising=False)
+    try:
+        assert pin_inductor_triton_env() == {"TRITON_LIBDEVICE_PATH": "/cuda/nvvm/libdevice/libdevice.10.bc"}
+    finally:
+        os.environ.pop("TRITON_LIBDEVICE_PATH", None)
+    assert seen == [True] and inductor_config.emulate_precision_casts == setting_before   # restored

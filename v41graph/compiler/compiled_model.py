@@ -57,6 +57,9 @@ class CompiledModel:
             raise ValueError("inductor_segments: torchair compiles the graphs on npu")
         # Read at each lowering (set_passes included), so it can be switched between set_passes.
         self.inductor_segments = bool(inductor_segments)
+        if self.inductor_segments:   # Triton's environment as Inductor will set it, before any JIT
+            from .inductor_segments import pin_inductor_triton_env
+            pin_inductor_triton_env()
         # MoE experts as grouped GEMMs over stacked weights (moe.py): stack them before tracing.
         from v41graph.model.moe import pack_moe_experts_
         pack_moe_experts_(self.model)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -226,6 +227,39 @@ def _shape_env_state(fake_mode):
     return None if env is None else (len(env.guards), len(env.replacements))
 
 
+# compile_segment's Inductor settings (also in force when pin_inductor_triton_env asks Inductor
+# which Triton environment they imply)
+INDUCTOR_SETTINGS = {
+    "triton.cudagraphs": False,          # we capture the whole step ourselves
+    # Round where eager rounds (bf16 intermediates): the model's fake quantization turns a
+    # last-bit difference into another FP8/FP4 code (see compiler.DECOMPOSITIONS).
+    "emulate_precision_casts": True,
+}
+
+
+def pin_inductor_triton_env() -> dict:
+    """Set now what Inductor puts into the environment when it first compiles a kernel:
+    TRITON_PTXAS_PATH (torch's own ptxas, where the wheel has one) and, under
+    emulate_precision_casts, TRITON_LIBDEVICE_PATH (the CUDA toolkit's libdevice). Both are part
+    of Triton's cache key of every kernel compiled after them, ours too. A cold start set them
+    when Inductor compiled its first segment; a warm start, whose segments come from the compile
+    cache, never did, so our kernels got other keys and the first warm start compiled them all
+    again (57 Triton kernels, ~25 s of its 40 s on the H200). Set before anything compiles, the
+    keys are the same on both starts. Returns the variables set (private Inductor helpers,
+    looked up by name: a torch without them sets nothing)."""
+    from torch._inductor import config as inductor_config
+    try:
+        from torch._inductor.runtime import compile_tasks
+    except ImportError:
+        return {}
+    before = dict(os.environ)
+    with inductor_config.patch(INDUCTOR_SETTINGS):
+        for helper in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+            if callable(getattr(compile_tasks, helper, None)):
+                getattr(compile_tasks, helper)()
+    return {k: v for k, v in os.environ.items() if before.get(k) != v}
+
+
 def compile_segment(sub: fx.GraphModule):
     """Inductor's compiled callable for a segment GraphModule. Raises when Inductor refuses it."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
@@ -241,12 +275,7 @@ def compile_segment(sub: fx.GraphModule):
     before = _shape_env_state(fake_mode)
     # A fresh tracing context: Inductor records things (output strides...) in the current one,
     # which inside our backend is the whole graph's.
-    with tracing(TracingContext(fake_mode)), inductor_config.patch({
-        "triton.cudagraphs": False,          # we capture the whole step ourselves
-        # Round where eager rounds (bf16 intermediates): the model's fake quantization turns a
-        # last-bit difference into another FP8/FP4 code (see compiler.DECOMPOSITIONS).
-        "emulate_precision_casts": True,
-    }):
+    with tracing(TracingContext(fake_mode)), inductor_config.patch(INDUCTOR_SETTINGS):
         # Our graph keeps ops that Inductor expects decomposed (silu, clamp, _to_copy, t...):
         # re-trace the segment through Inductor's decomposition table first.
         decomposed = make_fx(sub, decomposition_table=select_decomp_table(),
@@ -279,6 +308,8 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
     `store` (compile_cache.SegmentStore): compiled segments are looked up there by their
     segment_key first ("loaded") and kept there once compiled ("stored"), across processes."""
     t0 = time.perf_counter()
+    if compile_segments:
+        pin_inductor_triton_env()     # before any kernel compiles, loaded or compiled segments alike
     segments = find_segments(gm)
     large = [s for s in segments if s.compute_nodes() >= min_compute_nodes]
     report = {"found": len(segments), "split": len(large), "compiled": 0, "distinct_compiled": 0,
