@@ -118,7 +118,9 @@ def main():
     if args.compile:   # compile + capture happen at first use: pay them before the timed run
         serve(make_requests(args.warmup_requests))
         print(f"compile + capture + warm-up ({args.warmup_requests} requests): "
-              f"{time.perf_counter() - t_compile:.1f} s")
+              f"{time.perf_counter() - t_compile:.1f} s (Inductor segments "
+              f"{'on' if runner.inductor_segments else 'off'}, {int(runner.timings['cache_hits'])} graphs "
+              f"loaded from the compile cache, {sum(runner.traced_by.values())} traced)")
     pending = make_requests(args.requests)
     t0 = time.perf_counter()
     ids, steps, n_aborted = serve(pending)

@@ -134,6 +134,18 @@ def test_inductor_cache_moves_under_the_cache_from_its_own_default(tmp_path, mon
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
 
 
+def test_inductor_segments_auto_follows_the_platform_and_the_cache(cold, monkeypatch):
+    # "auto" (the default): on only for CUDA with a compile cache; on the CPU never, cache or not
+    root, _, _ = cold
+    monkeypatch.delenv(cc.ENV_VAR, raising=False)
+    for cache in (root, False):
+        compiled = v41graph.compile(fresh_tiny(), backend="cpu", batch_sizes=(4,), compile_cache=cache)
+        assert compiled.inductor_segments is False
+    assert v41graph.compile(fresh_tiny(), backend="cpu", inductor_segments=True).inductor_segments is True
+    with pytest.raises(ValueError, match=r"inductor_segments must be True, False or \"auto\", got 'yes'"):
+        v41graph.compile(fresh_tiny(), backend="cpu", inductor_segments="yes")
+
+
 def test_env_variable_turns_the_cache_on_and_false_turns_it_off(cold, monkeypatch):
     root, _, _ = cold
     monkeypatch.setenv(cc.ENV_VAR, str(root))

@@ -132,3 +132,26 @@ def test_capture_changes_no_bits(model):
     the same number with two different uncaptured paths, because every captured step returned
     a view of the one output buffer, so step 1 was compared with the last step's logits.)"""
     _assert_bit_identical_decodes(model, {"capture": True}, {"capture": False})
+
+
+def test_inductor_warm_start_compiles_no_triton_kernel_again(tmp_path):
+    """scripts/bench_compile.py on the tiny model, Inductor segments: a cold process, then a warm
+    one on its cache directory. The warm one loads every graph and segment, compiles no Triton
+    kernel (Inductor's Triton environment is pinned before our kernels compile: without that
+    the first warm start of the bench model compiled 57 of ours again) and decodes the same
+    logits bit for bit."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_compile.py"
+    proc = subprocess.run([sys.executable, str(script), "--config", "tiny", "--device", "cuda", "--variants",
+                           "inductor", "--buckets", "1,4", "--steps", "8", "--prefill", "16", "--context", "40",
+                           "--child-timeout", "240", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench_compile.json").read_text())
+    cold, warm = result["runs"]
+    assert cold["tool_cache_growth"]["triton_kernels_new"] > 0          # so the count can see kernels
+    assert cold["segments_stored"] > 0 and warm["segments_loaded"] == cold["segments_stored"]
+    assert warm["timings"]["trace_s"] == 0 and warm["tool_cache_growth"]["triton_kernels_new"] == 0
+    assert result["compare"]["inductor"]["equal"] is True

@@ -3,7 +3,7 @@ static capture.
 
     compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
                                 batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph="all",
-                                inductor_segments=False, compile_prefill=True,
+                                inductor_segments="auto", compile_prefill=True,
                                 compile_cache=None)      # a directory: $V41GRAPH_COMPILE_CACHE
     logits = compiled(input_ids, positions, caches, metadata)         # any step
     logits = compiled.decode(input_ids, positions, caches, metadata)  # a decode step: its bucket
@@ -39,7 +39,7 @@ class CompiledModel:
 
     def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
                  batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph="all",
-                 inductor_segments=False, compile_prefill=True, compile_cache=None):
+                 inductor_segments="auto", compile_prefill=True, compile_cache=None):
         from v41graph.model.model import V41Model
         if not isinstance(model, V41Model):
             # decode buckets, caches and capture follow V41Model's step contract; any other
@@ -53,13 +53,10 @@ class CompiledModel:
         self.share_decode_graph = share_decode_graph
         self.device = model.embed.weight.device
         self.platform = resolve_platform(backend, self.device)
-        if inductor_segments and self.platform == "npu":
+        if inductor_segments not in (True, False, "auto"):
+            raise ValueError(f"inductor_segments must be True, False or \"auto\", got {inductor_segments!r}")
+        if inductor_segments is True and self.platform == "npu":
             raise ValueError("inductor_segments: torchair compiles the graphs on npu")
-        # Read at each lowering (set_passes included), so it can be switched between set_passes.
-        self.inductor_segments = bool(inductor_segments)
-        if self.inductor_segments:   # Triton's environment as Inductor will set it, before any JIT
-            from .inductor_segments import pin_inductor_triton_env
-            pin_inductor_triton_env()
         # MoE experts as grouped GEMMs over stacked weights (moe.py): stack them before tracing.
         from v41graph.model.moe import pack_moe_experts_
         pack_moe_experts_(self.model)
@@ -87,6 +84,14 @@ class CompiledModel:
             _log.warning("compile_cache: off, dump_dir %s is set (dumps are written while tracing)", dump_dir)
             cache_dir = None
         self.compile_cache = CompileCache(cache_dir) if cache_dir is not None else None
+        # "auto": Inductor segments on CUDA when a compile cache keeps them (their compiles cost
+        # ~60 s of a ~185 s cold start on the H200; a warm start loads them in seconds), the
+        # executor alone otherwise. Read at each lowering (set_passes too), so it can be switched.
+        self.inductor_segments = (self.platform == "cuda" and self.compile_cache is not None
+                                  if inductor_segments == "auto" else bool(inductor_segments))
+        if self.inductor_segments:   # Triton's environment as Inductor will set it, before any JIT
+            from .inductor_segments import pin_inductor_triton_env
+            pin_inductor_triton_env()
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
                                                        on_compiled=self._graph_compiled,
@@ -525,7 +530,7 @@ class DecodeGraph:
 
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
             batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = "all",
-            inductor_segments: bool = False, compile_prefill: bool = True,
+            inductor_segments: bool | str = "auto", compile_prefill: bool = True,
             compile_cache=None) -> CompiledModel:
     """Compile a V41Model with the v41graph backend (a TypeError for any other module: compile
     those with torch.compile(module, backend="v41graph")). See the module docstring.
@@ -536,7 +541,10 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     own and shares one graph among buckets >= 2 (a one-sequence prefill then traces a third);
     False traces every decode bucket on its own (static shapes throughout).
     inductor_segments=True compiles the final graph's stream-free stretches with Inductor
-    (passes/inductor_segments.py); stream ops and cache writes stay with our executor.
+    (passes/inductor_segments.py); stream ops and cache writes stay with our executor. "auto"
+    (the default) turns them on for CUDA when a compile cache is on (a warm start then loads
+    them: H200, 9.2 s to the first captured step), off otherwise (their Inductor compiles would
+    be paid at every start); False: our executor only.
     compile_prefill=False runs every step that is not a plain decode step (prefill, mixed and
     verify steps) on the eager model; decode steps still run the compiled, captured buckets.
     compile_cache: a directory (default $V41GRAPH_COMPILE_CACHE; None and no variable, or

@@ -234,6 +234,10 @@ INDUCTOR_SETTINGS = {
     # Round where eager rounds (bf16 intermediates): the model's fake quantization turns a
     # last-bit difference into another FP8/FP4 code (see compiler.DECOMPOSITIONS).
     "emulate_precision_casts": True,
+    # Inductor's FX graph cache could not pickle the key of any segment on torch 2.11 (25 of 25
+    # in an H200 cold start, a logged traceback each; pytorch/pytorch#164682): the compile
+    # cache's segment store keeps them by our own key instead.
+    "fx_graph_cache": False,
 }
 
 
