@@ -142,6 +142,10 @@ def test_inductor_segments_auto_follows_the_platform_and_the_cache(cold, monkeyp
         compiled = v41graph.compile(fresh_tiny(), backend="cpu", batch_sizes=(4,), compile_cache=cache)
         assert compiled.inductor_segments is False
     assert v41graph.compile(fresh_tiny(), backend="cpu", inductor_segments=True).inductor_segments is True
+    from v41graph.compiler.compiled_model import resolve_inductor_segments as resolve
+    assert resolve("auto", "cuda", cache_on=True, parallel=False) is True
+    assert not any(resolve("auto", platform, cache_on, parallel) for platform, cache_on, parallel in
+                   (("cuda", False, False), ("cuda", True, True), ("npu", True, False), ("cpu", True, False)))
     with pytest.raises(ValueError, match=r"inductor_segments must be True, False or \"auto\", got 'yes'"):
         v41graph.compile(fresh_tiny(), backend="cpu", inductor_segments="yes")
 

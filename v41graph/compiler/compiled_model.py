@@ -84,11 +84,10 @@ class CompiledModel:
             _log.warning("compile_cache: off, dump_dir %s is set (dumps are written while tracing)", dump_dir)
             cache_dir = None
         self.compile_cache = CompileCache(cache_dir) if cache_dir is not None else None
-        # "auto": Inductor segments on CUDA when a compile cache keeps them (their compiles cost
-        # ~60 s of a ~185 s cold start on the H200; a warm start loads them in seconds), the
-        # executor alone otherwise. Read at each lowering (set_passes too), so it can be switched.
-        self.inductor_segments = (self.platform == "cuda" and self.compile_cache is not None
-                                  if inductor_segments == "auto" else bool(inductor_segments))
+        # Read at each lowering (set_passes too), so it can be switched.
+        self.inductor_segments = resolve_inductor_segments(
+            inductor_segments, self.platform, self.compile_cache is not None,
+            parallel=getattr(self.model, "parallel", None) is not None)
         if self.inductor_segments:   # Triton's environment as Inductor will set it, before any JIT
             from .inductor_segments import pin_inductor_triton_env
             pin_inductor_triton_env()
@@ -386,6 +385,16 @@ def _mark_shared_graph_dims(input_ids, positions, metadata: AttentionMetadata, u
         torch._dynamo.mark_dynamic(metadata.block_table, 1)
 
 
+def resolve_inductor_segments(value, platform: str, cache_on: bool, parallel: bool) -> bool:
+    """compile(inductor_segments=...): True / False as given; "auto" on CUDA when a compile
+    cache keeps the compiled segments (their compiles cost ~60 s of a ~185 s cold start on the
+    H200; a warm start loads them in seconds), not for parallel rank models (segments around
+    collectives are not measured yet), off otherwise."""
+    if value == "auto" and not isinstance(value, bool):
+        return platform == "cuda" and cache_on and not parallel
+    return bool(value)
+
+
 class CachedFunction:
     """One of CompiledModel's compiled functions (decode, shared decode, prefill) in front of
     the persistent compile cache: a call that a stored graph fits runs it without Dynamo; any
@@ -544,7 +553,7 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     (passes/inductor_segments.py); stream ops and cache writes stay with our executor. "auto"
     (the default) turns them on for CUDA when a compile cache is on (a warm start then loads
     them: H200, 9.2 s to the first captured step), off otherwise (their Inductor compiles would
-    be paid at every start); False: our executor only.
+    be paid at every start) and for parallel rank models; False: our executor only.
     compile_prefill=False runs every step that is not a plain decode step (prefill, mixed and
     verify steps) on the eager model; decode steps still run the compiled, captured buckets.
     compile_cache: a directory (default $V41GRAPH_COMPILE_CACHE; None and no variable, or
