@@ -390,7 +390,7 @@ def resolve_inductor_segments(value, platform: str, cache_on: bool, parallel: bo
     cache keeps the compiled segments (their compiles cost ~60 s of a ~185 s cold start on the
     H200; a warm start loads them in seconds), not for parallel rank models (segments around
     collectives are not measured yet), off otherwise."""
-    if value == "auto" and not isinstance(value, bool):
+    if value == "auto":
         return platform == "cuda" and cache_on and not parallel
     return bool(value)
 
@@ -550,7 +550,7 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     own and shares one graph among buckets >= 2 (a one-sequence prefill then traces a third);
     False traces every decode bucket on its own (static shapes throughout).
     inductor_segments=True compiles the final graph's stream-free stretches with Inductor
-    (passes/inductor_segments.py); stream ops and cache writes stay with our executor. "auto"
+    (compiler/inductor_segments.py); stream ops and cache writes stay with our executor. "auto"
     (the default) turns them on for CUDA when a compile cache is on (a warm start then loads
     them: H200, 9.2 s to the first captured step), off otherwise (their Inductor compiles would
     be paid at every start) and for parallel rank models; False: our executor only.
