@@ -1,0 +1,91 @@
+"""Where tracing time goes (issue 24): the released 40-layer plan at tiny widths, traced once on the CPU.
+
+    python scripts/bench_trace.py                              # the default one-graph trace
+    python scripts/bench_trace.py --share-decode-graph False   # a static-shape trace, to compare
+    python scripts/bench_trace.py --profile /tmp/trace.prof    # + cProfile: Dynamo vs AOT parts
+
+Tracing (Dynamo + AOT autograd + our passes) is host work whose cost follows the op count and
+the symbolic shapes, not the tensor widths, so this stands in for the GPU host's cold trace
+(bench config, ~54 s on an H200 host) without a GPU. The config is tiny()'s widths with the
+released model's layer plan (40 layers, its compress ratios, KV / index / candidate sources,
+Engram layers and DSpark targets). One prefill of 3 sequences traces the graph every decode
+bucket then shares; the script prints the trace time and, with --profile, the cumulative time
+of Dynamo's symbolic execution, AOT's metadata pass and AOT's graph capture.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+
+import torch  # noqa: E402
+
+import v41graph  # noqa: E402
+from v41graph.model.config import V41Config  # noqa: E402
+from v41graph.model.model import V41Model, init_random_  # noqa: E402
+from v41graph.runtime.session import Session  # noqa: E402
+
+# (label, function whose cumulative time it is) in the profile
+PARTS = (("AOT autograd (all)", "aot_module_simplified"),
+         ("AOT metadata pass", "create_aot_state"),
+         ("AOT graph capture", "aot_stage1_graph_capture"),
+         ("our backend: passes + lowering", "fw_compiler"),
+         ("fake-tensor cache hits rebuilt", "_get_output_tensor_from_cache_entry"),
+         ("SymNode arithmetic", "binary_magic_impl"))
+
+
+def released_plan_at_tiny_widths() -> V41Config:
+    full = V41Config()
+    return V41Config.tiny(num_hidden_layers=full.num_hidden_layers, compress_ratios=full.compress_ratios,
+                          kv_source_layer_ids=full.kv_source_layer_ids,
+                          index_source_layer_ids=full.index_source_layer_ids,
+                          candidate_source_layer_id=full.candidate_source_layer_id,
+                          engram_layer_ids=full.engram_layer_ids,
+                          dspark_target_layer_ids=full.dspark_target_layer_ids)
+
+
+def parse_share(value: str):
+    choices = {"all": "all", "True": True, "False": False}
+    if value not in choices:
+        raise argparse.ArgumentTypeError(f"--share-decode-graph must be one of {', '.join(choices)}, got {value!r}")
+    return choices[value]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--share-decode-graph", type=parse_share, default="all", help="all (default), True or False")
+    ap.add_argument("--profile", default=None, metavar="OUT.prof", help="cProfile the trace into this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = released_plan_at_tiny_widths()
+    model = init_random_(V41Model(cfg), seed=0).eval()
+    compiled = v41graph.compile(model, backend="cpu", batch_sizes=(4,), compile_cache=False,
+                                share_decode_graph=args.share_decode_graph)
+    session = Session(compiled, 3, 48, block_size=16)
+    prompt = torch.randint(0, cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(5))
+    profile = cProfile.Profile() if args.profile else None
+    t0 = time.perf_counter()
+    if profile:
+        profile.enable()
+    session.prefill(prompt)
+    if profile:
+        profile.disable()
+    trace_s = time.perf_counter() - t0
+    print(f"{cfg.num_hidden_layers} layers, share_decode_graph={args.share_decode_graph!r}: first prefill "
+          f"(one trace) {trace_s:.1f} s; our passes {compiled.timings['passes_s']:.2f} s")
+    if profile:
+        profile.dump_stats(args.profile)
+        stats = pstats.Stats(args.profile).stats     # {(file, line, name): (cc, nc, tt, ct, callers)}
+        for label, name in PARTS:
+            cumulative = max((v[3] for k, v in stats.items() if k[2] == name), default=0.0)
+            print(f"  {label:32s} {cumulative:7.1f} s")
+        print(f"  (Dynamo's own work is the rest of the {trace_s:.1f} s; profile in {args.profile})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
