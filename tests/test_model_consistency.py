@@ -12,7 +12,9 @@ queries) and makes discrete choices (top-k, experts); a last-bit difference can,
 value across a rounding boundary and then the two schedules legitimately differ by ~1e-3..1e-1
 from that position on (seen on ~1 in 10 random 40-token prompts, up to 0.16). The token
 sequences below were checked to have no such boundary case with the current code (on 1 and 2
-threads under MKL_CBWR=COMPATIBLE, the test session's setting; the module runs on one thread;
+threads under MKL_CBWR=COMPATIBLE and, since the fourteenth session, torch's CPU kernels pinned to
+AVX2: the test session's settings, conftest.py; CI's CPU failed the 1-1-1-17-21 chunking
+before the pin; the module runs on one thread;
 seed 17 of the 47-token case has one under that setting: layers 3 and 8 jump, 0.016 on a logit,
 so the case uses seed 18); if one of these tests starts failing by ~1e-2 after a change that only
 reorders floating-point sums, check for that first (compare the per-layer
@@ -33,6 +35,17 @@ ATOL = 1e-4
 BLOCK = 16
 MAX_BLOCKS = 4          # 64 tokens per sequence
 VOCAB = 256
+
+
+def test_the_session_runs_the_pinned_cpu_kernels():
+    # the token sequences below were checked under these settings (see the module docstring)
+    import os
+    import platform
+    assert os.environ.get("MKL_CBWR") == "COMPATIBLE"
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert torch.backends.cpu.get_cpu_capability() == "AVX2", (
+            f"torch's CPU kernels run at {torch.backends.cpu.get_cpu_capability()}, not the AVX2 that "
+            f"conftest.py pins (was torch imported before conftest set ATEN_CPU_CAPABILITY?)")
 
 
 def _tokens(n, seed):
