@@ -19,8 +19,11 @@ and whether the warm run's hashes equal the cold run's (the first differing step
 --control adds a second cold process (its own empty directory) between the two: whether two
 cold starts agree bit for bit, without which warm != cold would say nothing about the cache.
 Children run with torch.use_deterministic_algorithms on unless --nondeterministic: the fused
-wkv + RMSNorm's split-K atomics are not run-to-run deterministic, which is the likely (not yet
-shown) cause of the ninth session's warm-vs-cold difference.
+wkv + RMSNorm's split-K atomics are not run-to-run deterministic (the ninth session's warm run
+parted from the cold one at step 25 without it; with it, cold == cold2 == warm over 100 steps on
+the H200, docs/BENCHMARKS.md). --warm-runs 2 adds a second warm process: each phase reports the
+Triton kernels and Inductor files it added to the caches, so a warm start that compiles again
+shows.
 
 The children run with TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR unset, so both point under the
 cache directory (compile_cache.point_tool_caches): cold really is cold, and warm keeps the Triton
