@@ -3,6 +3,7 @@
     python scripts/bench_trace.py                              # the default one-graph trace
     python scripts/bench_trace.py --share-decode-graph False   # a static-shape trace, to compare
     python scripts/bench_trace.py --profile /tmp/trace.prof    # + cProfile: Dynamo vs AOT parts
+    python scripts/bench_trace.py --roles                      # + which layers trace the same ops
 
 Tracing (Dynamo + AOT autograd + our passes) is host work whose cost follows the op count and
 the symbolic shapes, not the tensor widths, so this stands in for the GPU host's cold trace
@@ -10,14 +11,19 @@ the symbolic shapes, not the tensor widths, so this stands in for the GPU host's
 released model's layer plan (40 layers, its compress ratios, KV / index / candidate sources,
 Engram layers and DSpark targets). One prefill of 3 sequences traces the graph every decode
 bucket then shares; the script prints the trace time and, with --profile, the cumulative time
-of Dynamo's symbolic execution, AOT's metadata pass and AOT's graph capture.
+of Dynamo's symbolic execution, AOT's metadata pass and AOT's graph capture. --roles groups the
+layers of the untouched post-AOT graph by their op sequence (a node's layer from its
+nn_module_stack) and counts the edges from a layer into a later, non-adjacent one: what
+tracing one layer per role and stamping it into the others would have to reproduce.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pstats
+import re
 import time
 
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
@@ -48,6 +54,35 @@ def released_plan_at_tiny_widths() -> V41Config:
                           dspark_target_layer_ids=full.dspark_target_layer_ids)
 
 
+def layer_roles(gm) -> tuple[dict, collections.Counter, int]:
+    """({op sequence: [layer, ...]}, {(from layer, to layer): edges} for edges into a later,
+    non-adjacent layer, call_function nodes outside any layer) of a post-AOT graph."""
+    layer_path = re.compile(r"layers[.\[_](\d+)")
+    layer_of = {}
+    for node in gm.graph.nodes:
+        found = [layer_path.search(str(path)) for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+        found = [int(m.group(1)) for m in found if m]
+        layer_of[node] = found[-1] if found else None
+    ops = collections.defaultdict(list)
+    outside = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            if layer_of[node] is None:
+                outside += 1
+            else:
+                ops[layer_of[node]].append(str(node.target))
+    roles = collections.defaultdict(list)
+    for layer in sorted(ops):
+        roles[tuple(ops[layer])].append(layer)
+    cross = collections.Counter()
+    for node in gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            a, b = layer_of[arg], layer_of[node]
+            if a is not None and b is not None and b > a + 1:
+                cross[(a, b)] += 1
+    return roles, cross, outside
+
+
 def parse_share(value: str):
     choices = {"all": "all", "True": True, "False": False}
     if value not in choices:
@@ -59,6 +94,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--share-decode-graph", type=parse_share, default="all", help="all (default), True or False")
     ap.add_argument("--profile", default=None, metavar="OUT.prof", help="cProfile the trace into this file")
+    ap.add_argument("--roles", action="store_true", help="group the traced layers by their op sequence")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = released_plan_at_tiny_widths()
@@ -84,6 +120,15 @@ def main(argv=None) -> int:
             cumulative = max((v[3] for k, v in stats.items() if k[2] == name), default=0.0)
             print(f"  {label:32s} {cumulative:7.1f} s")
         print(f"  (Dynamo's own work is the rest of the {trace_s:.1f} s; profile in {args.profile})")
+    if args.roles:
+        roles, cross, outside = layer_roles(compiled.traced[0].untouched)
+        print(f"{len(roles)} distinct layer op sequences over {cfg.num_hidden_layers} layers "
+              f"({outside} ops outside the layers):")
+        for sequence, layers in roles.items():
+            print(f"  {len(sequence):4d} ops: layers {layers}")
+        sources = collections.Counter(a for a, _ in cross.elements())
+        print(f"edges into a later, non-adjacent layer: {sum(cross.values())}, from layers "
+              + ", ".join(f"{a} ({n})" for a, n in sorted(sources.items())))
     return 0
 
 
