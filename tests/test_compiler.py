@@ -744,3 +744,20 @@ def test_timings_say_where_compile_time_went(small):
     assert len(compiled.traced) == graphs and (8, id(s.caches), s.max_blocks) in compiled._decode
     assert set(third) == set(first) and third["trace_s"] == first["trace_s"]
     assert third["first_run_s"] > after_prefill["first_run_s"]
+
+
+def test_bench_trace_groups_the_reuse_layers_as_one_op_sequence(traced):
+    """scripts/bench_trace.py --roles on the tiny prefill graph: the Reuse layers (3, 5, 7, 9 in
+    tiny()'s plan) trace one op sequence; every other layer has its own (window 0 and 1, Full 2
+    and 4, the candidate source 6, Reindex 8); only the source layers feed later, non-adjacent
+    layers."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_trace.py"
+    spec = importlib.util.spec_from_file_location("bench_trace", path)
+    bench_trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_trace)
+    vb, _, _ = traced
+    roles, cross, outside = bench_trace.layer_roles(vb.traced[0].untouched)
+    assert sorted(roles.values()) == [[0], [1], [2], [3, 5, 7, 9], [4], [6], [8]]
+    assert outside > 0 and {a for a, _ in cross} <= {0, 2, 4, 6}
