@@ -1,6 +1,5 @@
 """scripts/bench.py and scripts/plot_bench.py run end to end (tiny config, eager, CPU), and the
 roofline floor counts what it says it counts."""
-import importlib.util
 import json
 from pathlib import Path
 
@@ -8,22 +7,14 @@ import pytest
 
 import v41graph
 from v41graph.model.model import V41Model
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def bench_json(tmp_path_factory):
     """One eager tiny run of scripts/bench.py (decode at batch 1 and 2, one prefill)."""
     out = tmp_path_factory.mktemp("bench")
-    bench = _load("bench")
+    bench = load_script("bench")
     assert bench.main(["--config", "tiny", "--device", "cpu", "--batches", "1,2", "--contexts", "40",
                        "--prefill", "16", "--variants", "eager", "--steps", "1", "--warmup", "1",
                        "--profile-cpu", "--out", str(out)]) == 0
@@ -49,12 +40,12 @@ def test_bench_writes_a_chrome_trace_of_the_largest_step(bench_json):
 
 def test_plot_bench_draws_the_run(bench_json, tmp_path):
     pytest.importorskip("matplotlib", reason="scripts/plot_bench.py needs matplotlib (the [viz] extra)")
-    assert _load("plot_bench").main([str(bench_json), str(tmp_path / "p.png")]) == 0
+    assert load_script("plot_bench").main([str(bench_json), str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
 def test_floor_bytes_counts_experts_rows_and_caches():
-    bench = _load("bench")
+    bench = load_script("bench")
     cfg = v41graph.V41Config.tiny()
     model = V41Model(cfg)
     routed = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -73,7 +64,7 @@ def test_floor_bytes_counts_experts_rows_and_caches():
 
 
 def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
-    bench = _load("bench")
+    bench = load_script("bench")
     real = bench.run_variant
 
     def run_variant(model, variant, *args):
@@ -92,7 +83,7 @@ def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
 def test_bench_released_weights_run_the_released_ops(tmp_path):
     """--weights released builds the checkpoint-format model in numerics="released" (the FP8 /
     MXFP4 bytes as parameters) and runs it; the floor counts those bytes."""
-    bench = _load("bench")
+    bench = load_script("bench")
     model = bench.build_model("tiny", "cpu", "released")
     linears = [m for m in model.modules() if isinstance(m, v41graph.model.layers.Linear) and m.fmt != "dense"]
     assert linears and {m.numerics for m in linears} == {"released"}
@@ -122,5 +113,5 @@ def test_offline_sass_finds_the_innermost_mma_loop():
         (0x80, "@P2 BRA 0x10"),          # the outer loop's branch
         (0x90, "EXIT"),
     ])
-    loop = _load("offline_sass").hottest_loop(sass)
+    loop = load_script("offline_sass").hottest_loop(sass)
     assert loop == ["HMMA.16816.F32.BF16 R8, R4, R6, R8", "IADD3 R1, R1, 0x1, RZ", "@!P0 BRA 0x20"]

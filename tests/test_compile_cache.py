@@ -16,6 +16,7 @@ import torch
 
 import v41graph
 from compile_harness import PassHarness, three_layer_config
+from script_loader import load_script
 from v41graph.compiler import compile_cache as cc
 from v41graph.compiler.inductor_segments import InductorSegment, lower_inductor_segments
 from v41graph.model.model import V41Model, init_random_
@@ -318,20 +319,10 @@ def test_inductor_segments_are_stored_and_loaded_by_their_own_key(tmp_path):
 
 
 # ----------------------------------------------------------------------------- scripts/bench_compile.py
-def _bench_compile():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_compile.py"
-    spec = importlib.util.spec_from_file_location("bench_compile", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_compile_compares_runs_step_by_step():
     """The script's cold-vs-warm verdict (its end-to-end run costs two traces: run by hand,
     `--config tiny --device cpu`, see its docstring)."""
-    bench = _bench_compile()
+    bench = load_script("bench_compile")
     cold = {"step_hashes": ["a", "b", "c"], "hash": "x", "prefill_hash": "p"}
     assert bench.compare(cold, dict(cold)) == {"equal": True, "prefill_equal": True,
                                               "first_differing_step": None, "differing_steps": 0}

@@ -12,6 +12,7 @@ import torch
 
 import v41graph
 from compile_harness import CompiledSession, PassHarness, count_ops, three_layer_config
+from script_loader import load_script
 from v41graph.compiler.backend import copy_graph_module
 from v41graph.model.layers import RMSNorm
 from v41graph.model.model import V41Model, init_random_
@@ -751,12 +752,7 @@ def test_bench_trace_groups_the_reuse_layers_as_one_op_sequence(traced):
     tiny()'s plan) trace one op sequence; every other layer has its own (window 0 and 1, Full 2
     and 4, the candidate source 6, Reindex 8); only the source layers feed later, non-adjacent
     layers."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_trace.py"
-    spec = importlib.util.spec_from_file_location("bench_trace", path)
-    bench_trace = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_trace)
+    bench_trace = load_script("bench_trace")
     vb, _, _ = traced
     roles, cross, outside = bench_trace.layer_roles(vb.traced[0].untouched)
     assert sorted(roles.values()) == [[0], [1], [2], [3, 5, 7, 9], [4], [6], [8]]

@@ -18,6 +18,7 @@ import torch
 
 import v41graph
 from processes import free_port
+from script_loader import load_script
 from v41graph.disagg.handover import Handover, HandoverError, layout
 from v41graph.disagg.roles import role_holds, role_weight_bytes
 from v41graph.disagg.transfer import Receiver, Sender, send_prefill
@@ -504,12 +505,8 @@ def test_bench_script_one_process_smoke(tmp_path):
     path) on the tiny config: D's first token equals the replay prefill's, the bytes the Sender
     counted equal the layout's, which equal the formula (a 41-token prompt: odd, so the ring rows
     travel too); a message header per BEGIN, part and END."""
-    import importlib.util
     from v41graph.disagg.transfer import HEADER_BYTES
-    spec = importlib.util.spec_from_file_location("bench_disagg", Path(__file__).resolve().parents[1]
-                                                  / "scripts" / "bench_disagg.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_disagg")
     assert bench.main(["--config", "tiny", "--device", "cpu", "--lengths", "41", "--repeats", "1",
                        "--out", str(tmp_path)]) == 0
     [row] = json.loads((tmp_path / "bench_disagg.json").read_text())["rows"]

@@ -1,9 +1,7 @@
 """scripts/parallel_cost_model.py counts what it says: collective payloads and wire bytes counted
 by hand for the tiny config, weight bytes that add up over the ranks, cache bytes that match
 what ModelCaches allocates, and (world size 1) the same HBM bytes as scripts/bench.py's floor."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,19 +10,10 @@ import v41graph
 from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.model import V41Model
 from v41graph.parallel import ParallelConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)     # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return sys.modules[name]
+from script_loader import load_script
 
 
-cm = _load("parallel_cost_model")
+cm = load_script("parallel_cost_model")
 TINY = v41graph.V41Config.tiny()                                   # fp32, dense weights
 # FP8 / FP4 as released; intermediate 64 so that TP2 halves fall on the 32-row scale blocks
 TINY_CKPT = v41graph.V41Config.tiny(weight_format="checkpoint", moe_intermediate_size=64)
@@ -126,7 +115,7 @@ def test_w8a8_stores_one_byte_per_projection_weight():
 def test_single_rank_reads_what_bench_floor_counts(batch, context):
     """World size 1: the model's HBM bytes are bench.py's floor (counted from the parameters of a
     built model, not from the checkpoint specs)."""
-    bench = _load("bench")
+    bench = load_script("bench")
     model = V41Model(TINY)
     layout = cm.Layout()
     resident = cm.resident_weight_bytes(TINY, layout)

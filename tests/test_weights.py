@@ -6,7 +6,6 @@ shapes, scales, index + shards); the golden checkpoint of DeepSeek's reference i
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from golden_path import GOLDEN_DIR
+from script_loader import load_script
 from v41graph import Session, V41Config, V41Model, init_random_
 from v41graph.weights.checkpoint import (INDEX_NAME, SINGLE_NAME, Checkpoint, CheckpointError, CheckpointWriter, SafetensorsFile)
 from v41graph.model.layers import Linear
@@ -496,11 +496,7 @@ def test_writer_refuses_incomplete_checkpoints(tmp_path):
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint",
-                                                  ROOT / "scripts/make_random_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_random_checkpoint")
 
 
 def test_make_random_checkpoint_script(tmp_path, capsys):

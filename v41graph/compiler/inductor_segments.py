@@ -248,9 +248,12 @@ def pin_inductor_triton_env() -> dict:
     of Triton's cache key of every kernel compiled after them, ours too. A cold start set them
     when Inductor compiled its first segment; a warm start, whose segments come from the compile
     cache, never did, so our kernels got other keys and the first warm start compiled them all
-    again (57 Triton kernels: 39.9 s to the first captured step instead of 9.2 s on the H200). Set before anything compiles, the
-    keys are the same on both starts. Returns the variables set (private Inductor helpers,
-    looked up by name: a torch without them sets nothing)."""
+    again (57 Triton kernels: 39.9 s to the first captured step instead of 9.2 s on the H200).
+    Set before anything compiles, the keys are the same on both starts. Called where segments
+    come into a process: CompiledModel (a warm start loads its segments from the compile cache
+    without lowering) and lower_inductor_segments (segments switched on later, set_passes).
+    Returns the variables set (private Inductor helpers, looked up by name: a torch without
+    them sets nothing)."""
     from torch._inductor import config as inductor_config
     try:
         from torch._inductor.runtime import compile_tasks
