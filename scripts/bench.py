@@ -56,10 +56,13 @@ from v41graph.tools.profiling import profile_steps
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
             "v41graph-noP6", "v41graph-noRMS", "v41graph-inductor", "v41graph-bf16cache",
-            "v41graph-engram-host", "v41graph-sorttopk")
-# variant -> Triton kernels it runs as the torch reference (V41GRAPH_DISABLE_TRITON): one
-# kernel's share of the whole step, before / after in one run
-TRITON_OFF = {"v41graph-sorttopk": "topk_ascending"}
+            "v41graph-engram-host", "v41graph-sorttopk", "v41graph-headsattn")
+# variant -> the environment it runs under (read by the CUDA ops at every call, so a capture
+# takes it): one kernel's share of the whole step, before / after in one run. sorttopk: the
+# indexer's top-k as the torch reference; headsattn: sparse attention by the head-tile kernel
+# instead of the all-heads tile kernel
+VARIANT_ENV = {"v41graph-sorttopk": {"V41GRAPH_DISABLE_TRITON": "topk_ascending"},
+               "v41graph-headsattn": {"V41GRAPH_ATTN_KERNEL": "heads"}}
 DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",),
            "v41graph-noRMS": ("fuse_rmsnorm",)}
 # v41graph with its stream-free segments compiled by Inductor (compile(inductor_segments=True))
@@ -67,7 +70,7 @@ INDUCTOR_SEGMENT_VARIANTS = ("v41graph-inductor",)
 # One trace, pass lists (and the Inductor-segment lowering) switched by make_runner. In VARIANTS
 # they come before the variants after which main() calls torch._dynamo.reset() (that would make
 # the shared model trace again).
-SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE, *INDUCTOR_SEGMENT_VARIANTS, *TRITON_OFF)
+SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE, *INDUCTOR_SEGMENT_VARIANTS, *VARIANT_ENV)
 BLOCK = 128
 SHARE_DECODE_GRAPH = "all"    # the default; --bucket-1-static: True; --no-shared-decode-graph: False
 
@@ -462,9 +465,9 @@ def main(argv=None) -> int:
         bench_speculative.print_table(rows, args.acceptance)
         return 0
     for variant in variants:
-        kept = os.environ.get("V41GRAPH_DISABLE_TRITON")
-        if variant in TRITON_OFF:
-            os.environ["V41GRAPH_DISABLE_TRITON"] = TRITON_OFF[variant]
+        env = VARIANT_ENV.get(variant, {})
+        kept = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
         try:
             rows += run_variant(model, variant, batches, contexts, args.prefill, args, device, bw)
         except Exception as e:   # one broken variant must not cost the others' device time
@@ -475,10 +478,11 @@ def main(argv=None) -> int:
             if device == "cuda":
                 torch.cuda.empty_cache()
         finally:
-            if kept is None:
-                os.environ.pop("V41GRAPH_DISABLE_TRITON", None)
-            else:
-                os.environ["V41GRAPH_DISABLE_TRITON"] = kept
+            for name, value in kept.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         if variant not in SHARED_TRACE_VARIANTS:   # those keep the shared trace (make_runner)
             torch._dynamo.reset()
         if out:   # after every variant: a killed run still leaves its numbers

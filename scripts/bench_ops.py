@@ -230,9 +230,9 @@ def bench_attention(tk, bw, quick):
     h, d, w, kg = 64, 512, 128, 512
     scale = d ** -0.5
     sink = torch.randn(h, device="cuda")
-    cases = [(b, ctx) for b in (1, 8, 64) for ctx in (8192, 65536)]
+    cases = [(b, 65536) for b in (1, 8, 32, 64)]   # the row count per token does not depend on ctx
     if quick:
-        cases = [(1, 8192), (64, 65536)]
+        cases = [(1, 65536), (64, 65536)]
     cases.append(("prefill", 4096))
     for b, ctx in cases:
         prefill = b == "prefill"
@@ -282,40 +282,61 @@ def bench_attention(tk, bw, quick):
             row("sparse_attention", shape, "torch composite (gather+dequant+ref), eager", t_ref, nb_fp4, bw=bw)
         else:
             base = None
-        splits = [1] if prefill else [None, 1]
+        flop = ntok * h * (w + kg) * d * 4          # q k^T and P v over every listed row
+        # "heads": today's head-tile kernel (BH heads per program, register prefetch); "tile": all
+        # heads of a token in one MMA tile (software-pipelined `stages` deep). split None = the
+        # kernel's default; the tile sweep is the tuning run of attention.TILE_TABLE
+        heads = [dict(kernel="heads", block_h=bh, n_split=sp) for bh in (16, 64)
+                 for sp in ([1] if prefill else [None, 1])]
+        heads += [dict(kernel="heads", block_h=bh, n_split=1 if prefill else None, ptx_decode=False)
+                  for bh in (16, 64)]
+        tile_splits = [1] if prefill else ([None] if quick else [None, 1, 2, 3, 4, 5, 10, 20])
+        tiles = [dict(kernel="tile", n_split=sp, stages=st, block_s=bs, tile_table=False)
+                 for sp in tile_splits for st in (1, 2, 3) for bs in (16, 32)]
+        tiles.append(dict(kernel="tile"))         # what the op runs: the table's choice
         best = {}
-        # (BH, BS, prefetch, split, PTX decodes); the generic decodes at the default split only
-        configs = [(bh, 32, True, sp, True) for bh in (16, 64) for sp in splits] + \
-            [(bh, 32, True, None if not prefill else 1, False) for bh in (16, 64)]
         for fmt in ("fp4", "bf16"):
-            for bh, bs, pf, sp, ptx in configs:
+            seen = set()
+            for v in heads + tiles:
+                gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
+                if v["kernel"] == "tile" and "n_split" in v:
+                    cfg = tk.tile_config(ntok, w, kg, q.device, v["n_split"], v["stages"], v["block_s"])
+                    key = ("tile", cfg)
+                    name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}"
+                elif v["kernel"] == "tile":
+                    key, name = None, "tile, the op's choice (" + tk.tile_choice_note(ntok, w, kg, q.device) + ")"
+                else:
+                    cfg = tk.attention_config(ntok, h, w, kg, q.device, v["block_h"], 32, v["n_split"])
+                    key = ("heads", cfg, v.get("ptx_decode", True))
+                    name = (f"heads BH={cfg[0]} split={cfg[2]}" + ("" if v.get("ptx_decode", True)
+                                                                     else " generic decode"))
+                if key is not None and key in seen:      # the same launch under another name
+                    continue
+                seen.add(key)
+                kw = {k: x for k, x in v.items() if k != "tile_table"}
                 try:
-                    gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
-
                     def fn():
-                        return tk.sparse_attention(q, ring, ring_sc, fresh, wrows, gcache,
-                                                   gscale, grows, sink, scale, block_h=bh,
-                                                   block_s=bs, n_split=sp, prefetch=pf,
-                                                   ptx_decode=ptx)
+                        return tk.sparse_attention(q, ring, ring_sc, fresh, wrows, gcache, gscale,
+                                                   grows, sink, scale, **kw)
                     out = fn()
                     err = rel(out, base) if (base is not None and fmt == "fp4") else None
                     t = cbench(fn, reps=4 if prefill else 8)
-                    cfg = tk.attention_config(ntok, h, w, kg, q.device, bh, bs, sp)
                     nb = nb_fp4 if fmt == "fp4" else nb_bf16
-                    r = row("sparse_attention", shape,
-                            f"triton {fmt} BH={bh} BS={bs} split={cfg[2]} prefetch={int(pf)}"
-                            + ("" if ptx else " generic decode")
-                            + (" (default split)" if sp is None else ""),
-                            t, nb, base_us=t_ref, err=err, bw=bw)
-                    if fmt not in best or t < best[fmt]["us"]:
-                        best[fmt] = r
+                    r = row("sparse_attention", shape, f"triton {fmt} {name}", t, nb, base_us=t_ref,
+                            err=err, bw=bw, note=f"{flop / t / 1e6:.0f} TFLOP/s")
+                    group = (fmt, v["kernel"])
+                    if group not in best or t < best[group]["us"]:
+                        best[group] = r
                 except Exception as ex:   # noqa: BLE001
-                    say(f"  FAILED {fmt} BH={bh} BS={bs} split={sp} pf={pf} ptx={ptx}: {type(ex).__name__}: "
-                        + str(ex)[-600:])
-        if "fp4" in best and "bf16" in best:
-            row("sparse_attention", shape, "BEST fp4 vs BEST bf16 cache: " + best["fp4"]["variant"],
-                best["fp4"]["us"], nb_fp4, base_us=best["bf16"]["us"], bw=bw,
-                note=f"bf16 best: {best['bf16']['variant']} {best['bf16']['us']} us")
+                    say(f"  FAILED {fmt} {name}: {type(ex).__name__}: " + str(ex)[-600:])
+        for (fa, ka), (fb, kb), what in ((("fp4", "tile"), ("fp4", "heads"), "tile vs heads kernel (FP4)"),
+                                         (("fp4", "tile"), ("bf16", "tile"), "FP4 vs BF16 cache (tile)"),
+                                         (("fp4", "heads"), ("bf16", "heads"), "FP4 vs BF16 cache (heads)")):
+            if (fa, ka) in best and (fb, kb) in best:
+                a, b = best[(fa, ka)], best[(fb, kb)]
+                row("sparse_attention", shape, f"BEST {what}: {a['variant']}", a["us"],
+                    nb_fp4 if fa == "fp4" else nb_bf16, base_us=b["us"], bw=bw,
+                    note=f"vs {b['variant']} {b['us']} us; {flop / a['us'] / 1e6:.0f} TFLOP/s")
         del gc, gs, gbf, ring, ring_sc, fresh, q
         torch.cuda.empty_cache()
 

@@ -302,12 +302,19 @@ def test_sparse_attention(n, h, d, w, kg, slots, dtype):
     want = ops.sparse_attention(*inputs, scale)                                  # CPU reference
     args = [t.to(DEV) for t in inputs]
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    # default (prefetch on, PTX decodes), no prefetch, splits + combine, the generic decodes,
-    # BS = 64, all 64 heads in one program
-    variants = [dict(), dict(block_h=16, n_split=1, prefetch=False),
-                dict(block_h=16, n_split=3, prefetch=True), dict(ptx_decode=False)]
+    # default (bf16: the tile kernel; fp32: the head-tile kernel); the head-tile kernel: its
+    # defaults (prefetch on, PTX decodes), no prefetch, splits + combine, the generic decodes,
+    # BS = 64, all 64 heads in one program; the tile kernel: unsplit, split + pipelined,
+    # pipelined at its default split, rows in blocks of 16
+    variants = [dict(), dict(kernel="heads"), dict(kernel="heads", block_h=16, n_split=1, prefetch=False),
+                dict(kernel="heads", block_h=16, n_split=3, prefetch=True),
+                dict(kernel="heads", ptx_decode=False)]
     if dtype == torch.bfloat16 and d == 512:
-        variants += [dict(block_h=16, block_s=64, n_split=1), dict(block_h=64, n_split=2)]
+        variants += [dict(kernel="heads", block_h=16, block_s=64, n_split=1),
+                     dict(kernel="heads", block_h=64, n_split=2)]
+    if dtype == torch.bfloat16:
+        variants += [dict(kernel="tile", n_split=1), dict(kernel="tile", n_split=3, stages=3),
+                     dict(kernel="tile", stages=2), dict(kernel="tile", block_s=16, n_split=2)]
     for v in variants:
         out = poisoned((n, h, d), dtype)
         attention.sparse_attention(*args, scale, out=out, **v)
@@ -320,8 +327,9 @@ def test_sparse_attention(n, h, d, w, kg, slots, dtype):
     assert rel_err(got, want) < tol
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sparse_attention_window_rows_exact(dtype):
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "tile"), (torch.bfloat16, "heads"),
+                                          (torch.float32, "heads")])
+def test_sparse_attention_window_rows_exact(dtype, kernel):
     """One visible window row per query: the output is that row (softmax weight 1 up to the
     sink, which is -inf-like here), so the kernel's in-register FP8 dequantization must give
     exactly the reference's values (ring rows) and the fresh rows as they are."""
@@ -338,12 +346,13 @@ def test_sparse_attention_window_rows_exact(dtype):
     assert torch.equal(want, rows.unsqueeze(1).expand(n, h, d).to(dtype))
     out = poisoned((n, h, d), dtype)
     attention.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows, gc, gs,
-                                                     grows, sink)], d ** -0.5, n_split=1, out=out)
+                                                     grows, sink)], d ** -0.5, n_split=1,
+                               kernel=kernel, out=out)
     assert torch.equal(out.cpu(), want)
 
 
-@pytest.mark.parametrize("ptx_decode", [True, False])
-def test_sparse_attention_decodes_exact_over_every_code(ptx_decode):
+@pytest.mark.parametrize("kernel,ptx_decode", [("heads", True), ("heads", False), ("tile", None)])
+def test_sparse_attention_decodes_exact_over_every_code(kernel, ptx_decode):
     """Both decodes of both caches, every code at every scale: each query lists one ring row or
     one global row, q = 0 and a -inf-like sink make the output that row, so it must equal the
     reference's dequantized row bit for bit. Ring: all 254 non-NaN E4M3 bytes at each UE8M0
@@ -369,14 +378,15 @@ def test_sparse_attention_decodes_exact_over_every_code(ptx_decode):
     out = poisoned((n, h, d), torch.bfloat16)
     attention.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows, gc, gs,
                                                      grows, sink)], d ** -0.5, n_split=1,
-                               ptx_decode=ptx_decode, out=out)
+                               kernel=kernel, ptx_decode=ptx_decode, out=out)
     got = out.cpu()
     assert torch.equal(got, want.unsqueeze(1).expand(n, h, d)), \
         [int(i) for i in (got != want.unsqueeze(1)).any(-1).any(-1).nonzero()[:8, 0]]
 
 
-@pytest.mark.parametrize("n_split,prefetch", [(1, False), (4, True)])
-def test_sparse_attention_bf16_cache_variant(n_split, prefetch):
+@pytest.mark.parametrize("kernel,n_split,prefetch", [("heads", 1, False), ("heads", 4, True),
+                                                     ("tile", 1, None), ("tile", 4, None)])
+def test_sparse_attention_bf16_cache_variant(kernel, n_split, prefetch):
     """The comparison variant: same kernel over a bf16 global cache holding the dequantized rows."""
     g = _rng(99 + n_split)
     n, h, d, w, kg = 3, 64, 512, 128, 512
@@ -387,8 +397,22 @@ def test_sparse_attention_bf16_cache_variant(n_split, prefetch):
     out = poisoned((n, h, d), torch.bfloat16)
     attention.sparse_attention(*[t.to(DEV) for t in (q, ring, ring_scale, fresh, wrows)],
                                dense.to(DEV), None, grows.to(DEV), sink.to(DEV), d ** -0.5,
-                               n_split=n_split, prefetch=prefetch, out=out)
+                               kernel=kernel, n_split=n_split, prefetch=prefetch, out=out)
     assert rel_err(out, want) < 1e-2
+
+
+def test_sparse_attention_kernel_choice_is_checked():
+    """kernel='tile' outside what it supports (fp32, more than 64 heads) and an unknown kernel
+    name are refused with the rule they break, before anything launches."""
+    g = _rng(5)
+    args = [t.to(DEV) for t in _attn_inputs(2, 16, 64, 8, 4, torch.float32, g)]
+    with pytest.raises(ValueError, match="bf16 q with at most 64 heads"):
+        attention.sparse_attention(*args, 0.125, kernel="tile")
+    with pytest.raises(ValueError, match="kernel must be 'tile' or 'heads'"):
+        attention.sparse_attention(*args, 0.125, kernel="fast")
+    args[0] = torch.randn(2, 128, 64, device=DEV).bfloat16()
+    with pytest.raises(ValueError, match="at most 64 heads"):
+        attention.sparse_attention(*args[:8], torch.zeros(128, device=DEV), 0.125, kernel="tile")
 
 
 # =============================================================================== Engram gather

@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -321,6 +323,94 @@ def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_s
     _store_pairs(out_ptr, hrow * D, hmask, oe, oo, D2, DTYPE, IS16)
 
 
+@triton.jit
+def _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale):
+    """One block of rows for all heads of a token: S = q k^T over the (even, odd) halves, online
+    softmax, acc += P v (bf16 MMAs, fp32 accumulation)."""
+    s = tl.dot(qe, tl.trans(ke))
+    s = tl.dot(qo, tl.trans(ko), s)
+    s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    pd = p.to(tl.bfloat16)                    # P in q's dtype before P.V (reference)
+    acc_e = tl.dot(pd, ke, acc_e * alpha[:, None])
+    acc_o = tl.dot(pd, ko, acc_o * alpha[:, None])
+    return m_new, l, acc_e, acc_o
+
+
+@triton.jit
+def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_ptr, gs_ptr,
+                             grows_ptr, sink_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr, H, W, KG,
+                             n_ring, sm_scale, blocks_per_split, n_split,
+                             D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr,
+                             NB32: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
+                             GLOBAL_FP4: tl.constexpr, DIRECT: tl.constexpr,
+                             STAGES: tl.constexpr):
+    """Program (n, split): every head of query token n as one MMA tile (BH >= H; M = 64 heads is
+    one wgmma tile), so each KV row is gathered and dequantized once per token; bf16 only. The
+    row loops are software-pipelined by Triton (STAGES deep: the index loads run ahead of the
+    cp.async row gathers into shared memory), instead of the register prefetch of
+    _sparse_attn_kernel, which spilled at 64 heads. Registers: the two fp32 accumulators are
+    [BH, D/2] each (128 per thread at 8 warps, BH = 64), q stays in shared memory."""
+    n = tl.program_id(0)
+    sp = tl.program_id(1)
+    heads = tl.arange(0, BH)
+    hmask = heads < H
+    hrow = n.to(tl.int64) * H + heads                                       # row of [N*H, D]
+    qa, qb = _load_raw(q_ptr, q_ptr, hrow, hmask, D, D2, NB16, False, True)
+    qe, qo = _decode_raw(qa, qb, BH, D2, tl.bfloat16, False, True)
+    m = tl.full((BH,), -1e30, tl.float32)
+    l = tl.zeros((BH,), tl.float32)
+    acc_e = tl.zeros((BH, D2), tl.float32)
+    acc_o = tl.zeros((BH, D2), tl.float32)
+    nbw = tl.cdiv(W, BS)
+    b0 = sp * blocks_per_split
+    b1 = tl.minimum(b0 + blocks_per_split, nbw + tl.cdiv(KG, BS))
+    jj = tl.arange(0, BS)
+    wbase = wrows_ptr + n.to(tl.int64) * W
+    for b in tl.range(b0, tl.minimum(b1, nbw), num_stages=STAGES):
+        j = b * BS + jj
+        rows = tl.load(wbase + j, mask=j < W, other=-1)
+        valid = rows >= 0
+        is_ring = valid & (rows < n_ring)
+        rw, rs = _load_ring_raw(ring_ptr, rsc_ptr, rows, is_ring, D2, NB32)
+        fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D, D2,
+                           NB16, False, True)
+        ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, tl.bfloat16, True, True)
+        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale)
+    gbase = grows_ptr + n.to(tl.int64) * KG
+    for b in tl.range(tl.maximum(b0, nbw) - nbw, b1 - nbw, num_stages=STAGES):
+        j = b * BS + jj
+        rows = tl.load(gbase + j, mask=j < KG, other=-1)
+        valid = rows >= 0
+        if GLOBAL_FP4:
+            ra, rb = _load_raw(gc_ptr, gs_ptr, tl.where(valid, rows, 0), valid, D, D2, NB16,
+                               True, True)
+            ke, ko = _decode_raw(ra, rb, BS, D2, tl.bfloat16, True, True, True)
+        else:   # bf16 rows: the even and odd columns as two strided loads of the same lines
+            p = gc_ptr + rows[:, None].to(tl.int64) * D + 2 * tl.arange(0, D2)[None, :]
+            ke = tl.load(p, mask=valid[:, None], other=0.0)
+            ko = tl.load(p + 1, mask=valid[:, None], other=0.0)
+        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale)
+    if DIRECT:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+        l = l + tl.exp(sink - m)
+        lb = tl.broadcast_to(l[:, None], [BH, D2])
+        _store_pairs(out_ptr, hrow * D, hmask, tl.math.div_rn(acc_e, lb),
+                     tl.math.div_rn(acc_o, lb), D2, tl.bfloat16, True)
+    else:
+        # partials: acc [N, n_split, H, 2, D/2] fp32, (m, l) [N, n_split, H, 2]
+        prow = (n.to(tl.int64) * n_split + sp) * H + heads
+        i = tl.arange(0, D2)
+        pa = ws_acc_ptr + prow[:, None] * D + i[None, :]
+        tl.store(pa, acc_e, mask=hmask[:, None])
+        tl.store(pa + D2, acc_o, mask=hmask[:, None])
+        tl.store(ws_ml_ptr + prow * 2, m, mask=hmask)
+        tl.store(ws_ml_ptr + prow * 2 + 1, l, mask=hmask)
+
+
 def sparse_attention_supported(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
                                global_scale, global_rows, sink) -> bool:
     if not (q.is_cuda and q.dim() == 3 and q.dtype in _FLOAT_DTYPES):
@@ -369,20 +459,69 @@ def attention_config(n: int, h: int, w: int, kg: int, device, block_h=None, bloc
     return bh, bs, n_split, per, warps
 
 
+def tile_supported(h: int, dtype) -> bool:
+    """The all-heads tile kernel: bf16 only, at most 64 heads (two fp32 [64, D/2] accumulators
+    are 128 registers per thread at 8 warps; more heads would spill)."""
+    return dtype == torch.bfloat16 and h <= 64
+
+
+# The tile kernel's launch by query-token count (decode batch or prefill length), from the
+# tuning sweep of scripts/bench_ops.py --only attn on the H200 (docs/BENCHMARKS.md): rows
+# per block, split of the row list ("fill": one program per SM over the tokens), pipelining
+# depth. The first row whose bound is >= N applies.
+TILE_TABLE = (
+    (2 ** 62, 32, "fill", 1),
+)
+
+
+def tile_choice(n: int, device) -> tuple[int, int | str, int]:
+    """(rows per block, split or "fill", stages) of TILE_TABLE for n query tokens."""
+    for bound, bs, split, stages in TILE_TABLE:
+        if n <= bound:
+            return bs, split, stages
+    raise AssertionError("TILE_TABLE's last bound covers every n")
+
+
+def tile_choice_note(n: int, w: int, kg: int, device) -> str:
+    bs, n_split, _, stages, _ = tile_config(n, w, kg, device)
+    return f"BS={bs} split={n_split} stages={stages}"
+
+
+def tile_config(n: int, w: int, kg: int, device, n_split=None, stages=None, block_s=None):
+    """(BS, n_split, blocks_per_split, stages, num_warps) of the all-heads tile kernel: one
+    program per (token, split) at ~255 registers x 8 warps, so one program per SM. Arguments
+    left None come from TILE_TABLE."""
+    table_bs, table_split, table_stages = tile_choice(n, device)
+    bs = int(block_s or table_bs)
+    total = max(1, triton.cdiv(w, bs) + triton.cdiv(kg, bs))
+    if n_split is None:
+        n_split = table_split
+    if n_split == "fill":
+        n_split = max(1, _num_sms(device) // max(n, 1))
+    n_split = max(1, min(int(n_split), total))
+    per = triton.cdiv(total, n_split)
+    n_split = triton.cdiv(total, per)
+    return bs, n_split, per, int(stages or table_stages), 8
+
+
 ATTN_PREFETCH = True    # default; the bench compares both
 # FP8 ring rows and FP4 rows decoded by PTX (bf16 q only; the values are the generic decode's)
 ATTN_PTX_DECODE = True  # default; the bench compares both
 
 
 def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
-                     global_scale, global_rows, sink, softmax_scale, *, block_h=None,
-                     block_s=None, n_split=None, prefetch=None, ptx_decode=None, out=None):
+                     global_scale, global_rows, sink, softmax_scale, *, kernel=None, block_h=None,
+                     block_s=None, n_split=None, prefetch=None, ptx_decode=None, stages=None,
+                     out=None):
     """torch.ops.v41graph.sparse_attention semantics: window rows r < slots*W read the FP8 ring
     window_kv / window_scale in place, rows r >= slots*W are fresh_kv[r - slots*W].
     `global_scale=None` (or a float `global_cache`) with a float `global_cache` [R, D] runs the
     same algorithm on a bf16/fp32 global cache. `ptx_decode` (default ATTN_PTX_DECODE) picks the
     FP8 ring and FP4 decodes for bf16 q: PTX (common._e4m3_pairs_to_bf16, _e2m1_bytes_to_bf16)
-    or the generic ones (fp16 / fp32 q always use the generic ones); both give the same values."""
+    or the generic ones (fp16 / fp32 q always use the generic ones); both give the same values.
+    `kernel`: "tile" (all heads of a token in one MMA tile, _sparse_attn_tile_kernel; bf16 q,
+    at most 64 heads; `stages` = its software-pipelining depth) or "heads" (head tiles of
+    `block_h`, _sparse_attn_kernel; every dtype); default: "tile" where supported."""
     n, h, d = q.shape
     dt = q.dtype
     is16 = dt != torch.float32
@@ -414,6 +553,24 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
         out = torch.empty_like(qc)
     if n == 0:
         return out
+    if kernel is None:   # V41GRAPH_ATTN_KERNEL=heads: the A/B switch of scripts/bench.py
+        kernel = os.environ.get("V41GRAPH_ATTN_KERNEL") or ("tile" if tile_supported(h, dt) else "heads")
+    if kernel == "tile":
+        if not tile_supported(h, dt):
+            raise ValueError(f"sparse_attention: kernel='tile' needs bf16 q with at most 64 heads, "
+                             f"got {dt} with {h} heads")
+        bs, n_split, per, n_stages, warps = tile_config(n, w, kg, q.device, n_split, stages, block_s)
+        bh = max(16, triton.next_power_of_2(h))
+        ws_acc, ws_ml = _split_workspace(out, n, n_split, h, d)
+        _sparse_attn_tile_kernel[(n, n_split)](
+            qc.view(torch.int32), ring, rsc, fresh.view(torch.int32), wrows, gc, gs, grows, sink,
+            out.view(torch.int32), ws_acc, ws_ml, h, w, kg, n_ring, float(softmax_scale), per,
+            n_split, D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, GLOBAL_FP4=fp4,
+            DIRECT=n_split == 1, STAGES=n_stages, num_warps=warps, num_stages=1)
+        _combine_splits(ws_acc, ws_ml, sink, out.view(torch.int32), n, h, d, n_split, tl.bfloat16, True)
+        return out
+    if kernel != "heads":
+        raise ValueError(f"sparse_attention: kernel must be 'tile' or 'heads', got {kernel!r}")
     bh, bs, n_split, per, warps = attention_config(n, h, w, kg, q.device, block_h, block_s,
                                                     n_split, dt)
     dtl = _TL_DTYPE[dt]
@@ -425,11 +582,7 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
         return t.view(torch.int32) if is16 else t
 
     direct = n_split == 1
-    if direct:
-        ws_acc = ws_ml = out
-    else:
-        ws_acc = torch.empty((n, n_split, h, d), dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty((n, n_split, h, 2), dtype=torch.float32, device=q.device)
+    ws_acc, ws_ml = _split_workspace(out, n, n_split, h, d)
     grid = (n, triton.cdiv(h, bh), n_split)
     _sparse_attn_kernel[grid](
         i32(qc), ring, rsc, i32(fresh), wrows, i32(gc) if not fp4 else gc, gs, grows, sink,
@@ -437,9 +590,23 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
         D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, DTYPE=dtl, IS16=is16, GLOBAL_FP4=fp4,
         IEEE=(dt == torch.float32), DIRECT=direct, PREFETCH=bool(prefetch), PTX=ptx_decode,
         num_warps=warps, num_stages=1)
-    if not direct:
-        cbh = 16
-        _sparse_attn_combine_kernel[(n, triton.cdiv(h, cbh))](
-            ws_acc, ws_ml, sink, i32(out), h, n_split, D=d, D2=d // 2, BH=cbh, DTYPE=dtl,
-            IS16=is16, num_warps=4)
+    _combine_splits(ws_acc, ws_ml, sink, i32(out), n, h, d, n_split, dtl, is16)
     return out
+
+
+def _split_workspace(out, n, n_split, h, d):
+    """fp32 partials (acc [N, n_split, H, D], (m, l) [N, n_split, H, 2]) when the row list is
+    split; unsplit programs write `out` directly (the workspace arguments are never read)."""
+    if n_split == 1:
+        return out, out
+    return (torch.empty((n, n_split, h, d), dtype=torch.float32, device=out.device),
+            torch.empty((n, n_split, h, 2), dtype=torch.float32, device=out.device))
+
+
+def _combine_splits(ws_acc, ws_ml, sink, out, n, h, d, n_split, dtl, is16):
+    if n_split == 1:
+        return
+    cbh = 16
+    _sparse_attn_combine_kernel[(n, triton.cdiv(h, cbh))](
+        ws_acc, ws_ml, sink, out, h, n_split, D=d, D2=d // 2, BH=cbh, DTYPE=dtl, IS16=is16,
+        num_warps=4)
