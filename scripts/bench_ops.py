@@ -285,7 +285,7 @@ def bench_attention(tk, bw, quick):
         flop = ntok * h * (w + kg) * d * 4          # q k^T and P v over every listed row
         # "heads": today's head-tile kernel (BH heads per program, register prefetch); "tile": all
         # heads of a token in one MMA tile (software-pipelined `stages` deep). split None = the
-        # kernel's default; the tile sweep is the tuning run of attention.TILE_TABLE
+        # kernel's default; the tile sweep is the tuning run behind attention.tile_config's rule
         heads = [dict(kernel="heads", block_h=bh, n_split=sp) for bh in (16, 64)
                  for sp in ([1] if prefill else [None, 1])]
         heads += [dict(kernel="heads", block_h=bh, n_split=1 if prefill else None, ptx_decode=False)
@@ -304,7 +304,8 @@ def bench_attention(tk, bw, quick):
                     key = ("tile", cfg)
                     name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}"
                 elif v["kernel"] == "tile":
-                    key, name = None, "tile, the op's choice (" + tk.tile_choice_note(ntok, w, kg, q.device) + ")"
+                    cfg = tk.tile_config(ntok, w, kg, q.device)
+                    key, name = None, f"tile, the op's choice (BS={cfg[0]} split={cfg[1]} stages={cfg[3]})"
                 else:
                     cfg = tk.attention_config(ntok, h, w, kg, q.device, v["block_h"], 32, v["n_split"])
                     key = ("heads", cfg, v.get("ptx_decode", True))

@@ -60,6 +60,28 @@ def test_capture_replay_matches_eager_and_never_recompiles(model):
     _check_captured_against_eager(model, v41graph.compile(model, backend="cuda", batch_sizes=(1, 2, 4)), 100)
 
 
+def test_bf16_capture_with_the_attention_tile_kernel_matches_eager():
+    """The tiny model in bf16, where sparse attention runs the all-heads tile kernel (its split
+    workspace allocated inside the capture): 100 captured steps vs eager (which runs the same
+    kernels), no recompiles. bf16 logits: eager and captured differ where the fused norm's
+    atomics or a padded batch's GEMM shapes move a last bit, one bf16 ulp of a logit ~4 is 2^-6."""
+    import dataclasses
+    from v41graph.custom_ops.triton import attention
+    from v41graph.model.layers import default_dtype
+    cfg = dataclasses.replace(v41graph.V41Config.tiny(), torch_dtype="bfloat16")
+    assert attention.tile_supported(cfg.num_attention_heads, torch.bfloat16)
+    torch.manual_seed(0)
+    with default_dtype(torch.bfloat16):
+        bf16 = init_random_(V41Model(cfg), seed=4).cuda().eval().requires_grad_(False)
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+    global ATOL
+    kept, ATOL = ATOL, 0.1
+    try:
+        _check_captured_against_eager(bf16, v41graph.compile(bf16, backend="cuda", batch_sizes=(1, 2, 4)), 100)
+    finally:
+        ATOL = kept
+
+
 def test_inductor_segments_captured_decode_matches_eager(model):
     """compile(inductor_segments=True): the stream-free segments run Inductor's kernels inside
     the captured decode graph, and each step still computes what eager computes (same ATOL;

@@ -465,43 +465,29 @@ def tile_supported(h: int, dtype) -> bool:
     return dtype == torch.bfloat16 and h <= 64
 
 
-# The tile kernel's launch by query-token count (decode batch or prefill length), from the
-# tuning sweep of scripts/bench_ops.py --only attn on the H200 (docs/BENCHMARKS.md): rows
-# per block, split of the row list ("fill": one program per SM over the tokens), pipelining
-# depth. The first row whose bound is >= N applies.
-TILE_TABLE = (
-    (2 ** 62, 32, "fill", 1),
-)
-
-
-def tile_choice(n: int, device) -> tuple[int, int | str, int]:
-    """(rows per block, split or "fill", stages) of TILE_TABLE for n query tokens."""
-    for bound, bs, split, stages in TILE_TABLE:
-        if n <= bound:
-            return bs, split, stages
-    raise AssertionError("TILE_TABLE's last bound covers every n")
-
-
-def tile_choice_note(n: int, w: int, kg: int, device) -> str:
-    bs, n_split, _, stages, _ = tile_config(n, w, kg, device)
-    return f"BS={bs} split={n_split} stages={stages}"
+# The tile kernel's launch, from the tuning sweep of scripts/bench_ops.py --only attn on the
+# H200 (docs/BENCHMARKS.md, sixteenth session; H = 64, D = 512, 128 window + 512 global rows):
+# rows per block 32 (16: 1.2-1.5x slower everywhere), no software pipelining (2 or 3 stages:
+# 5-12 % slower everywhere), and the row list split so the programs fill the SMs once, but
+# with at least 2 blocks per program (B = 1: split 10 25.6 us, 20 27.2; B = 8: 10 27.5, 20
+# 37.5; B = 32: 4 40.4, 3 49.0, 5 58.1; B = 64: 2 64.4, 1 106.6, 3 82.5; prefill: 1).
+TILE_ROWS_PER_BLOCK = 32
+TILE_STAGES = 1
+TILE_MIN_BLOCKS_PER_PROGRAM = 2
 
 
 def tile_config(n: int, w: int, kg: int, device, n_split=None, stages=None, block_s=None):
     """(BS, n_split, blocks_per_split, stages, num_warps) of the all-heads tile kernel: one
     program per (token, split) at ~255 registers x 8 warps, so one program per SM. Arguments
-    left None come from TILE_TABLE."""
-    table_bs, table_split, table_stages = tile_choice(n, device)
-    bs = int(block_s or table_bs)
+    left None follow the measured rule above."""
+    bs = int(block_s or TILE_ROWS_PER_BLOCK)
     total = max(1, triton.cdiv(w, bs) + triton.cdiv(kg, bs))
     if n_split is None:
-        n_split = table_split
-    if n_split == "fill":
-        n_split = max(1, _num_sms(device) // max(n, 1))
+        n_split = min(_num_sms(device) // max(n, 1), total // TILE_MIN_BLOCKS_PER_PROGRAM)
     n_split = max(1, min(int(n_split), total))
     per = triton.cdiv(total, n_split)
     n_split = triton.cdiv(total, per)
-    return bs, n_split, per, int(stages or table_stages), 8
+    return bs, n_split, per, int(stages or TILE_STAGES), 8
 
 
 ATTN_PREFETCH = True    # default; the bench compares both
