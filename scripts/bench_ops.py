@@ -50,6 +50,10 @@ def say(*a):
         LOG.flush()
 
 
+def _ints(csv: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in csv.split(",") if v)
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     if not torch.isfinite(a).all():
@@ -223,7 +227,7 @@ def bench_writes(tk, bw, quick):
 
 
 # =============================================================================== sparse attention
-def bench_attention(tk, bw, quick):
+def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)):
     from v41graph import custom_ops  # noqa: F401
     from v41graph.custom_ops import codecs
     from v41graph.custom_ops import reference as ref
@@ -291,8 +295,8 @@ def bench_attention(tk, bw, quick):
         heads += [dict(kernel="heads", block_h=bh, n_split=1 if prefill else None, ptx_decode=False)
                   for bh in (16, 64)]
         tile_splits = [1] if prefill else ([None] if quick else [None, 1, 2, 3, 4, 5, 10, 20])
-        tiles = [dict(kernel="tile", n_split=sp, stages=st, block_s=bs, tile_table=False)
-                 for sp in tile_splits for st in (1, 2, 3) for bs in (16, 32)]
+        tiles = [dict(kernel="tile", n_split=sp, stages=st, block_s=bs)
+                 for sp in tile_splits for st in tile_stages for bs in tile_rows]
         tiles.append(dict(kernel="tile"))         # what the op runs: the table's choice
         best = {}
         for fmt in ("fp4", "bf16"):
@@ -314,11 +318,10 @@ def bench_attention(tk, bw, quick):
                 if key is not None and key in seen:      # the same launch under another name
                     continue
                 seen.add(key)
-                kw = {k: x for k, x in v.items() if k != "tile_table"}
                 try:
                     def fn():
                         return tk.sparse_attention(q, ring, ring_sc, fresh, wrows, gcache, gscale,
-                                                   grows, sink, scale, **kw)
+                                                   grows, sink, scale, **v)
                     out = fn()
                     err = rel(out, base) if (base is not None and fmt == "fp4") else None
                     t = cbench(fn, reps=4 if prefill else 8)
@@ -621,6 +624,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--attn-rows", default="16,32,64", help="attn: the tile kernel's rows per block to sweep")
+    ap.add_argument("--attn-stages", default="1,2,3", help="attn: the tile kernel's pipelining depths to sweep")
     ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2,fp8,mxfp4 "
                          "(quant = fp8,mxfp4)")
     args = ap.parse_args()
@@ -648,7 +653,8 @@ def main():
     only = set(filter(None, args.only.replace("quant", "fp8,mxfp4").split(",")))
     sections = [("wkv", lambda: bench_wkv(norms, d2d, args.quick)),
                 ("writes", lambda: bench_writes(cache_writes, d2d, args.quick)),
-                ("attn", lambda: bench_attention(attention, d2d, args.quick)),
+                ("attn", lambda: bench_attention(attention, d2d, args.quick, _ints(args.attn_rows),
+                                                 _ints(args.attn_stages))),
                 ("engram", lambda: bench_engram(engram, d2d, h2d, args.quick)),
                 ("indexer", lambda: bench_indexer(indexer, d2d, args.quick)),
                 ("topk", lambda: bench_topk(indexer, args.quick)),
