@@ -465,13 +465,16 @@ def tile_supported(h: int, dtype) -> bool:
     return dtype == torch.bfloat16 and h <= 64
 
 
-# The tile kernel's launch, from the tuning sweep of scripts/bench_ops.py --only attn on the
-# H200 (docs/BENCHMARKS.md, sixteenth session; H = 64, D = 512, 128 window + 512 global rows):
-# rows per block 32 (16: 1.2-1.5x slower everywhere), no software pipelining (2 or 3 stages:
-# 5-12 % slower everywhere), and the row list split so the programs fill the SMs once, but
-# with at least 2 blocks per program (B = 1: split 10 25.6 us, 20 27.2; B = 8: 10 27.5, 20
-# 37.5; B = 32: 4 40.4, 3 49.0, 5 58.1; B = 64: 2 64.4, 1 106.6, 3 82.5; prefill: 1).
+# The tile kernel's launch, from the tuning sweeps of scripts/bench_ops.py --only attn on the
+# H200 (docs/BENCHMARKS.md, sixteenth session; H = 64, D = 512, 128 window + 512 global rows,
+# FP4 cache): no software pipelining (2 or 3 stages: 5-12 % slower at every shape); 32 rows per
+# block at decode (16: 1.2-1.5x slower; 64: B = 64 65.5 vs 63.0 us, B = 1 27.9 vs 25.2), 64 at
+# prefill (T = 4096: 2706 vs 2896 us); the row list split so the programs fill the SMs once,
+# with at least 2 blocks per program (B = 1: split 10 25.2 us, 20 27.0; B = 8: 10 27.9, 20
+# 37.1; B = 32: 4 39.0, 3 48.6, 5 58.6; B = 64: 2 63.0, 1 106.0, 3 82.5; prefill: 1).
 TILE_ROWS_PER_BLOCK = 32
+TILE_ROWS_PER_BLOCK_PREFILL = 64        # from this many query tokens on
+TILE_PREFILL_TOKENS = 512
 TILE_STAGES = 1
 TILE_MIN_BLOCKS_PER_PROGRAM = 2
 
@@ -480,7 +483,7 @@ def tile_config(n: int, w: int, kg: int, device, n_split=None, stages=None, bloc
     """(BS, n_split, blocks_per_split, stages, num_warps) of the all-heads tile kernel: one
     program per (token, split) at ~255 registers x 8 warps, so one program per SM. Arguments
     left None follow the measured rule above."""
-    bs = int(block_s or TILE_ROWS_PER_BLOCK)
+    bs = int(block_s or (TILE_ROWS_PER_BLOCK_PREFILL if n >= TILE_PREFILL_TOKENS else TILE_ROWS_PER_BLOCK))
     total = max(1, triton.cdiv(w, bs) + triton.cdiv(kg, bs))
     if n_split is None:
         n_split = min(_num_sms(device) // max(n, 1), total // TILE_MIN_BLOCKS_PER_PROGRAM)
