@@ -89,7 +89,9 @@ def test_inductor_segments_captured_decode_matches_eager(model):
     compiled = v41graph.compile(model, backend="cuda", batch_sizes=(4,), inductor_segments=True)
     _check_captured_against_eager(model, compiled, 20)
     reports = [g.current.meta["inductor_segments"] for g in compiled.traced]
-    assert len(reports) >= 2                                  # prefill and decode graphs
+    # one graph: the prefill (first) traces the graph every decode bucket then runs too
+    # (share_decode_graph="all"; the same flow on the CPU backend traces one graph)
+    assert len(reports) == 1, (len(reports), compiled.notes)
     for r in reports:
         assert r["compiled"] >= r["split"] / 2 > 0, r
 
