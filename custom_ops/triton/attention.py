@@ -466,7 +466,7 @@ def tile_supported(h: int, dtype) -> bool:
 
 
 # The tile kernel's launch, from the tuning sweeps of scripts/bench_ops.py --only attn on the
-# H200 (docs/BENCHMARKS.md, sixteenth session; H = 64, D = 512, 128 window + 512 global rows,
+# H200 (docs/BENCHMARKS.md, fifteenth session; H = 64, D = 512, 128 window + 512 global rows,
 # FP4 cache): no software pipelining (2 or 3 stages: 5-12 % slower at every shape); 32 rows per
 # block at decode (16: 1.2-1.5x slower; 64: B = 64 65.5 vs 63.0 us, B = 1 27.9 vs 25.2), 64 at
 # prefill (T = 4096: 2706 vs 2896 us); the row list split so the programs fill the SMs once,
