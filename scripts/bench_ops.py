@@ -227,7 +227,7 @@ def bench_writes(tk, bw, quick):
 
 
 # =============================================================================== sparse attention
-def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3), tile_halves=()):
+def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)):
     from v41graph import custom_ops  # noqa: F401
     from v41graph.custom_ops import codecs
     from v41graph.custom_ops import reference as ref
@@ -297,9 +297,6 @@ def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)
         tile_splits = [1] if prefill else ([None] if quick else [None, 1, 2, 3, 4, 5, 10, 20])
         tiles = [dict(kernel="tile", n_split=sp, stages=st, block_s=bs)
                  for sp in tile_splits for st in tile_stages for bs in tile_rows]
-        if tile_halves and not prefill:          # the output columns over two programs
-            tiles += [dict(kernel="tile", n_split=sp, stages=1, block_s=bs, halves=2, num_warps=wp,
-                           maxnreg=cap) for sp in tile_splits for bs, wp, cap in tile_halves]
         tiles.append(dict(kernel="tile"))         # what the op runs: the table's choice
         best = {}
         for fmt in ("fp4", "bf16"):
@@ -308,10 +305,8 @@ def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)
                 gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
                 if v["kernel"] == "tile" and "n_split" in v:
                     cfg = tk.tile_config(ntok, w, kg, q.device, v["n_split"], v["stages"], v["block_s"])
-                    extra = (v.get("halves"), v.get("num_warps"), v.get("maxnreg"))
-                    key = ("tile", cfg, extra)
-                    name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}" + (
-                        f" halves=2 warps={extra[1]} maxnreg={extra[2]}" if extra[0] else "")
+                    key = ("tile", cfg)
+                    name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}"
                 elif v["kernel"] == "tile":
                     cfg = tk.tile_config(ntok, w, kg, q.device)
                     key, name = None, f"tile, the op's choice (BS={cfg[0]} split={cfg[1]} stages={cfg[3]})"
@@ -631,8 +626,6 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--attn-rows", default="16,32,64", help="attn: the tile kernel's rows per block to sweep")
     ap.add_argument("--attn-stages", default="1,2,3", help="attn: the tile kernel's pipelining depths to sweep")
-    ap.add_argument("--attn-halves", default="", help="attn: tile kernel with the output columns over two "
-                    "programs, as rows:warps:maxnreg;.. (maxnreg 0 = no cap), e.g. 16:4:0;32:8:128")
     ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2,fp8,mxfp4 "
                          "(quant = fp8,mxfp4)")
     args = ap.parse_args()
@@ -661,9 +654,7 @@ def main():
     sections = [("wkv", lambda: bench_wkv(norms, d2d, args.quick)),
                 ("writes", lambda: bench_writes(cache_writes, d2d, args.quick)),
                 ("attn", lambda: bench_attention(attention, d2d, args.quick, _ints(args.attn_rows),
-                                                 _ints(args.attn_stages),
-                                                 [tuple(int(x) or None for x in c.split(":"))
-                                                  for c in args.attn_halves.split(";") if c])),
+                                                 _ints(args.attn_stages))),
                 ("engram", lambda: bench_engram(engram, d2d, h2d, args.quick)),
                 ("indexer", lambda: bench_indexer(indexer, d2d, args.quick)),
                 ("topk", lambda: bench_topk(indexer, args.quick)),

@@ -324,11 +324,9 @@ def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_s
 
 
 @triton.jit
-def _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, half,
-                 HALVES: tl.constexpr):
+def _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale):
     """One block of rows for all heads of a token: S = q k^T over the (even, odd) halves, online
-    softmax, acc += P v (bf16 MMAs, fp32 accumulation). HALVES = 2: this program accumulates
-    only the even (half 0, in acc_e) or the odd (half 1) output columns."""
+    softmax, acc += P v (bf16 MMAs, fp32 accumulation)."""
     s = tl.dot(qe, tl.trans(ke))
     s = tl.dot(qo, tl.trans(ko), s)
     s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
@@ -337,13 +335,8 @@ def _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, half,
     p = tl.exp(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     pd = p.to(tl.bfloat16)                    # P in q's dtype before P.V (reference)
-    if HALVES == 1:
-        acc_e = tl.dot(pd, ke, acc_e * alpha[:, None])
-        acc_o = tl.dot(pd, ko, acc_o * alpha[:, None])
-    elif half == 0:
-        acc_e = tl.dot(pd, ke, acc_e * alpha[:, None])
-    else:
-        acc_e = tl.dot(pd, ko, acc_e * alpha[:, None])
+    acc_e = tl.dot(pd, ke, acc_e * alpha[:, None])
+    acc_o = tl.dot(pd, ko, acc_o * alpha[:, None])
     return m_new, l, acc_e, acc_o
 
 
@@ -354,7 +347,7 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
                              D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr,
                              NB32: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
                              GLOBAL_FP4: tl.constexpr, DIRECT: tl.constexpr,
-                             STAGES: tl.constexpr, HALVES: tl.constexpr):
+                             STAGES: tl.constexpr):
     """Program (n, split): every head of query token n as one MMA tile (BH >= H; M = 64 heads is
     one wgmma tile), so each KV row is gathered and dequantized once per token; bf16 only. The
     row loops are software-pipelined by Triton (STAGES deep: the index loads run ahead of the
@@ -371,8 +364,7 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
     m = tl.full((BH,), -1e30, tl.float32)
     l = tl.zeros((BH,), tl.float32)
     acc_e = tl.zeros((BH, D2), tl.float32)
-    acc_o = tl.zeros((BH, D2 if HALVES == 1 else 16), tl.float32)    # unused when HALVES = 2
-    half = tl.program_id(2)
+    acc_o = tl.zeros((BH, D2), tl.float32)
     nbw = tl.cdiv(W, BS)
     b0 = sp * blocks_per_split
     b1 = tl.minimum(b0 + blocks_per_split, nbw + tl.cdiv(KG, BS))
@@ -387,8 +379,7 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
         fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D, D2,
                            NB16, False, True)
         ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, tl.bfloat16, True, True)
-        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale,
-                                           half, HALVES)
+        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale)
     gbase = grows_ptr + n.to(tl.int64) * KG
     for b in tl.range(tl.maximum(b0, nbw) - nbw, b1 - nbw, num_stages=STAGES):
         j = b * BS + jj
@@ -402,31 +393,22 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
             p = gc_ptr + rows[:, None].to(tl.int64) * D + 2 * tl.arange(0, D2)[None, :]
             ke = tl.load(p, mask=valid[:, None], other=0.0)
             ko = tl.load(p + 1, mask=valid[:, None], other=0.0)
-        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale,
-                                           half, HALVES)
+        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale)
     if DIRECT:
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
         l = l + tl.exp(sink - m)
         lb = tl.broadcast_to(l[:, None], [BH, D2])
-        if HALVES == 1:
-            _store_pairs(out_ptr, hrow * D, hmask, tl.math.div_rn(acc_e, lb),
-                         tl.math.div_rn(acc_o, lb), D2, tl.bfloat16, True)
-        else:       # out_ptr is bf16 here: this half's columns 2i + half
-            o = out_ptr + hrow[:, None] * D + 2 * tl.arange(0, D2)[None, :] + half
-            tl.store(o, tl.math.div_rn(acc_e, lb).to(tl.bfloat16), mask=hmask[:, None])
+        _store_pairs(out_ptr, hrow * D, hmask, tl.math.div_rn(acc_e, lb),
+                     tl.math.div_rn(acc_o, lb), D2, tl.bfloat16, True)
     else:
         # partials: acc [N, n_split, H, 2, D/2] fp32, (m, l) [N, n_split, H, 2]
         prow = (n.to(tl.int64) * n_split + sp) * H + heads
         i = tl.arange(0, D2)
         pa = ws_acc_ptr + prow[:, None] * D + i[None, :]
-        if HALVES == 1:
-            tl.store(pa, acc_e, mask=hmask[:, None])
-            tl.store(pa + D2, acc_o, mask=hmask[:, None])
-        else:
-            tl.store(pa + half * D2, acc_e, mask=hmask[:, None])
-        first = hmask & (half == 0)      # both halves hold the same (m, l)
-        tl.store(ws_ml_ptr + prow * 2, m, mask=first)
-        tl.store(ws_ml_ptr + prow * 2 + 1, l, mask=first)
+        tl.store(pa, acc_e, mask=hmask[:, None])
+        tl.store(pa + D2, acc_o, mask=hmask[:, None])
+        tl.store(ws_ml_ptr + prow * 2, m, mask=hmask)
+        tl.store(ws_ml_ptr + prow * 2 + 1, l, mask=hmask)
 
 
 def sparse_attention_supported(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
@@ -519,7 +501,7 @@ ATTN_PTX_DECODE = True  # default; the bench compares both
 def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
                      global_scale, global_rows, sink, softmax_scale, *, kernel=None, block_h=None,
                      block_s=None, n_split=None, prefetch=None, ptx_decode=None, stages=None,
-                     halves=None, num_warps=None, maxnreg=None, out=None):
+                     out=None):
     """torch.ops.v41graph.sparse_attention semantics: window rows r < slots*W read the FP8 ring
     window_kv / window_scale in place, rows r >= slots*W are fresh_kv[r - slots*W].
     `global_scale=None` (or a float `global_cache`) with a float `global_cache` [R, D] runs the
@@ -527,10 +509,8 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
     FP8 ring and FP4 decodes for bf16 q: PTX (common._e4m3_pairs_to_bf16, _e2m1_bytes_to_bf16)
     or the generic ones (fp16 / fp32 q always use the generic ones); both give the same values.
     `kernel`: "tile" (all heads of a token in one MMA tile, _sparse_attn_tile_kernel; bf16 q,
-    at most 64 heads; `stages` = its software-pipelining depth, `halves` = 2 splits the output
-    columns over two programs, `num_warps` / `maxnreg` its warps and register cap) or "heads"
-    (head tiles of `block_h`, _sparse_attn_kernel; every dtype); default: "tile" where
-    supported."""
+    at most 64 heads; `stages` = its software-pipelining depth) or "heads" (head tiles of
+    `block_h`, _sparse_attn_kernel; every dtype); default: "tile" where supported."""
     n, h, d = q.shape
     dt = q.dtype
     is16 = dt != torch.float32
@@ -569,17 +549,13 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
             raise ValueError(f"sparse_attention: kernel='tile' needs bf16 q with at most 64 heads, "
                              f"got {dt} with {h} heads")
         bs, n_split, per, n_stages, warps = tile_config(n, w, kg, q.device, n_split, stages, block_s)
-        n_halves = int(halves or 1)
         bh = max(16, triton.next_power_of_2(h))
         ws_acc, ws_ml = _split_workspace(out, n, n_split, h, d)
-        direct = n_split == 1
-        cap = {"maxnreg": int(maxnreg)} if maxnreg else {}
-        _sparse_attn_tile_kernel[(n, n_split, n_halves)](
+        _sparse_attn_tile_kernel[(n, n_split)](
             qc.view(torch.int32), ring, rsc, fresh.view(torch.int32), wrows, gc, gs, grows, sink,
-            out if direct and n_halves == 2 else out.view(torch.int32), ws_acc, ws_ml, h, w, kg,
-            n_ring, float(softmax_scale), per, n_split, D=d, D2=d // 2, NB16=d // 16,
-            NB32=d // 32, BH=bh, BS=bs, GLOBAL_FP4=fp4, DIRECT=direct, STAGES=n_stages,
-            HALVES=n_halves, num_warps=int(num_warps or warps), num_stages=1, **cap)
+            out.view(torch.int32), ws_acc, ws_ml, h, w, kg, n_ring, float(softmax_scale), per,
+            n_split, D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, GLOBAL_FP4=fp4,
+            DIRECT=n_split == 1, STAGES=n_stages, num_warps=warps, num_stages=1)
         _combine_splits(ws_acc, ws_ml, sink, out.view(torch.int32), n, h, d, n_split, tl.bfloat16, True)
         return out
     if kernel != "heads":
