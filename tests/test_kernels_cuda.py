@@ -402,9 +402,21 @@ def test_sparse_attention_bf16_cache_variant(kernel, n_split, prefetch):
     assert rel_err(out, want) < 1e-2
 
 
-def test_sparse_attention_kernel_choice_is_checked():
+def test_sparse_attention_kernel_choice_is_checked(monkeypatch):
     """kernel='tile' outside what it supports (fp32, more than 64 heads) and an unknown kernel
-    name are refused with the rule they break, before anything launches."""
+    name (argument or $V41GRAPH_ATTN_KERNEL) are refused with the rule they break, before
+    anything launches; V41GRAPH_ATTN_KERNEL=heads makes the default the head-tile kernel."""
+    g = _rng(6)
+    bf16 = [t.to(DEV) for t in _attn_inputs(3, 64, 512, 128, 512, torch.bfloat16, g)]
+    tile, heads = (attention.sparse_attention(*bf16, 0.04, kernel=k) for k in ("tile", "heads"))
+    assert not torch.equal(tile, heads)          # the two kernels round differently
+    monkeypatch.setenv("V41GRAPH_ATTN_KERNEL", "heads")
+    assert torch.equal(attention.sparse_attention(*bf16, 0.04), heads)
+    monkeypatch.setenv("V41GRAPH_ATTN_KERNEL", "fast")
+    with pytest.raises(ValueError, match="V41GRAPH_ATTN_KERNEL must be 'tile' or 'heads'"):
+        attention.sparse_attention(*bf16, 0.04)
+    monkeypatch.delenv("V41GRAPH_ATTN_KERNEL")
+    assert torch.equal(attention.sparse_attention(*bf16, 0.04), tile)
     g = _rng(5)
     args = [t.to(DEV) for t in _attn_inputs(2, 16, 64, 8, 4, torch.float32, g)]
     with pytest.raises(ValueError, match="bf16 q with at most 64 heads"):

@@ -7,6 +7,10 @@
                       loaded once for all heads of the tile (BH = H: once per token). Optional
                       split over the row list + combine. Also runs on a bf16 global cache (the
                       comparison variant).
+  the tile kernel     the same op for bf16 q and at most 64 heads (the model on the GPU), the
+                      default there: every head of a token in one MMA tile (wgmma at 64 heads),
+                      so each row is gathered and dequantized once per token; its launch rule
+                      (tile_config) comes from a tuning sweep on the H200.
 """
 from __future__ import annotations
 
@@ -349,11 +353,12 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
                              GLOBAL_FP4: tl.constexpr, DIRECT: tl.constexpr,
                              STAGES: tl.constexpr):
     """Program (n, split): every head of query token n as one MMA tile (BH >= H; M = 64 heads is
-    one wgmma tile), so each KV row is gathered and dequantized once per token; bf16 only. The
-    row loops are software-pipelined by Triton (STAGES deep: the index loads run ahead of the
-    cp.async row gathers into shared memory), instead of the register prefetch of
-    _sparse_attn_kernel, which spilled at 64 heads. Registers: the two fp32 accumulators are
-    [BH, D/2] each (128 per thread at 8 warps, BH = 64), q stays in shared memory."""
+    one wgmma tile), so each KV row is gathered and dequantized once per token; bf16 only.
+    Registers: the two fp32 accumulators are [BH, D/2] each (128 per thread at 8 warps, BH =
+    64) and q stays in shared memory, so no row loop spills (sm90: 255 registers, one program
+    per SM); the register prefetch of _sparse_attn_kernel would not fit. STAGES > 1 lets Triton
+    software-pipeline the row loops (cp.async gathers into shared memory); measured slower, so
+    the launch rule uses 1."""
     n = tl.program_id(0)
     sp = tl.program_id(1)
     heads = tl.arange(0, BH)
@@ -493,6 +498,16 @@ def tile_config(n: int, w: int, kg: int, device, n_split=None, stages=None, bloc
     return bs, n_split, per, int(stages or TILE_STAGES), 8
 
 
+def preferred_kernel() -> str:
+    """$V41GRAPH_ATTN_KERNEL: "heads" runs the head-tile kernel where the tile kernel would run
+    (the A/B switch of scripts/bench.py's v41graph-headsattn; read at every call, so a capture
+    takes it); unset or "tile": the tile kernel where supported."""
+    value = os.environ.get("V41GRAPH_ATTN_KERNEL") or "tile"
+    if value not in ("tile", "heads"):
+        raise ValueError(f"V41GRAPH_ATTN_KERNEL must be 'tile' or 'heads', got {value!r}")
+    return value
+
+
 ATTN_PREFETCH = True    # default; the bench compares both
 # FP8 ring rows and FP4 rows decoded by PTX (bf16 q only; the values are the generic decode's)
 ATTN_PTX_DECODE = True  # default; the bench compares both
@@ -542,8 +557,8 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
         out = torch.empty_like(qc)
     if n == 0:
         return out
-    if kernel is None:   # V41GRAPH_ATTN_KERNEL=heads: the A/B switch of scripts/bench.py
-        kernel = os.environ.get("V41GRAPH_ATTN_KERNEL") or ("tile" if tile_supported(h, dt) else "heads")
+    if kernel is None:
+        kernel = "tile" if tile_supported(h, dt) and preferred_kernel() == "tile" else "heads"
     if kernel == "tile":
         if not tile_supported(h, dt):
             raise ValueError(f"sparse_attention: kernel='tile' needs bf16 q with at most 64 heads, "
