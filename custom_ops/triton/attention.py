@@ -275,6 +275,16 @@ def _sparse_attn_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_ptr, 
                                        tl.maximum(b0, nbw) - nbw, b1 - nbw, gc_ptr, gs_ptr,
                                        sm_scale, D, D2, NB16, BS, DTYPE, GLOBAL_FP4, IS16, IEEE,
                                        PREFETCH, PTX)
+    _finish(acc_e, acc_o, m, l, n, sp, heads, hmask, hrow, sink_ptr, out_ptr, ws_acc_ptr,
+            ws_ml_ptr, H, n_split, D, D2, BH, DTYPE, IS16, DIRECT)
+
+
+@triton.jit
+def _finish(acc_e, acc_o, m, l, n, sp, heads, hmask, hrow, sink_ptr, out_ptr, ws_acc_ptr,
+            ws_ml_ptr, H, n_split, D: tl.constexpr, D2: tl.constexpr, BH: tl.constexpr,
+            DTYPE: tl.constexpr, IS16: tl.constexpr, DIRECT: tl.constexpr):
+    """A program's end: unsplit, the output (sink term added to the denominator); split, its
+    partials for the combine kernel."""
     if DIRECT:
         sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
         l = l + tl.exp(sink - m)
@@ -399,21 +409,8 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
             ke = tl.load(p, mask=valid[:, None], other=0.0)
             ko = tl.load(p + 1, mask=valid[:, None], other=0.0)
         m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale)
-    if DIRECT:
-        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
-        l = l + tl.exp(sink - m)
-        lb = tl.broadcast_to(l[:, None], [BH, D2])
-        _store_pairs(out_ptr, hrow * D, hmask, tl.math.div_rn(acc_e, lb),
-                     tl.math.div_rn(acc_o, lb), D2, tl.bfloat16, True)
-    else:
-        # partials: acc [N, n_split, H, 2, D/2] fp32, (m, l) [N, n_split, H, 2]
-        prow = (n.to(tl.int64) * n_split + sp) * H + heads
-        i = tl.arange(0, D2)
-        pa = ws_acc_ptr + prow[:, None] * D + i[None, :]
-        tl.store(pa, acc_e, mask=hmask[:, None])
-        tl.store(pa + D2, acc_o, mask=hmask[:, None])
-        tl.store(ws_ml_ptr + prow * 2, m, mask=hmask)
-        tl.store(ws_ml_ptr + prow * 2 + 1, l, mask=hmask)
+    _finish(acc_e, acc_o, m, l, n, sp, heads, hmask, hrow, sink_ptr, out_ptr, ws_acc_ptr,
+            ws_ml_ptr, H, n_split, D, D2, BH, tl.bfloat16, True, DIRECT)
 
 
 def sparse_attention_supported(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
