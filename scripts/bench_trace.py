@@ -4,6 +4,7 @@
     python scripts/bench_trace.py --share-decode-graph False   # a static-shape trace, to compare
     python scripts/bench_trace.py --profile /tmp/trace.prof    # + cProfile: Dynamo vs AOT parts
     python scripts/bench_trace.py --roles                      # + which layers trace the same ops
+    python scripts/bench_trace.py --duplicates                 # + computations the graph repeats
 
 Tracing (Dynamo + AOT autograd + our passes) is host work whose cost follows the op count and
 the symbolic shapes, not the tensor widths, so this stands in for the GPU host's cold trace
@@ -15,6 +16,9 @@ of Dynamo's symbolic execution, AOT's metadata pass and AOT's graph capture. --r
 layers of the untouched post-AOT graph by their op sequence (a node's layer from its
 nn_module_stack) and counts the edges from a layer into a later, non-adjacent one: what
 tracing one layer per role and stamping it into the others would have to reproduce.
+--duplicates counts the deterministic, side-effect-free computations of that graph that repeat
+an earlier one exactly (same op, same inputs, same constants): what a common-subexpression pass
+would remove, split into views (no kernel) and the rest (a kernel each on the GPU).
 """
 from __future__ import annotations
 
@@ -83,6 +87,38 @@ def layer_roles(gm) -> tuple[dict, collections.Counter, int]:
     return roles, cross, outside
 
 
+def duplicate_computations(gm) -> collections.Counter:
+    """{(op, is a view): count} of the call_function nodes of `gm` that repeat an earlier node
+    exactly: the same aten op on the same input nodes (a repeat's inputs count as the node it
+    repeats) with the same constants. Only ops that always give the same bits for the same inputs
+    and change nothing count: not impure ones (mutation, side effects), not random ones, not
+    those torch tags as bitwise nondeterministic."""
+    skip = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+    first, same_as, found = {}, {}, collections.Counter()
+
+    def key(value):
+        if isinstance(value, torch.fx.Node):
+            return same_as.get(value, value)
+        if isinstance(value, (list, tuple)):
+            return tuple(key(v) for v in value)
+        if isinstance(value, dict):
+            return tuple(sorted((k, key(v)) for k, v in value.items()))
+        return (type(value).__name__, repr(value))
+
+    for node in gm.graph.nodes:
+        op = node.target
+        if (node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or node.is_impure()
+                or any(t in op.tags for t in skip)):
+            continue
+        signature = (op, key(node.args), key(node.kwargs))
+        if signature in first:
+            same_as[node] = first[signature]
+            found[(str(op), op.is_view)] += 1
+        else:
+            first[signature] = node
+    return found
+
+
 def parse_share(value: str):
     choices = {"all": "all", "True": True, "False": False}
     if value not in choices:
@@ -95,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--share-decode-graph", type=parse_share, default="all", help="all (default), True or False")
     ap.add_argument("--profile", default=None, metavar="OUT.prof", help="cProfile the trace into this file")
     ap.add_argument("--roles", action="store_true", help="group the traced layers by their op sequence")
+    ap.add_argument("--duplicates", action="store_true", help="count the computations the graph repeats")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = released_plan_at_tiny_widths()
@@ -129,6 +166,15 @@ def main(argv=None) -> int:
         sources = collections.Counter(a for a, _ in cross.elements())
         print(f"edges into a later, non-adjacent layer: {sum(cross.values())}, from layers "
               + ", ".join(f"{a} ({n})" for a, n in sorted(sources.items())))
+    if args.duplicates:
+        gm = compiled.traced[0].untouched
+        found = duplicate_computations(gm)
+        nodes = sum(n.op == "call_function" for n in gm.graph.nodes)
+        views = sum(c for (_, view), c in found.items() if view)
+        print(f"{sum(found.values())} of {nodes} call_function nodes repeat an earlier one ({views} views, "
+              f"{sum(found.values()) - views} others):")
+        for (op, view), count in found.most_common(15):
+            print(f"  {count:5d} {op}{' (view)' if view else ''}")
     return 0
 
 

@@ -747,6 +747,28 @@ def test_timings_say_where_compile_time_went(small):
     assert third["first_run_s"] > after_prefill["first_run_s"]
 
 
+def test_bench_trace_counts_exact_repeats_only():
+    """scripts/bench_trace.py --duplicates on a hand-made aten graph: the repeated add and the
+    view of it count (the view's input is a repeat too), the random op, the in-place op and an
+    add of another constant do not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    bench_trace = load_script("bench_trace")
+
+    def f(x):
+        a, b = x + 1, x + 1                              # b repeats a
+        av, bv = a.view(-1), b.view(-1)                  # bv repeats av (b counts as a)
+        r1, r2 = torch.rand_like(x), torch.rand_like(x)  # random: never the same
+        c = x + 2                                        # another constant
+        y = x.clone()
+        y.add_(1)                                        # in place
+        y.add_(1)
+        return av, bv, r1, r2, c, y
+
+    gm = make_fx(f)(torch.randn(2, 3))
+    found = bench_trace.duplicate_computations(gm)
+    assert found == {("aten.add.Tensor", False): 1, ("aten.view.default", True): 1}, found
+
+
 def test_bench_trace_groups_the_reuse_layers_as_one_op_sequence(traced):
     """scripts/bench_trace.py --roles on the tiny prefill graph: the Reuse layers (3, 5, 7, 9 in
     tiny()'s plan) trace one op sequence; every other layer has its own (window 0 and 1, Full 2

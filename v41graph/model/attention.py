@@ -183,7 +183,8 @@ class Attention(nn.Module):
             # Same ratio and block table as the candidate source, so its positions (all
             # visible to the query) map to this layer's kv source's cache rows the same way.
             cand = ctx.candidates[role.candidate_source]
-            cand_rows = torch.where(cand >= 0, ctx.compressed_rows_at(role.ratio, cand.clamp_min(0)), -1)
+            cand_rows = ctx.shared(("candidate_rows", role.candidate_source, role.ratio),
+                                   lambda: ctx.compressed_rows_padded(role.ratio, cand))
             if self.parallel is not None:
                 parts = self._head_partials(q, weights, caches.index_k[src], caches.index_scale[src], cand_rows)
                 return ops.indexer_select_candidates_from_partials(parts, cand_rows, cand, q.dtype,
@@ -193,8 +194,11 @@ class Attention(nn.Module):
         capacity = self._compressed_capacity(ctx)
         # keyed by ratio alone: the capacity follows from it (and may be symbolic, unhashable)
         rows = ctx.shared(("compressed_rows", role.ratio), lambda: ctx.compressed_rows(role.ratio, capacity))
-        visible_count = (ctx.positions + 1) // role.ratio
-        visible = (torch.arange(capacity, device=rows.device) < visible_count.unsqueeze(-1)) & (rows >= 0)
+
+        def visible_rows():
+            visible_count = (ctx.positions + 1) // role.ratio
+            return (torch.arange(capacity, device=rows.device) < visible_count.unsqueeze(-1)) & (rows >= 0)
+        visible = ctx.shared(("visible_rows", role.ratio), visible_rows)
         keep_blocks = self.config.candidate_topk_blocks if role.is_candidate_source else 0
         if self.parallel is not None:
             parts = self._head_partials(q, weights, caches.index_k[src], caches.index_scale[src], rows)
@@ -242,7 +246,9 @@ class Attention(nn.Module):
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation)
         if role.ratio:
             topk = ctx.topk[role.index_source]
-            global_rows = torch.where(topk >= 0, ctx.compressed_rows_at(role.ratio, topk.clamp_min(0)), -1)
+            # one per index source: its Reuse layers read the same top-k
+            global_rows = ctx.shared(("global_rows", role.index_source, role.ratio),
+                                     lambda: ctx.compressed_rows_padded(role.ratio, topk))
             gkv, gsc = caches.global_kv[role.kv_source], caches.global_scale[role.kv_source]
         else:
             topk = global_rows = torch.empty((n, 0), dtype=torch.int64, device=x.device)

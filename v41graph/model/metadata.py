@@ -250,9 +250,10 @@ class StepContext:
     precompressed: set = field(default_factory=set)  # full layers whose KV this step already wrote
     debug: dict | None = None
     # Index tensors and RoPE rotations that many layers would build identically (window rows,
-    # ring rows, rotations per RoPE kind, compressed rows per ratio): built once per step by the
-    # first layer that needs them. In the graph that is one node shared by all those layers
-    # instead of ~20 small kernels repeated in each of 40 layers.
+    # ring rows, rotations per RoPE kind, compressed rows and the indexer's visible rows per
+    # ratio, global rows per index source, candidate rows per candidate source): built once per
+    # step by the first layer that needs them. In the graph that is one node shared by all those
+    # layers instead of ~20 small kernels repeated in each of 40 layers.
     _shared: dict = field(default_factory=dict)
 
     @classmethod
@@ -288,6 +289,11 @@ class StepContext:
         rows_per_block = self.caches.block_size // ratio
         block = self.meta.block_table[self.tok_seq.unsqueeze(-1), pos // rows_per_block]
         return torch.where(block >= 0, block * rows_per_block + pos.remainder(rows_per_block), -1)
+
+    def compressed_rows_padded(self, ratio: int, pos: torch.Tensor) -> torch.Tensor:
+        """`compressed_rows_at` for a -1 padded position list (a top-k or candidate list): -1
+        stays -1."""
+        return torch.where(pos >= 0, self.compressed_rows_at(ratio, pos.clamp_min(0)), -1)
 
 
 def state_or_fresh_rows(pos: torch.Tensor, chunk_start: torch.Tensor, query_start: torch.Tensor,
