@@ -403,9 +403,9 @@ def test_sparse_attention_bf16_cache_variant(kernel, n_split, prefetch):
 
 
 def test_sparse_attention_kernel_choice_is_checked(monkeypatch):
-    """kernel='tile' outside what it supports (fp32, more than 64 heads) and an unknown kernel
-    name (argument or $V41GRAPH_ATTN_KERNEL) are refused with the rule they break, before
-    anything launches; V41GRAPH_ATTN_KERNEL=heads makes the default the head-tile kernel."""
+    """kernel='tile' outside what it supports (fp32, more than 64 heads), an unknown kernel name
+    (argument or $V41GRAPH_ATTN_KERNEL) and tile knobs out of range are refused with the rule
+    they break, before anything launches; V41GRAPH_ATTN_KERNEL=heads makes the default the head-tile kernel."""
     g = _rng(6)
     bf16 = [t.to(DEV) for t in _attn_inputs(3, 64, 512, 128, 512, torch.bfloat16, g)]
     tile, heads = (attention.sparse_attention(*bf16, 0.04, kernel=k) for k in ("tile", "heads"))
@@ -423,6 +423,10 @@ def test_sparse_attention_kernel_choice_is_checked(monkeypatch):
         attention.sparse_attention(*args, 0.125, kernel="tile")
     with pytest.raises(ValueError, match="kernel must be 'tile' or 'heads'"):
         attention.sparse_attention(*args, 0.125, kernel="fast")
+    with pytest.raises(ValueError, match="block_s must be a power of two >= 16"):
+        attention.sparse_attention(*bf16, 0.04, kernel="tile", block_s=24)
+    with pytest.raises(ValueError, match="stages >= 1"):
+        attention.sparse_attention(*bf16, 0.04, kernel="tile", stages=0)
     args[0] = torch.randn(2, 128, 64, device=DEV).bfloat16()
     with pytest.raises(ValueError, match="at most 64 heads"):
         attention.sparse_attention(*args[:8], torch.zeros(128, device=DEV), 0.125, kernel="tile")

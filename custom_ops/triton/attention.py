@@ -338,23 +338,6 @@ def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_s
 
 
 @triton.jit
-def _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale):
-    """One block of rows for all heads of a token: S = q k^T over the (even, odd) halves, online
-    softmax, acc += P v (bf16 MMAs, fp32 accumulation)."""
-    s = tl.dot(qe, tl.trans(ke))
-    s = tl.dot(qo, tl.trans(ko), s)
-    s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    pd = p.to(tl.bfloat16)                    # P in q's dtype before P.V (reference)
-    acc_e = tl.dot(pd, ke, acc_e * alpha[:, None])
-    acc_o = tl.dot(pd, ko, acc_o * alpha[:, None])
-    return m_new, l, acc_e, acc_o
-
-
-@triton.jit
 def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_ptr, gs_ptr,
                              grows_ptr, sink_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr, H, W, KG,
                              n_ring, sm_scale, blocks_per_split, n_split,
@@ -394,7 +377,8 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
         fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D, D2,
                            NB16, False, True)
         ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, tl.bfloat16, True, True)
-        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale)
+        m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale,
+                                           False)
     gbase = grows_ptr + n.to(tl.int64) * KG
     for b in tl.range(tl.maximum(b0, nbw) - nbw, b1 - nbw, num_stages=STAGES):
         j = b * BS + jj
@@ -408,7 +392,8 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
             p = gc_ptr + rows[:, None].to(tl.int64) * D + 2 * tl.arange(0, D2)[None, :]
             ke = tl.load(p, mask=valid[:, None], other=0.0)
             ko = tl.load(p + 1, mask=valid[:, None], other=0.0)
-        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale)
+        m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale,
+                                           False)
     _finish(acc_e, acc_o, m, l, n, sp, heads, hmask, hrow, sink_ptr, out_ptr, ws_acc_ptr,
             ws_ml_ptr, H, n_split, D, D2, BH, tl.bfloat16, True, DIRECT)
 
@@ -479,20 +464,24 @@ TILE_ROWS_PER_BLOCK_PREFILL = 64        # from this many query tokens on
 TILE_PREFILL_TOKENS = 512
 TILE_STAGES = 1
 TILE_MIN_BLOCKS_PER_PROGRAM = 2
+TILE_WARPS = 8          # two warpgroups: the two fp32 [64, D/2] accumulators are 128 registers per thread
 
 
 def tile_config(n: int, w: int, kg: int, device, n_split=None, stages=None, block_s=None):
-    """(BS, n_split, blocks_per_split, stages, num_warps) of the all-heads tile kernel: one
-    program per (token, split) at ~255 registers x 8 warps, so one program per SM. Arguments
-    left None follow the measured rule above."""
+    """(BS, n_split, blocks_per_split, stages) of the all-heads tile kernel: one program per
+    (token, split) at ~255 registers x TILE_WARPS, so one program per SM. Arguments left None
+    follow the measured rule above."""
     bs = int(block_s or (TILE_ROWS_PER_BLOCK_PREFILL if n >= TILE_PREFILL_TOKENS else TILE_ROWS_PER_BLOCK))
+    if bs < 16 or not _pow2(bs) or (stages is not None and int(stages) < 1):
+        raise ValueError(f"sparse_attention: block_s must be a power of two >= 16 and stages >= 1, "
+                         f"got block_s={block_s}, stages={stages}")
     total = max(1, triton.cdiv(w, bs) + triton.cdiv(kg, bs))
     if n_split is None:
         n_split = min(_num_sms(device) // max(n, 1), total // TILE_MIN_BLOCKS_PER_PROGRAM)
     n_split = max(1, min(int(n_split), total))
     per = triton.cdiv(total, n_split)
     n_split = triton.cdiv(total, per)
-    return bs, n_split, per, int(stages or TILE_STAGES), 8
+    return bs, n_split, per, int(stages or TILE_STAGES)
 
 
 def preferred_kernel() -> str:
@@ -555,19 +544,19 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
     if n == 0:
         return out
     if kernel is None:
-        kernel = "tile" if tile_supported(h, dt) and preferred_kernel() == "tile" else "heads"
+        kernel = "tile" if preferred_kernel() == "tile" and tile_supported(h, dt) else "heads"
     if kernel == "tile":
         if not tile_supported(h, dt):
             raise ValueError(f"sparse_attention: kernel='tile' needs bf16 q with at most 64 heads, "
                              f"got {dt} with {h} heads")
-        bs, n_split, per, n_stages, warps = tile_config(n, w, kg, q.device, n_split, stages, block_s)
+        bs, n_split, per, n_stages = tile_config(n, w, kg, q.device, n_split, stages, block_s)
         bh = max(16, triton.next_power_of_2(h))
         ws_acc, ws_ml = _split_workspace(out, n, n_split, h, d)
         _sparse_attn_tile_kernel[(n, n_split)](
             qc.view(torch.int32), ring, rsc, fresh.view(torch.int32), wrows, gc, gs, grows, sink,
             out.view(torch.int32), ws_acc, ws_ml, h, w, kg, n_ring, float(softmax_scale), per,
             n_split, D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, GLOBAL_FP4=fp4,
-            DIRECT=n_split == 1, STAGES=n_stages, num_warps=warps, num_stages=1)
+            DIRECT=n_split == 1, STAGES=n_stages, num_warps=TILE_WARPS, num_stages=1)
         _combine_splits(ws_acc, ws_ml, sink, out.view(torch.int32), n, h, d, n_split, tl.bfloat16, True)
         return out
     if kernel != "heads":
