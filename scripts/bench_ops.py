@@ -96,16 +96,27 @@ def gbench(fns, iters=30):
 
 
 _FLUSH = None
+FLUSH = "write"     # --flush
+
+
+def _flush_l2():
+    """Evict L2 by streaming 256 MB through it. "write" (a memset) leaves L2 full of dirty lines
+    that the timed call then writes back to HBM while it reads its own bytes; "read" (a max over
+    the buffer) leaves clean lines, nearer a decode step, where little that was written since
+    is still waiting in L2."""
+    if FLUSH == "read":
+        return _FLUSH.max()
+    return _FLUSH.zero_()
 
 
 def cbench(fn, reps=8):
     """Device time (us) of one call with a cold L2, without host launch overhead: a CUDA graph of
-    `reps` x (256 MB memset, fn) minus a graph of `reps` x (memset)."""
+    `reps` x (L2 flush, fn) minus a graph of `reps` x (flush)."""
     global _FLUSH
     if _FLUSH is None:
-        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    both = gbench([lambda: (_FLUSH.zero_(), fn())] * reps, iters=15)
-    flush = gbench([lambda: _FLUSH.zero_()] * reps, iters=15)
+        _FLUSH = torch.zeros(256 << 20 >> 2, dtype=torch.int32, device="cuda")
+    both = gbench([lambda: (_flush_l2(), fn())] * reps, iters=15)
+    flush = gbench([_flush_l2] * reps, iters=15)
     return max(both - flush, 0.01)
 
 
@@ -295,21 +306,23 @@ def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)
         heads += [dict(kernel="heads", block_h=bh, n_split=1 if prefill else None, ptx_decode=False)
                   for bh in (16, 64)]
         tile_splits = [1] if prefill else ([None] if quick else [None, 1, 2, 3, 4, 5, 10, 20])
-        tiles = [dict(kernel="tile", n_split=sp, stages=st, block_s=bs)
-                 for sp in tile_splits for st in tile_stages for bs in tile_rows]
+        tiles = [dict(kernel="tile", n_split=sp, stages=st, block_s=bs, prefetch_l2=pf)
+                 for sp in tile_splits for st in tile_stages for bs in tile_rows for pf in (False, True)]
         tiles.append(dict(kernel="tile"))         # what the op runs: the table's choice
+        tiles.append(dict(kernel="tile", prefetch_l2=True))
         best = {}
         for fmt in ("fp4", "bf16"):
             seen = set()
             for v in heads + tiles:
                 gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
+                pf = " L2 prefetch" if v.get("prefetch_l2") else ""
                 if v["kernel"] == "tile" and "n_split" in v:
                     cfg = tk.tile_config(ntok, w, kg, q.device, v["n_split"], v["stages"], v["block_s"])
-                    key = ("tile", cfg)
-                    name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}"
+                    key = ("tile", cfg, pf)
+                    name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}{pf}"
                 elif v["kernel"] == "tile":
                     cfg = tk.tile_config(ntok, w, kg, q.device)
-                    key, name = None, f"tile, the op's choice (BS={cfg[0]} split={cfg[1]} stages={cfg[3]})"
+                    key, name = None, f"tile, the op's choice (BS={cfg[0]} split={cfg[1]} stages={cfg[3]}){pf}"
                 else:
                     cfg = tk.attention_config(ntok, h, w, kg, q.device, v["block_h"], 32, v["n_split"])
                     key = ("heads", cfg, v.get("ptx_decode", True))
@@ -475,12 +488,19 @@ def bench_ratio2(tk, bw, quick):
 
 # =============================================================================== released formats
 # The model's FP8 projections at bench_rank widths: (name, N, K)
+FP8_SWEEP_KERNELS = ("skinny", "tiles")   # --fp8-sweep
 FP8_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
               ("shared w1", 2304, 5120), ("shared w2", 5120, 2304)]
 
 
-def _fp8_sweep_configs(m: int, quick: bool):
-    """(BM, BN, BK, split, num_warps, num_stages) candidates (quant_gemm._config's fields)."""
+def _fp8_sweep_configs(m: int, quick: bool, kernel: str = "tiles"):
+    """(BM or BT, BN, BK, split, num_warps, num_stages) candidates (quant_gemm._config's and
+    _skinny_config's fields) of one kernel."""
+    if kernel == "skinny":
+        bt = max(16, min(64, 1 << (m - 1).bit_length()))
+        return [(bt, bn, bk, split, warps, stages) for bn in (64, 128) for bk in (128, 256)
+                for split in (1, 2, 4, 8, 16, 32) for warps in ((4,) if bn == 64 else (4, 8))
+                for stages in ((3,) if quick else (3, 4))]
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
     if m > 64:
         return [(128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3), (64, 128, 128, 1, 4, 3)]
@@ -503,7 +523,7 @@ def bench_fp8_linear(bw, quick):
     from v41graph.custom_ops.triton import quant_gemm
     ops = torch.ops.v41graph
     g = torch.Generator(device="cuda").manual_seed(0)
-    shapes = FP8_SHAPES[:3] if quick else FP8_SHAPES
+    shapes = FP8_SHAPES   # --quick sweeps fewer configs, not fewer shapes
     for name, n, k in shapes:
         w = torch.randint(0, 256, (n, k), device="cuda", dtype=torch.uint8, generator=g) & 0xB7
         sc = torch.randint(118, 126, ((n + 31) // 32, k // 32), device="cuda", dtype=torch.uint8, generator=g)
@@ -518,22 +538,35 @@ def bench_fp8_linear(bw, quick):
             err = rel(ops.fp8_linear(x, w, sc, torch.float32), want)
             t_def = cbench(lambda: ops.fp8_linear(x, w, sc, torch.bfloat16))
             default = ("QDQ kernel + dequant kernel + cuBLAS" if m >= quant_gemm.PREFILL_ROWS
-                       else f"triton {quant_gemm._config(m, n, k, x.device)}")
+                       else "triton skinny kernel" if quant_gemm._use_skinny(m, n, k, x.device)
+                       else "triton tiles kernel")
             err = rel(ops.fp8_linear(x, w, sc, torch.bfloat16).float(), want.bfloat16().float()) \
                 if m >= quant_gemm.PREFILL_ROWS else err
             row("fp8_linear", shape, f"default: {default}", t_def, wbytes, base_us=t_bf16, err=err, bw=bw)
-            best = None
-            for cfg in _fp8_sweep_configs(m, quick):
-                try:
-                    t = cbench(lambda cfg=cfg: quant_gemm.fp8_linear(x, w, sc, torch.bfloat16, config=cfg), reps=4)
-                except Exception as e:   # noqa: BLE001  (a config Triton cannot build: skip it)
-                    say(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+            if m <= 64:   # both decode kernels at their own table's config, whichever the op picks
+                for kernel, table in (("skinny", quant_gemm._skinny_config), ("tiles", quant_gemm._config)):
+                    t_k = cbench(lambda kernel=kernel: quant_gemm.fp8_linear(x, w, sc, torch.bfloat16, kernel=kernel))
+                    e_k = rel(quant_gemm.fp8_linear(x, w, sc, torch.float32, kernel=kernel), want)
+                    row("fp8_linear", shape, f"{kernel} kernel {table(m, n, k, x.device)}", t_k, wbytes,
+                        base_us=t_bf16, err=e_k, bw=bw)
+            for kernel in FP8_SWEEP_KERNELS if m < quant_gemm.PREFILL_ROWS else ():
+                if kernel == "skinny" and m > 64:
                     continue
-                if best is None or t < best[0]:
-                    best = (t, cfg)
-            if best is not None:
-                e_best = rel(quant_gemm.fp8_linear(x, w, sc, torch.float32, config=best[1]), want)
-                row("fp8_linear", shape, f"BEST {best[1]}", best[0], wbytes, base_us=t_bf16, err=e_best, bw=bw)
+                best = None
+                for cfg in _fp8_sweep_configs(m, quick, kernel):
+                    try:
+                        t = cbench(lambda cfg=cfg: quant_gemm.fp8_linear(x, w, sc, torch.bfloat16, config=cfg,
+                                                                         kernel=kernel), reps=4)
+                    except Exception as e:   # noqa: BLE001  (a config Triton cannot build: skip it)
+                        say(f"  config {kernel} {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, cfg)
+                if best is not None:
+                    e_best = rel(quant_gemm.fp8_linear(x, w, sc, torch.float32, config=best[1], kernel=kernel),
+                                 want)
+                    row("fp8_linear", shape, f"BEST {kernel} {best[1]}", best[0], wbytes, base_us=t_bf16,
+                        err=e_best, bw=bw)
         del dense
         torch.cuda.empty_cache()
 
@@ -620,15 +653,21 @@ def bench_topk(indexer, quick):
 
 # =============================================================================== main
 def main():
-    global LOG
+    global LOG, FP8_SWEEP_KERNELS, FLUSH
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (fp8: fewer configs)")
     ap.add_argument("--attn-rows", default="16,32,64", help="attn: the tile kernel's rows per block to sweep")
     ap.add_argument("--attn-stages", default="1,2,3", help="attn: the tile kernel's pipelining depths to sweep")
+    ap.add_argument("--fp8-sweep", default=",".join(FP8_SWEEP_KERNELS),
+                    help="fp8: the kernels whose tile tables are swept (skinny,tiles; empty: none)")
+    ap.add_argument("--flush", choices=("write", "read"), default="write",
+                    help="how cold-L2 timings evict L2 (see _flush_l2); write: every run before the 16th session")
     ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2,fp8,mxfp4 "
                          "(quant = fp8,mxfp4)")
     args = ap.parse_args()
+    FP8_SWEEP_KERNELS = tuple(filter(None, args.fp8_sweep.split(",")))
+    FLUSH = args.flush
     os.makedirs(args.out, exist_ok=True)
     LOG = open(os.path.join(args.out, "bench.log"), "w")
     if not torch.cuda.is_available():

@@ -43,6 +43,12 @@ KERNELS = {
                    {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32",
                     "K": "i32", "K_PER_SPLIT": "i32"},
                    {"BM": 16, "BN": 64, "BK": 128, "QUANTIZED": True}, lambda c: c["BN"] * c["BK"]),
+    "fp8_linear_skinny": ("quant_gemm", "_fp8_linear_skinny_kernel",
+                          {"x_ptr": "*i32", "w_ptr": "*i16", "s_ptr": "*u8", "out_ptr": "*bf16",
+                           "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                           "K_PER_SPLIT": "i32", "n_split": "i32"},
+                          {"BT": 16, "BN": 64, "BK": 128, "QUANTIZED": True, "SPLIT": True},
+                          lambda c: c["BN"] * c["BK"]),
     # decode attention, a block of BS rows x D per iteration: the window-ring loop is the one
     # counted (the longest of the loops with the most MMAs), the FP4 row loop is listed after
     # it; the launch uses --stages 1
@@ -55,6 +61,15 @@ KERNELS = {
                     {"D": 512, "D2": 256, "NB16": 32, "NB32": 16, "BH": 16, "BS": 32, "DTYPE": "bfloat16",
                      "IS16": True, "GLOBAL_FP4": True, "IEEE": False, "DIRECT": False, "PREFETCH": True,
                      "PTX": True}, lambda c: c["BS"] * c["D"]),
+    "sparse_attn_tile": ("attention", "_sparse_attn_tile_kernel",
+                         {"q_ptr": "*i32", "ring_ptr": "*i16", "rsc_ptr": "*u8", "fresh_ptr": "*i32",
+                          "wrows_ptr": "*i64", "gc_ptr": "*u8", "gs_ptr": "*u8", "grows_ptr": "*i64",
+                          "sink_ptr": "*fp32", "out_ptr": "*i32", "ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32",
+                          "H": "i32", "W": "i32", "KG": "i32", "n_ring": "i32", "sm_scale": "fp32",
+                          "blocks_per_split": "i32", "n_split": "i32"},
+                         {"D": 512, "D2": 256, "NB16": 32, "NB32": 16, "BH": 64, "BS": 32, "GLOBAL_FP4": True,
+                          "DIRECT": False, "STAGES": 1, "PREFETCH_L2": False, "RING_LINES": 4,
+                          "GLOBAL_LINES": 2}, lambda c: c["BS"] * c["D"]),
 }
 # the sizes that are multiples of 16 at every launch (M, the token count, is not at decode)
 ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT", "H")

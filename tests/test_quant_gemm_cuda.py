@@ -91,6 +91,29 @@ def test_fp8_linear_every_split_and_tile_config():
             assert err < FP32_OUT_REL, (bm, bn, bk, split, err)
 
 
+def test_fp8_linear_skinny_every_config_and_deterministic_split():
+    """The skinny kernel at every config its sweep tries, on a shape that fills no tile
+    (N = 200 rows: a partial 64- and 128-row tile; 24 and 70 tokens: a partial token tile,
+    two token tiles), quantized and unquantized x, agrees with the reference; the split-K
+    reduction by the last program of a tile repeats bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    w, s = fp8_weight(200, 2048, g)
+    for m in (1, 8, 24, 70):
+        x = activations(m, 2048, torch.bfloat16, g)
+        want = ref.fp8_linear(x, w, s, torch.float32)
+        bt = max(16, min(64, 1 << (m - 1).bit_length()))
+        for bn, bk, warps in [(64, 128, 4), (128, 256, 4), (128, 128, 8), (64, 256, 4)]:
+            for split in (1, 2, 4, 8, 16, 32):
+                config = (bt, bn, bk, split, warps, 3)
+                got = quant_gemm.fp8_linear(x, w, s, torch.float32, config=config, kernel="skinny")
+                err = rel_err(got, want)
+                assert err < FP32_OUT_REL, (m, config, err)
+                again = quant_gemm.fp8_linear(x, w, s, torch.float32, config=config, kernel="skinny")
+                assert torch.equal(got, again), (m, config)
+    with pytest.raises(ValueError, match="kernel must be"):
+        quant_gemm.fp8_linear(x, w, s, torch.float32, kernel="gemv")
+
+
 def test_e2m1_byte_decode_is_exact_for_every_byte_and_scale():
     """The MXFP4 tile decode (PTX bit moves + two bf16 FMAs) equals codecs' decode times the
     E8M0 scale for all 256 bytes x all 255 finite scales, subnormal codes, signed zeros and

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_FLOAT_DTYPES, _capability_at_least, _fp8_weight_tile, _num_sms,
-                     _qdq_fp8_blocks, _rows)
+from .common import (_FLOAT_DTYPES, _capability_at_least, _e4m3_pairs_to_bf16, _e8m0_to_bf16,
+                     _fp8_weight_tile, _num_sms, _qdq_fp8_blocks, _rows)
 
 _WARNED: set = set()
 
@@ -70,6 +70,70 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
         acc = tl.dot(a, tl.trans(w), acc)
     out = out_ptr + pid_k.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _fp8_linear_skinny_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_PER_SPLIT,
+                              n_split, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              QUANTIZED: tl.constexpr, SPLIT: tl.constexpr):
+    """Few activation rows (decode): the weight rows are the MMA's M side and the tokens its N
+    side, out^T [BN, BT] = W [BN, K] . x [BT, K]^T, so a 64/128-row weight tile fills a wgmma
+    whatever the token count and every weight byte is read once per call (the tile kernel
+    above reads it once per BM rows of x). The weight is read as int16 words (two E4M3 codes)
+    and decoded by PTX with its 32x32 block's scale (common._e4m3_pairs_to_bf16: the values of
+    _fp8_weight_tile); the even and odd columns go through two dots, x split the same way.
+    SPLIT: see _store_or_reduce_split."""
+    pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    t = pid_t * BT + tl.arange(0, BT)
+    n_mask, t_mask = n < N, t < M
+    kb_i = tl.arange(0, BK // 32)
+    j16 = tl.arange(0, 16)
+    acc = tl.zeros([BN, BT], dtype=tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
+        kb = k0 // 32 + kb_i
+        words = tl.load(w_ptr + n[:, None, None] * (K // 2) + kb[None, :, None] * 16 + j16[None, None, :],
+                        mask=n_mask[:, None, None], other=0)
+        u = tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
+        we, wo = _e4m3_pairs_to_bf16(words, _e8m0_to_bf16(u)[:, :, None])
+        if QUANTIZED:   # bf16 x from quantize_rows, read as int32 words (columns 2i, 2i+1)
+            i = k0 // 2 + tl.arange(0, BK // 2)
+            xw = tl.load(x_ptr + t[:, None].to(tl.int64) * (K // 2) + i[None, :], mask=t_mask[:, None], other=0)
+            xe = (xw & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            xo = (xw >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=t_mask[:, None], other=0.0)
+            a = _qdq_fp8_blocks(a.to(tl.float32), BT, BK).to(tl.bfloat16)
+            xe, xo = tl.split(tl.reshape(a, (BT, BK // 2, 2)))
+        acc = tl.dot(tl.reshape(we, (BN, BK // 2)), tl.trans(xe), acc)
+        acc = tl.dot(tl.reshape(wo, (BN, BK // 2)), tl.trans(xo), acc)
+    mask = n_mask[:, None] & t_mask[None, :]
+    at = t[None, :].to(tl.int64) * N + n[:, None]
+    _store_or_reduce_split(acc, out_ptr, ws_ptr, count_ptr, at, mask, pid_n, pid_t, pid_k, M, N,
+                           n_split, BN, BT, SPLIT)
+
+
+@triton.jit
+def _store_or_reduce_split(acc, out_ptr, ws_ptr, count_ptr, at, mask, pid_n, pid_t, pid_k, M, N,
+                           n_split, BN: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr):
+    """A [BN, BT] output tile's end. SPLIT: this program's K share goes to the fp32 workspace
+    [n_split, M, N]; the last program of the tile (an atomic count per tile) adds the shares in
+    split order and writes the output: deterministic, and no second launch."""
+    if SPLIT:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + at, acc, mask=mask)
+        tl.debug_barrier()      # every thread's share is stored before the count is released
+        tile = pid_t * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == n_split - 1:
+            total = tl.zeros([BN, BT], dtype=tl.float32)
+            for s in range(0, n_split):   # fixed order whichever program came last
+                total += tl.load(ws_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fp8_linear_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -152,14 +216,75 @@ def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return torch.nn.functional.linear(quantize_rows(x2), dense)
 
 
+# Which decode kernel, from the H200 sweep of the sixteenth session (scripts/bench_ops.py --only
+# fp8 --flush read, docs/BENCHMARKS.md): the skinny kernel won at every model shape with M <= 16
+# rows except K = 8192 (wo_b: 29.2 vs 27.5 us at M = 1), and at any M where the 128-row weight
+# tiles alone cover the SMs (wq_b, N = 32768: M = 64 31.2 vs 52.8 us); the tile kernel won the
+# other M = 64 shapes (by 6-20 %).
+SKINNY_MAX_ROWS = 16
+SKINNY_MAX_K = 4096 + 2048
+
+
+def _use_skinny(m: int, n: int, k: int, device: torch.device) -> bool:
+    if triton.cdiv(n, 128) >= _num_sms(device):
+        return m <= 64
+    return m <= SKINNY_MAX_ROWS and k <= SKINNY_MAX_K
+
+
+def _skinny_config(m: int, n: int, k: int, device: torch.device):
+    """(BT, BN, BK, split, num_warps, num_stages) of the skinny kernel: 128 weight rows x BK 128
+    per step (the sweep's best at most shapes), split-K until the grid covers the SMs 1.5 times
+    (wq_b: no split; wkv: 32; the sweep's best splits)."""
+    bt = max(16, min(64, triton.next_power_of_2(m)))
+    bn, bk, warps, stages = 128, _block_k(k, 128), 4, 3
+    tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
+    steps = k // bk
+    split = 1
+    while tiles * split < 3 * _num_sms(device) // 2 and split * 2 <= steps and split < 64:
+        split *= 2
+    return bt, bn, bk, split, warps, stages
+
+
+def _fp8_linear_skinny(x2, weight, scale, out_dtype, config):
+    m, k = x2.shape
+    n = weight.shape[0]
+    bt, bn, bk, split, warps, stages = config or _skinny_config(m, n, k, x2.device)
+    if bk % 32 or k % bk:
+        raise ValueError(f"fp8_linear: the skinny kernel's BK must be a multiple of 32 dividing K={k}, got {bk}")
+    k_per_split = triton.cdiv(k // bk, split) * bk
+    split = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bt), split)
+    out = torch.empty((m, n), device=x2.device, dtype=out_dtype)
+    if split > 1:   # fp32 shares + one zeroed count per output tile (a memset node when captured)
+        ws = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
+        count = torch.zeros(grid[0] * grid[1], device=x2.device, dtype=torch.int32)
+    else:
+        ws = count = out    # never read
+    quantized = m >= QUANTIZE_FIRST_ROWS
+    xq = quantize_rows(x2).view(torch.int32) if quantized else x2
+    _fp8_linear_skinny_kernel[grid](xq, weight.view(torch.int16), scale, out, ws, count, m, n, k,
+                                    k_per_split, split, BT=bt, BN=bn, BK=bk, QUANTIZED=quantized,
+                                    SPLIT=split > 1, num_warps=warps, num_stages=stages)
+    return out
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
-               config=None) -> torch.Tensor:
-    """`config` (BM, BN, BK, split, num_warps, num_stages) overrides the table (bench_ops' sweep)."""
+               config=None, kernel=None) -> torch.Tensor:
+    """`kernel`: "skinny" (_fp8_linear_skinny_kernel) or "tiles" (_fp8_linear_kernel); default
+    below PREFILL_ROWS rows: the measured choice of _use_skinny; `config`
+    (BM or BT, BN, BK, split, num_warps, num_stages) overrides the chosen kernel's table
+    (bench_ops' sweep)."""
     x2 = _rows(x)
     m, k = x2.shape
     n = weight.shape[0]
-    if config is None and m >= PREFILL_ROWS and out_dtype == torch.bfloat16:
-        return _fp8_linear_prefill(x2, weight, scale).view(*x.shape[:-1], n)
+    if kernel is None:
+        if config is None and m >= PREFILL_ROWS and out_dtype == torch.bfloat16:
+            return _fp8_linear_prefill(x2, weight, scale).view(*x.shape[:-1], n)
+        kernel = "skinny" if _use_skinny(m, n, k, x.device) else "tiles"
+    if kernel == "skinny":
+        return _fp8_linear_skinny(x2, weight, scale, out_dtype, config).view(*x.shape[:-1], n)
+    if kernel != "tiles":
+        raise ValueError(f"fp8_linear: kernel must be 'skinny' or 'tiles', got {kernel!r}")
     bm, bn, bk, split, warps, stages = config or _config(m, n, k, x.device)
     k_per_split = triton.cdiv(k // bk, split) * bk
     split = triton.cdiv(k, k_per_split)
