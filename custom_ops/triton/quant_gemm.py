@@ -19,6 +19,7 @@ The tile table (`_config`) comes from scripts/bench_ops.py --only quant on the H
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -226,6 +227,14 @@ SKINNY_MAX_K = 4096 + 2048
 
 
 def _use_skinny(m: int, n: int, k: int, device: torch.device) -> bool:
+    """The measured rule above, unless $V41GRAPH_FP8_KERNEL names a kernel ("skinny" or "tiles":
+    the A/B switch of scripts/bench.py's v41graph-tilesfp8; read at every call, so a capture
+    takes it)."""
+    forced = os.environ.get("V41GRAPH_FP8_KERNEL") or "auto"
+    if forced not in ("auto", "skinny", "tiles"):
+        raise ValueError(f"V41GRAPH_FP8_KERNEL must be 'auto', 'skinny' or 'tiles', got {forced!r}")
+    if forced != "auto":
+        return forced == "skinny"
     if triton.cdiv(n, 128) >= _num_sms(device):
         return m <= 64
     return m <= SKINNY_MAX_ROWS and k <= SKINNY_MAX_K
