@@ -114,6 +114,28 @@ def test_fp8_linear_skinny_every_config_and_deterministic_split():
         quant_gemm.fp8_linear(x, w, s, torch.float32, kernel="gemv")
 
 
+def test_fp8_kernel_switch_picks_the_kernel_and_refuses_a_bad_value(monkeypatch):
+    """V41GRAPH_FP8_KERNEL forces a decode kernel (bench.py's v41graph-tilesfp8 A/B); unset, the
+    measured rule: wq_b's 32768 rows take the skinny kernel even at 64 tokens, wo_b's K = 8192
+    the tiles kernel even at one."""
+    dev = torch.device(DEV)
+    monkeypatch.delenv("V41GRAPH_FP8_KERNEL", raising=False)
+    assert quant_gemm._use_skinny(64, 32768, 1280, dev) and not quant_gemm._use_skinny(1, 5120, 8192, dev)
+    assert quant_gemm._use_skinny(1, 1280, 5120, dev) and not quant_gemm._use_skinny(64, 1280, 5120, dev)
+    monkeypatch.setenv("V41GRAPH_FP8_KERNEL", "tiles")
+    assert not quant_gemm._use_skinny(1, 1280, 5120, dev)
+    monkeypatch.setenv("V41GRAPH_FP8_KERNEL", "skinny")
+    assert quant_gemm._use_skinny(64, 1280, 5120, dev)
+    g = torch.Generator().manual_seed(3)
+    w, s = fp8_weight(256, 512, g)
+    x = activations(4, 512, torch.bfloat16, g)
+    want = ref.fp8_linear(x, w, s, torch.float32)
+    assert rel_err(ops.fp8_linear(x, w, s, torch.float32), want) < FP32_OUT_REL
+    monkeypatch.setenv("V41GRAPH_FP8_KERNEL", "gemv")
+    with pytest.raises(ValueError, match="V41GRAPH_FP8_KERNEL must be"):
+        quant_gemm._use_skinny(1, 1280, 5120, dev)
+
+
 def test_e2m1_byte_decode_is_exact_for_every_byte_and_scale():
     """The MXFP4 tile decode (PTX bit moves + two bf16 FMAs) equals codecs' decode times the
     E8M0 scale for all 256 bytes x all 255 finite scales, subnormal codes, signed zeros and
