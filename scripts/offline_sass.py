@@ -15,6 +15,8 @@ tiles a kernel decodes per iteration (2 for gate+up); BS x D for the attention's
 
     python scripts/offline_sass.py sparse_attn --stages 1         # window loop, then the FP4 loop
     python scripts/offline_sass.py sparse_attn PTX=0 --stages 1   # the generic FP8 and FP4 decodes
+    python scripts/offline_sass.py sparse_attn_tile --warps 8 --stages 1
+    python scripts/offline_sass.py fp8_linear_skinny BN=128      # the skinny FP8 decode kernel
 """
 from __future__ import annotations
 
@@ -27,6 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# the sparse attention kernels' runtime arguments (both kernels take the same)
+_ATTN_SIGNATURE = {"q_ptr": "*i32", "ring_ptr": "*i16", "rsc_ptr": "*u8", "fresh_ptr": "*i32",
+                   "wrows_ptr": "*i64", "gc_ptr": "*u8", "gs_ptr": "*u8", "grows_ptr": "*i64",
+                   "sink_ptr": "*fp32", "out_ptr": "*i32", "ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32",
+                   "H": "i32", "W": "i32", "KG": "i32", "n_ring": "i32", "sm_scale": "fp32",
+                   "blocks_per_split": "i32", "n_split": "i32"}
 # name -> (module under custom_ops/triton, kernel, signature, default constexprs,
 #          weight codes per loop iteration as a function of the constexprs)
 KERNELS = {
@@ -52,24 +60,14 @@ KERNELS = {
     # decode attention, a block of BS rows x D per iteration: the window-ring loop is the one
     # counted (the longest of the loops with the most MMAs), the FP4 row loop is listed after
     # it; the launch uses --stages 1
-    "sparse_attn": ("attention", "_sparse_attn_kernel",
-                    {"q_ptr": "*i32", "ring_ptr": "*i16", "rsc_ptr": "*u8", "fresh_ptr": "*i32",
-                     "wrows_ptr": "*i64", "gc_ptr": "*u8", "gs_ptr": "*u8", "grows_ptr": "*i64",
-                     "sink_ptr": "*fp32", "out_ptr": "*i32", "ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32",
-                     "H": "i32", "W": "i32", "KG": "i32", "n_ring": "i32", "sm_scale": "fp32",
-                     "blocks_per_split": "i32", "n_split": "i32"},
+    "sparse_attn": ("attention", "_sparse_attn_kernel", _ATTN_SIGNATURE,
                     {"D": 512, "D2": 256, "NB16": 32, "NB32": 16, "BH": 16, "BS": 32, "DTYPE": "bfloat16",
                      "IS16": True, "GLOBAL_FP4": True, "IEEE": False, "DIRECT": False, "PREFETCH": True,
                      "PTX": True}, lambda c: c["BS"] * c["D"]),
-    "sparse_attn_tile": ("attention", "_sparse_attn_tile_kernel",
-                         {"q_ptr": "*i32", "ring_ptr": "*i16", "rsc_ptr": "*u8", "fresh_ptr": "*i32",
-                          "wrows_ptr": "*i64", "gc_ptr": "*u8", "gs_ptr": "*u8", "grows_ptr": "*i64",
-                          "sink_ptr": "*fp32", "out_ptr": "*i32", "ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32",
-                          "H": "i32", "W": "i32", "KG": "i32", "n_ring": "i32", "sm_scale": "fp32",
-                          "blocks_per_split": "i32", "n_split": "i32"},
+    # the all-heads tile kernel (64 heads, 8 warps: --warps 8 --stages 1)
+    "sparse_attn_tile": ("attention", "_sparse_attn_tile_kernel", _ATTN_SIGNATURE,
                          {"D": 512, "D2": 256, "NB16": 32, "NB32": 16, "BH": 64, "BS": 32, "GLOBAL_FP4": True,
-                          "DIRECT": False, "STAGES": 1, "PREFETCH_L2": False, "RING_LINES": 4,
-                          "GLOBAL_LINES": 2}, lambda c: c["BS"] * c["D"]),
+                          "DIRECT": False, "STAGES": 1}, lambda c: c["BS"] * c["D"]),
 }
 # the sizes that are multiples of 16 at every launch (M, the token count, is not at decode)
 ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT", "H")
