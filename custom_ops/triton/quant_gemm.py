@@ -1,21 +1,27 @@
 """fp8_linear on CUDA: x times the checkpoint's FP8 E4M3 weight with E8M0 scales per 32x32
 block, the activation's FP8 quantization fused in (imported lazily by cuda_impls.py).
 
-Decode and small batches (M < PREFILL_ROWS, or a result that is not bf16): one kernel. A
-program owns a [BM, BN] output tile and a share of K (split-K when the tile grid alone would
-leave SMs idle, as in decode); per BK step it loads the activation tile (from
-QUANTIZE_FIRST_ROWS rows on, x quantized once by `quantize_rows`; below, quantized per 32 in
-registers, common._qdq_fp8_blocks, which at one real row is cheaper than a launch), loads the FP8 weight tile with its block scales,
-dequantizes it to bf16 (exact) and accumulates a bf16 tensor-core dot in fp32. Split-K
-partials go to an fp32 workspace [S, M, N] summed by torch in a fixed order (deterministic;
-no atomics), then cast once, as the reference casts once.
+Decode and small batches (M < PREFILL_ROWS, or a result that is not bf16): one of two kernels,
+picked by a rule measured on the H200 (`_use_skinny`):
+- the tiles kernel (`_fp8_linear_kernel`): a program owns a [BM, BN] output tile and a share of
+  K (split-K when the tile grid alone would leave SMs idle, as in decode); per BK step it loads
+  the activation tile (from QUANTIZE_FIRST_ROWS rows on, x quantized once by `quantize_rows`;
+  below, quantized per 32 in registers, common._qdq_fp8_blocks, which at one real row is
+  cheaper than a launch), loads the FP8 weight tile with its block scales, dequantizes it to
+  bf16 (exact) and accumulates a bf16 tensor-core dot in fp32. Split-K partials go to an fp32
+  workspace [S, M, N] summed by torch in a fixed order (deterministic; no atomics), then cast
+  once, as the reference casts once;
+- the skinny kernel (`_fp8_linear_skinny_kernel`): the same values with the weight rows as the
+  MMA's M side and the few tokens as its N side, the E4M3 decode in PTX, and the split-K
+  shares added in split order by the tile's last program (deterministic, no second launch).
 
 Prefill (M >= PREFILL_ROWS, a bf16 result): the activation is quantized by one kernel, the
 weight dequantized to a transient bf16 copy by another, and cuBLAS multiplies them
 (`_fp8_linear_prefill`): the Triton kernel reached only 0.20-0.34x of cuBLAS there on the
 H200, this path 0.71-0.96x (docs/BENCHMARKS.md, eighth session).
 
-The tile table (`_config`) comes from scripts/bench_ops.py --only quant on the H200.
+The tile tables (`_config`, `_skinny_config`) and the choice between the kernels come from
+scripts/bench_ops.py --only fp8 on the H200.
 """
 from __future__ import annotations
 
