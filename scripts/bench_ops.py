@@ -500,7 +500,7 @@ def _fp8_sweep_configs(m: int, quick: bool, kernel: str = "tiles"):
         bt = max(16, min(64, 1 << (m - 1).bit_length()))
         return [(bt, bn, bk, split, warps, stages) for bn in (64, 128) for bk in (128, 256)
                 for split in (1, 2, 4, 8, 16, 32) for warps in ((4,) if bn == 64 else (4, 8))
-                for stages in ((3,) if quick else (3, 4))]
+                for stages in ((3, 5) if quick else (3, 4, 5, 6))]   # ncu: latency-bound at 3
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
     if m > 64:
         return [(128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3), (64, 128, 128, 1, 4, 3)]
