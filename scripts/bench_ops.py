@@ -306,23 +306,21 @@ def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)
         heads += [dict(kernel="heads", block_h=bh, n_split=1 if prefill else None, ptx_decode=False)
                   for bh in (16, 64)]
         tile_splits = [1] if prefill else ([None] if quick else [None, 1, 2, 3, 4, 5, 10, 20])
-        tiles = [dict(kernel="tile", n_split=sp, stages=st, block_s=bs, prefetch_l2=pf)
-                 for sp in tile_splits for st in tile_stages for bs in tile_rows for pf in (False, True)]
+        tiles = [dict(kernel="tile", n_split=sp, stages=st, block_s=bs)
+                 for sp in tile_splits for st in tile_stages for bs in tile_rows]
         tiles.append(dict(kernel="tile"))         # what the op runs: the table's choice
-        tiles.append(dict(kernel="tile", prefetch_l2=True))
         best = {}
         for fmt in ("fp4", "bf16"):
             seen = set()
             for v in heads + tiles:
                 gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
-                pf = " L2 prefetch" if v.get("prefetch_l2") else ""
                 if v["kernel"] == "tile" and "n_split" in v:
                     cfg = tk.tile_config(ntok, w, kg, q.device, v["n_split"], v["stages"], v["block_s"])
-                    key = ("tile", cfg, pf)
-                    name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}{pf}"
+                    key = ("tile", cfg)
+                    name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}"
                 elif v["kernel"] == "tile":
                     cfg = tk.tile_config(ntok, w, kg, q.device)
-                    key, name = None, f"tile, the op's choice (BS={cfg[0]} split={cfg[1]} stages={cfg[3]}){pf}"
+                    key, name = None, f"tile, the op's choice (BS={cfg[0]} split={cfg[1]} stages={cfg[3]})"
                 else:
                     cfg = tk.attention_config(ntok, h, w, kg, q.device, v["block_h"], 32, v["n_split"])
                     key = ("heads", cfg, v.get("ptx_decode", True))
@@ -497,7 +495,8 @@ def _fp8_sweep_configs(m: int, quick: bool, kernel: str = "tiles"):
     """(BM or BT, BN, BK, split, num_warps, num_stages) candidates (quant_gemm._config's and
     _skinny_config's fields) of one kernel."""
     if kernel == "skinny":
-        bt = max(16, min(64, 1 << (m - 1).bit_length()))
+        from v41graph.custom_ops.triton.quant_gemm import skinny_token_tile
+        bt = skinny_token_tile(m)
         return [(bt, bn, bk, split, warps, stages) for bn in (64, 128) for bk in (128, 256)
                 for split in (1, 2, 4, 8, 16, 32) for warps in ((4,) if bn == 64 else (4, 8))
                 for stages in ((3, 5) if quick else (3, 4, 5, 6))]   # ncu: latency-bound at 3
@@ -543,15 +542,13 @@ def bench_fp8_linear(bw, quick):
             err = rel(ops.fp8_linear(x, w, sc, torch.bfloat16).float(), want.bfloat16().float()) \
                 if m >= quant_gemm.PREFILL_ROWS else err
             row("fp8_linear", shape, f"default: {default}", t_def, wbytes, base_us=t_bf16, err=err, bw=bw)
-            if m <= 64:   # both decode kernels at their own table's config, whichever the op picks
+            if m < quant_gemm.PREFILL_ROWS:   # both decode kernels at their own table's config
                 for kernel, table in (("skinny", quant_gemm._skinny_config), ("tiles", quant_gemm._config)):
                     t_k = cbench(lambda kernel=kernel: quant_gemm.fp8_linear(x, w, sc, torch.bfloat16, kernel=kernel))
                     e_k = rel(quant_gemm.fp8_linear(x, w, sc, torch.float32, kernel=kernel), want)
                     row("fp8_linear", shape, f"{kernel} kernel {table(m, n, k, x.device)}", t_k, wbytes,
                         base_us=t_bf16, err=e_k, bw=bw)
             for kernel in FP8_SWEEP_KERNELS if m < quant_gemm.PREFILL_ROWS else ():
-                if kernel == "skinny" and m > 64:
-                    continue
                 best = None
                 for cfg in _fp8_sweep_configs(m, quick, kernel):
                     try:

@@ -92,16 +92,17 @@ def test_fp8_linear_every_split_and_tile_config():
 
 
 def test_fp8_linear_skinny_every_config_and_deterministic_split():
-    """The skinny kernel at every config its sweep tries, on a shape that fills no tile
-    (N = 200 rows: a partial 64- and 128-row tile; 24 and 70 tokens: a partial token tile,
-    two token tiles), quantized and unquantized x, agrees with the reference; the split-K
-    reduction by the last program of a tile repeats bit for bit."""
+    """The skinny kernel at the tile shapes and splits its sweep tries (3 pipeline stages), on a
+    shape that fills no tile (N = 200 rows: a partial 64- and 128-row tile; 24 and 70 tokens: a
+    partial token tile, two token tiles), quantized and unquantized x, agrees with the
+    reference; the split-K reduction by the last program of a tile repeats bit for bit."""
     g = torch.Generator().manual_seed(11)
     w, s = fp8_weight(200, 2048, g)
     for m in (1, 8, 24, 70):
         x = activations(m, 2048, torch.bfloat16, g)
         want = ref.fp8_linear(x, w, s, torch.float32)
-        bt = max(16, min(64, 1 << (m - 1).bit_length()))
+        bt = quant_gemm.skinny_token_tile(m)
+        assert bt == (16 if m <= 16 else 32 if m <= 32 else 64)
         for bn, bk, warps in [(64, 128, 4), (128, 256, 4), (128, 128, 8), (64, 256, 4)]:
             for split in (1, 2, 4, 8, 16, 32):
                 config = (bt, bn, bk, split, warps, 3)

@@ -230,6 +230,12 @@ def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 # other M = 64 shapes (by 6-20 %).
 SKINNY_MAX_ROWS = 16
 SKINNY_MAX_K = 4096 + 2048
+SKINNY_MAX_TOKEN_TILE = 64   # tokens per program (the MMA's N side): more rows, more token tiles
+
+
+def skinny_token_tile(m: int) -> int:
+    """BT, the skinny kernel's token tile for m activation rows: a power of two in [16, 64]."""
+    return max(16, min(SKINNY_MAX_TOKEN_TILE, triton.next_power_of_2(m)))
 
 
 def _use_skinny(m: int, n: int, k: int, device: torch.device) -> bool:
@@ -242,7 +248,7 @@ def _use_skinny(m: int, n: int, k: int, device: torch.device) -> bool:
     if forced != "auto":
         return forced == "skinny"
     if triton.cdiv(n, 128) >= _num_sms(device):
-        return m <= 64
+        return m <= SKINNY_MAX_TOKEN_TILE
     return m <= SKINNY_MAX_ROWS and k <= SKINNY_MAX_K
 
 
@@ -250,7 +256,7 @@ def _skinny_config(m: int, n: int, k: int, device: torch.device):
     """(BT, BN, BK, split, num_warps, num_stages) of the skinny kernel: 128 weight rows x BK 128
     per step (the sweep's best at most shapes), split-K until the grid covers the SMs 1.5 times
     (wq_b: no split; wkv: 32; the sweep's best splits)."""
-    bt = max(16, min(64, triton.next_power_of_2(m)))
+    bt = skinny_token_tile(m)
     bn, bk, warps, stages = 128, _block_k(k, 128), 4, 3
     tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
     steps = k // bk
