@@ -19,7 +19,7 @@ from torch import nn
 
 import v41graph.custom_ops  # noqa: F401  (registers torch.ops.v41graph.*)
 from .kv_cache import COMPRESSOR_RING
-from .metadata import StepContext
+from .metadata import StepContext, layer_ref
 from .config import V41Config
 from .layer_plan import LayerRole
 from .layers import (Linear, RMSNorm, weight_fmt, apply_rope, rope_inv_freqs, rope_rotation)
@@ -183,7 +183,7 @@ class Attention(nn.Module):
             # Same ratio and block table as the candidate source, so its positions (all
             # visible to the query) map to this layer's kv source's cache rows the same way.
             cand = ctx.candidates[role.candidate_source]
-            cand_rows = ctx.shared(("candidate_rows", role.candidate_source, role.ratio),
+            cand_rows = ctx.shared(("candidate_rows", layer_ref(role.candidate_source), role.ratio),
                                    lambda: ctx.compressed_rows_padded(role.ratio, cand))
             if self.parallel is not None:
                 parts = self._head_partials(q, weights, caches.index_k[src], caches.index_scale[src], cand_rows)
@@ -209,7 +209,7 @@ class Attention(nn.Module):
                                          visible, self.config.index_topk,
                                          self.config.candidate_block_size, keep_blocks)
         if role.is_candidate_source:
-            ctx.candidates[role.layer_id] = cand
+            ctx.candidates[role.layer_id] = ctx.tag(("candidates", layer_ref(role.layer_id)), cand)
         return ids
 
     def _head_partials(self, q, weights, key_cache, key_scale, key_rows) -> torch.Tensor:
@@ -240,14 +240,14 @@ class Attention(nn.Module):
         if role.mode == "full" and lid not in ctx.precompressed:
             self.compress(x, ctx)
         if role.scores:
-            ctx.topk[lid] = self._select(x, qr, rotation, ctx)
+            ctx.topk[lid] = ctx.tag(("topk", layer_ref(lid)), self._select(x, qr, rotation, ctx))
         # The query comes after the indexer and cache writes in program order so that, once
         # P6 moves those to the side stream, this projection overlaps them.
         q = apply_rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation)
         if role.ratio:
             topk = ctx.topk[role.index_source]
             # one per index source: its Reuse layers read the same top-k
-            global_rows = ctx.shared(("global_rows", role.index_source, role.ratio),
+            global_rows = ctx.shared(("global_rows", layer_ref(role.index_source), role.ratio),
                                      lambda: ctx.compressed_rows_padded(role.ratio, topk))
             gkv, gsc = caches.global_kv[role.kv_source], caches.global_scale[role.kv_source]
         else:

@@ -232,6 +232,11 @@ def concat_metadata(a: AttentionMetadata, b: AttentionMetadata) -> AttentionMeta
     return AttentionMetadata(**out)
 
 
+def layer_ref(layer_id: int) -> str:
+    """A layer id inside a StepContext key: how the stamper (compiler/stamp.py) finds it."""
+    return f"layer{layer_id}"
+
+
 @dataclass
 class StepContext:
     """Per-forward tensors derived once from the metadata and shared by all layers."""
@@ -255,19 +260,27 @@ class StepContext:
     # step by the first layer that needs them. In the graph that is one node shared by all those
     # layers instead of ~20 small kernels repeated in each of 40 layers.
     _shared: dict = field(default_factory=dict)
+    # Tracing for layer stamping (compiler/stamp.py): values that cross layers are tagged.
+    stamp: bool = False
 
     @classmethod
     def build(cls, meta: AttentionMetadata, caches: ModelCaches, positions: torch.Tensor,
-              debug: dict | None = None) -> "StepContext":
+              debug: dict | None = None, stamp: bool = False) -> "StepContext":
         s = meta.token_seq
         return cls(meta, caches, positions, s, meta.seq_slot[s], meta.chunk_start[s],
-                   meta.seq_len[s], meta.query_start[s], debug=debug)
+                   meta.seq_len[s], meta.query_start[s], debug=debug, stamp=stamp)
 
-    def shared(self, key, build):
-        """`build()` the first time `key` is asked for in this step, the same tensor after."""
+    def shared(self, key: tuple, build):
+        """`build()` the first time `key` is asked for in this step, the same tensor after.
+        A layer id in `key` is written layer_ref(i), so that the stamper can map it."""
         if key not in self._shared:
-            self._shared[key] = build()
+            self._shared[key] = self.tag(("shared",) + key, build())
         return self._shared[key]
+
+    def tag(self, key: tuple, value: torch.Tensor) -> torch.Tensor:
+        """`value`, named `key` in a graph traced for layer stamping (custom_ops/stamp_tag.py);
+        the value itself otherwise."""
+        return torch.ops.v41graph.stamp_tag(value, repr(key)) if self.stamp else value
 
     def fresh_or_ring_rows(self, pos: torch.Tensor, ring: int) -> torch.Tensor:
         """Rows of a (ring state ++ this call's tokens) pool for positions `pos` [N, M] of each

@@ -14,7 +14,8 @@ from torch import nn
 
 from .attention import Attention
 from .kv_cache import ModelCaches
-from .metadata import AttentionMetadata, StepContext, check_index_tensor, replay_metadata, state_or_fresh_rows
+from .metadata import (AttentionMetadata, StepContext, check_index_tensor, layer_ref, replay_metadata,
+                       state_or_fresh_rows)
 from .config import V41Config
 from .engram import Engram
 from .engram_hash import engram_hash_params
@@ -108,6 +109,9 @@ class V41Model(nn.Module):
         self.register_buffer("layer_done_token", torch.zeros(1, dtype=torch.uint8), persistent=False)
         self.numerics = "fast"
         self.debug: dict | None = None
+        # Set only while the compiler traces the layers it stamps into the others
+        # (compiler/stamp.py): forward then runs these layers alone, their shared values tagged.
+        self.stamp_layers: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ numerics
     def set_numerics(self, numerics: str) -> "V41Model":
@@ -177,15 +181,20 @@ class V41Model(nn.Module):
         if bad:
             raise ValueError(f"return_streams: layer {bad[0]} outside 0..{len(self.layers) - 1}")
         kept_streams = {}
-        ctx = StepContext.build(metadata, caches, positions, self.debug)
+        stamp = self.stamp_layers is not None
+        ctx = StepContext.build(metadata, caches, positions, self.debug, stamp=stamp)
         streams, pre, engram_rows, history = self._embed_streams(input_ids, ctx)
-        for block in self.layers:
+        for block in (self.layers if not stamp else [self.layers[i] for i in self.stamp_layers]):
             role = block.role
             if decoder_replay is not None and role.layer_id == self.decoder_start:
                 streams, pre, engram_rows, ctx = self._enter_replay(block, streams, pre, engram_rows, ctx,
                                                                     decoder_replay)
                 metadata = ctx.meta
+            if stamp:   # where the layer starts and ends, for the stamper
+                streams, pre = _tag_streams(ctx, "layer_in", role.layer_id, streams, pre)
             streams, pre = self._block(block, streams, pre, engram_rows, ctx)
+            if stamp:
+                streams, pre = _tag_streams(ctx, "layer_out", role.layer_id, streams, pre)
             if role.layer_id in wanted:
                 kept_streams[role.layer_id] = streams
         if history is not None:   # roll the Engram history last (P4 hoists the gathers before)
@@ -325,6 +334,13 @@ class V41Model(nn.Module):
         runtime calls this for decode steps so that a compiled model (CompiledModel.decode)
         can run them through its captured buckets."""
         return self(input_ids, positions, caches, metadata)
+
+
+def _tag_streams(ctx: StepContext, where: str, layer_id: int, streams, pre):
+    """The residual streams and `pre` entering ("layer_in") or leaving ("layer_out") a layer,
+    tagged for the stamper (StepContext.tag)."""
+    return (ctx.tag((where, layer_ref(layer_id), "streams"), streams),
+            ctx.tag((where, layer_ref(layer_id), "pre"), pre))
 
 
 def check_step_inputs(input_ids, positions, metadata) -> None:
