@@ -86,6 +86,11 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
         return torchair_backend(manager), manager
 
     def fw_compiler(gm, example_inputs):
+        if recorder is not None and recorder.stamping:
+            # a trace of the layers the compiler stamps (compiler/stamp.py): the graph is all
+            # it wants; the call that traced it must not run it (it is not the whole model)
+            recorder.aot_graph(gm, keep=True)
+            return make_boxed_func(_graph_captured)
         graph = TracedGraph(gm) if traced is not None else None
         if recorder is not None:
             recorder.aot_graph(gm)
@@ -112,6 +117,15 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
         recorder.dynamo_graph(gm)
         return backend(gm, example_inputs)
     return recording_backend, manager
+
+
+class GraphCaptured(Exception):
+    """Raised by the function compiled for a stamping trace when Dynamo calls it: the graph
+    was all that call was for (CachedFunction catches it)."""
+
+
+def _graph_captured(*args):
+    raise GraphCaptured()
 
 
 # torch.compile(backend="v41graph", options={...}): the keys make_backend takes from a user.
@@ -214,5 +228,5 @@ def raise_dynamo_recompile_limit(at_least: int) -> None:
                  ", ".join(_RECOMPILE_LIMIT_KEYS))
 
 
-__all__ = ["make_backend", "copy_graph_module", "TracedGraph", "DECOMPOSITIONS", "resolve_platform",
+__all__ = ["make_backend", "copy_graph_module", "TracedGraph", "GraphCaptured", "DECOMPOSITIONS", "resolve_platform",
            "raise_dynamo_recompile_limit", "v41graph_backend", "check_mode", "BACKEND_OPTIONS"]

@@ -480,9 +480,10 @@ class Entry:
 class LoadedEntry:
     """An Entry made callable: compiled source extraction, guard checks, the loaded graph."""
 
-    def __init__(self, entry: Entry, segments: SegmentStore):
+    def __init__(self, entry: Entry, segments: SegmentStore | None, graph=None):
         self.entry = entry
-        self.graph = LoadedGraph(entry.graph, segments)
+        # graph: a live callable (a graph stamped in this process) instead of the stored code
+        self.graph = graph if graph is not None else LoadedGraph(entry.graph, segments)
         self._extract = _tuple_code(entry.sources, "<v41graph graph inputs>")
         self._arg_checks = _Checks(entry.arg_checks)
         self._model_checks = _Checks.of(entry.model_checks)
@@ -598,24 +599,32 @@ class CompileCache:
     """The cache of one CompiledModel: its key's folder, the entries loaded from it, the
     segment store, and the recording of graphs traced by calls that missed."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path | None):
+        """root None: nothing on disk, only the graphs stamped in this process (`resident`)."""
         self.root = root
         self.events: list[str] = []       # misses, refusals, unreadable entries: readable reasons
         self._current: GraphRecord | None = None
         self._active = False          # inside a cached function's call (begin .. finish)
+        self.stamping = False         # the call traces the layers to stamp (begin(stamping=True))
         self._guards: list = []
         self.saved = 0
         self.load_s = 0.0
         self.key: dict = {}
-        self.tool_caches = point_tool_caches(root)
+        # entries of graphs stamped in this process, with their live graphs (kept across
+        # set_key: a pass-list change passes their graphs again, CompiledModel.set_passes)
+        self.resident: list[LoadedEntry] = []
+        self.tool_caches = point_tool_caches(root) if root is not None else {}
 
     def set_key(self, key: dict) -> None:
         """Use the folder of `key` (at construction, and when the pass list changes)."""
         self.key = key
+        self._loaded: dict[str, list[LoadedEntry]] = {}
+        if self.root is None:
+            self.dir, self.segments = None, None
+            return
         self.dir = self.root / _digest(key)
         # segments outlive a pass-list change (their key is their own code), not an edit of ours
         self.segments = SegmentStore(self.root, {"env": key["env"], "source": key["source"]})
-        self._loaded: dict[str, list[LoadedEntry]] = {}
 
     def note(self, msg: str, level=logging.INFO) -> None:
         self.events.append(msg)
@@ -628,7 +637,7 @@ class CompileCache:
             return self._loaded[kind]
         t0 = time.perf_counter()
         found = []
-        for path in sorted(self.dir.glob(f"{kind}-*.pt")) if self.dir.is_dir() else ():
+        for path in sorted(self.dir.glob(f"{kind}-*.pt")) if self.dir is not None and self.dir.is_dir() else ():
             try:
                 data = torch.load(path, weights_only=True)
                 if data.get("format") != FORMAT:
@@ -648,7 +657,7 @@ class CompileCache:
         warm process must not trace what the cold one reused."""
         reasons = []
         others = [k for k in KINDS if k != kind]
-        for loaded in self.entries(kind) + [e for k in others for e in self.entries(k)]:
+        for loaded in self.resident + self.entries(kind) + [e for k in others for e in self.entries(k)]:
             if loaded.entry.signature != signature:
                 reasons.append(f"{loaded.entry.digest}: call {signature}, stored {loaded.entry.signature}")
                 continue
@@ -664,15 +673,61 @@ class CompileCache:
         return None, reasons
 
     # --------------------------------------------------------------- recording (cold path)
-    def begin(self) -> None:
+    def begin(self, stamping: bool = False) -> None:
         """A cached function's call starts: the backend hooks record what it traces (a graph
         traced outside such a call, e.g. CompiledModel.encode's, is not recorded: nothing would
-        store it, and its record would keep the call's tensors alive)."""
-        self._current, self._guards, self._active = None, [], True
+        store it, and its record would keep the call's tensors alive). stamping: the call
+        traces the layers to stamp; the backend keeps the post-AOT graph and stops there."""
+        self._current, self._guards, self._active, self.stamping = None, [], True, stamping
 
     def abandon(self) -> None:
         """The call raised: forget what it recorded."""
-        self._current, self._guards, self._active = None, [], False
+        self._current, self._guards, self._active, self.stamping = None, [], False, False
+
+    def take_stamping_trace(self):
+        """After a stamping call: (its record, with the post-AOT graph as `gm`, and Dynamo's
+        guards), or (None, None) when the call traced nothing (Dynamo served it)."""
+        record, guards = self._current, self._guards
+        self.abandon()
+        if record is None or record.gm is None:
+            return None, None
+        return record, guards
+
+    def add_stamped(self, kind: str, signature: str, record: "GraphRecord", guards, sources: list,
+                    gm: fx.GraphModule, graph, map_checks) -> "LoadedEntry":
+        """The entry of a graph stamped from `record` (its inputs named by `sources`; `gm` the
+        final graph, `graph` what runs it): kept in this process, and stored when the cache has
+        a directory, as a traced graph's entry is (a warm start cannot tell them apart). The
+        call's value is the graph's one output (CachedFunction stamps only such calls).
+        map_checks(checks) turns the traced layers' guard checks into the whole model's."""
+        if record.refused:
+            raise NotCacheable(record.refused)
+        vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        if not isinstance(outputs, (list, tuple)) or len(outputs) != 1:
+            raise NotCacheable("a stamped graph must have exactly one output (the logits)")
+        checks, unchecked = guards_from_entries(guards or [])
+        checks = map_checks(checks)
+        if not guards:
+            unchecked["guard_filter_fn not called"] = 1
+        entry = Entry(kind=kind, signature=signature, sources=list(sources),
+                      inputs=[_tensor_meta(v) for v in vals], shape_guards=record.shape_guards,
+                      arg_checks=[c for c in checks if not c[1].startswith("self")],
+                      model_checks=[c for c in checks if c[1].startswith("self")],
+                      state=_state(), out_spec=pytree.treespec_dumps(pytree.tree_flatten(torch.empty(0))[1]),
+                      out_index=[0], graph={}, unchecked=unchecked)
+        entry.digest = _digest([entry.signature, entry.sources, entry.inputs, entry.shape_guards])[:12]
+        loaded = LoadedEntry(entry, None, graph=graph)
+        self.resident.append(loaded)
+        if self.dir is not None:
+            try:
+                entry.graph = serialize_module(gm)
+                LoadedGraph(entry.graph, self.segments, check_only=True)
+            except Exception as exc:
+                self.note(f"stamped {kind} graph not stored: {type(exc).__name__}: {str(exc)[:200]}", logging.WARNING)
+            else:
+                self._store(kind, entry)
+        return loaded
 
     @property
     def traced(self) -> bool:
@@ -703,11 +758,14 @@ class CompileCache:
             record.refused = "the Dynamo graph owns parameters (AOT lifts them: another calling convention)"
         record.sources = sources
 
-    def aot_graph(self, gm: fx.GraphModule) -> None:
-        """Backend hook, the post-AOT graph before our passes: input metadata, shape guards."""
+    def aot_graph(self, gm: fx.GraphModule, keep: bool = False) -> None:
+        """Backend hook, the post-AOT graph before our passes: input metadata, shape guards;
+        keep: the graph itself too (a stamping trace's)."""
         record = self._current
         if record is None or record.refused:
             return
+        if keep:
+            record.gm = gm
         vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         if len(vals) != len(record.sources):
             record.refused = (f"AOT changed the calling convention ({len(record.sources)} Dynamo inputs, "
@@ -745,8 +803,8 @@ class CompileCache:
         """After a call that may have traced: store the graph it traced, if any and if it can."""
         record, guards = self._current, self._guards
         self._current, self._guards, self._active = None, [], False
-        if record is None:
-            return          # Dynamo's own in-process cache served the call
+        if record is None or self.dir is None:
+            return          # Dynamo's own in-process cache served the call, or nothing to store in
         try:
             entry = self._entry(record, kind, signature, scope, result, guards)
         except NotCacheable as exc:
@@ -754,6 +812,9 @@ class CompileCache:
             return
         finally:   # the graph's wrapper keeps the record: drop what it saw of the first call
             record.first_args = record.first_outs = record.gm = None
+        self._store(kind, entry)
+
+    def _store(self, kind: str, entry: Entry) -> None:
         data = {"format": FORMAT, "entry": entry.to_data()}
         path = self.dir / f"{kind}-{entry.digest}.pt"
         try:

@@ -27,8 +27,9 @@ from v41graph.model.kv_cache import ModelCaches
 from v41graph.model.metadata import AttentionMetadata
 from v41graph.model.model import check_step_inputs
 from v41graph.progress import bar
-from .backend import TracedGraph, make_backend, raise_dynamo_recompile_limit, resolve_platform
-from .compile_cache import CompileCache, cache_key, resolve_dir
+from .backend import GraphCaptured, TracedGraph, make_backend, raise_dynamo_recompile_limit, resolve_platform
+from .compile_cache import CompileCache, NotCacheable, cache_key, resolve_dir
+from .stamp import StampRefused, map_checks, plan_stamping, stamp_graph
 from .dump import graph_name
 
 _log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class CompiledModel:
 
     def __init__(self, model, backend="auto", passes=None, disable=(), capture=True,
                  batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph="all",
-                 inductor_segments="auto", compile_prefill=True, compile_cache=None):
+                 inductor_segments="auto", compile_prefill=True, compile_cache=None, stamp_layers=True):
         from v41graph.model.model import V41Model
         if not isinstance(model, V41Model):
             # decode buckets, caches and capture follow V41Model's step contract; any other
@@ -84,6 +85,17 @@ class CompiledModel:
             _log.warning("compile_cache: off, dump_dir %s is set (dumps are written while tracing)", dump_dir)
             cache_dir = None
         self.compile_cache = CompileCache(cache_dir) if cache_dir is not None else None
+        # Layer stamping (compiler/stamp.py): a graph of the whole model is built from a trace of
+        # the first layer of each kind. Not on npu (torchair traces there) nor for parallel
+        # ranks (their collectives are not covered by the stamper's checks yet).
+        self.stamp = None
+        if stamp_layers and self.platform != "npu" and getattr(model, "parallel", None) is None:
+            plan = plan_stamping(model.plan)
+            self.stamp = plan if len(plan.traced) < plan.num_layers else None
+        # Where CachedFunction finds graphs: the compile cache, or (no directory) one in memory
+        # for the stamped graphs.
+        self._graphs = self.compile_cache if self.compile_cache is not None else (
+            CompileCache(None) if self.stamp is not None else None)
         # Read at each lowering (set_passes too), so it can be switched.
         self.inductor_segments = resolve_inductor_segments(
             inductor_segments, self.platform, self.compile_cache is not None,
@@ -94,7 +106,7 @@ class CompiledModel:
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
                                                        on_compiled=self._graph_compiled,
-                                                       recorder=self.compile_cache)
+                                                       recorder=self._graphs)
         self.capture = capture
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
@@ -108,7 +120,7 @@ class CompiledModel:
         # With the cache on, Dynamo's guards are shown to it (guard_filter_fn keeps them all).
         # (A new dict for each torch.compile call: it pops the key from the one it is given.)
         def options():
-            return {"options": {"guard_filter_fn": self.compile_cache.guard_filter}} if self.compile_cache else {}
+            return {"options": {"guard_filter_fn": self._graphs.guard_filter}} if self._graphs else {}
         self._fn = CachedFunction(self, "decode", torch.compile(self.model, backend=self.backend, fullgraph=True,
                                                                  dynamic=False, **options()))
         # The decode buckets share one graph whose batch dimension is symbolic (marked on the
@@ -162,11 +174,64 @@ class CompiledModel:
             lower_inductor_segments(gm, store=self.compile_cache.segments if self.compile_cache else None)
 
     def _set_cache_key(self) -> None:
-        if self.compile_cache is not None:
-            self.compile_cache.set_key(cache_key(
+        if self._graphs is not None:
+            self._graphs.set_key(cache_key(
                 self.model.config, self.pass_manager.uuid(),
                 "inductor_segments" if self.inductor_segments else "executor", self.batch_sizes,
                 self.platform, self.device, self.share_decode_graph))
+
+    def _stamp(self, fn, scope: dict, kind: str, signature: str, args, kwargs):
+        """Trace the first layer of each kind (`fn` with model.stamp_layers set), stamp the
+        whole model's graph from it, run our passes and the lowering on it: its cache entry,
+        or None (the reason in the compile cache's events) when it cannot be stamped and the
+        caller traces the whole model instead."""
+        import builtins
+        cache, model = self._graphs, self.model
+        t0 = time.perf_counter()
+        cache.begin(stamping=True)
+        model.stamp_layers = self.stamp.traced
+        try:
+            fn(*args, **kwargs)
+        except GraphCaptured:
+            pass
+        except Exception as exc:      # the whole model's trace will say what is wrong, if anything
+            cache.note(f"{kind}: stamping trace failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                       "tracing the whole model", logging.WARNING)
+            cache.abandon()
+            return None
+        finally:
+            model.stamp_layers = None
+        record, guards = cache.take_stamping_trace()
+        if record is None:
+            cache.note(f"{kind}: an earlier stamping trace fits this call but its graph is not kept; "
+                       "tracing the whole model")
+            return None
+        t1 = time.perf_counter()
+        try:
+            gm, sources = stamp_graph(record.gm, record.sources, self.stamp,
+                                      lambda source: eval(source, {"__builtins__": builtins}, {"L": scope}))
+        except StampRefused as exc:
+            cache.note(f"{kind}: not stamped ({exc}); tracing the whole model", logging.WARNING)
+            return None
+        graph = TracedGraph(gm)
+        t2 = time.perf_counter()
+        self.pass_manager(gm)
+        t3 = time.perf_counter()
+        self._lower(gm)
+        t4 = time.perf_counter()
+        try:
+            entry = cache.add_stamped(kind, signature, record, guards, sources, gm, graph,
+                                      lambda checks: map_checks(checks, self.stamp))
+        except NotCacheable as exc:
+            cache.note(f"{kind}: not stamped ({exc}); tracing the whole model", logging.WARNING)
+            return None
+        self.traced.append(graph)
+        self.timings["stamp_trace_s"] += t1 - t0
+        self.timings["stamp_s"] += t2 - t1
+        self._graph_compiled(t3 - t2, t4 - t3)
+        self.notes["stamp"] = (f"traced layers {list(self.stamp.traced)} of {self.stamp.num_layers}, "
+                               "stamped the others")
+        return entry
 
     def set_passes(self, passes=None, disable=()) -> None:
         """Change the pass list (same arguments as compile()) of every graph compiled so far and
@@ -413,7 +478,7 @@ class CachedFunction:
 
     def __call__(self, *args, **kwargs):
         compiled = self.compiled
-        cache = compiled.compile_cache
+        cache = compiled._graphs
         if cache is None:
             return self.fn(*args, **kwargs)
         bound = self._signature.bind(compiled.model, *args, **kwargs)
@@ -423,13 +488,20 @@ class CachedFunction:
         entry, found = cache.lookup(self.kind, signature, scope)
         compiled.timings["cache_load_s"] = cache.load_s
         if entry is not None:
-            if id(entry) not in self._seen:
+            if id(entry) not in self._seen and entry not in cache.resident:   # loaded, not stamped here
                 self._seen.add(id(entry))
                 compiled.timings["cache_hits"] += 1
                 _log.info("compile cache: the %s graph loaded (%s), not traced", self.kind, entry.entry.digest)
             self.last_entry_kind = entry.entry.kind
             return entry(found)
         self.last_entry_kind = None
+        if compiled.stamp is not None and not scope.get("return_streams") and scope.get("decoder_replay") is None:
+            entry = compiled._stamp(self.fn, scope, self.kind, signature, args, kwargs)
+            if entry is not None:
+                if compiled.compile_cache is not None:
+                    compiled.timings["cache_misses"] += 1
+                    cache.note(f"{self.kind}: stamped, " + ("; ".join(found)[:1000] if found else "nothing stored"))
+                return entry(entry.args(scope))
         cache.begin()
         try:
             result = self.fn(*args, **kwargs)
@@ -540,7 +612,7 @@ class DecodeGraph:
 def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: bool = True,
             batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph: bool | str = "all",
             inductor_segments: bool | str = "auto", compile_prefill: bool = True,
-            compile_cache=None) -> CompiledModel:
+            compile_cache=None, stamp_layers: bool = True) -> CompiledModel:
     """Compile a V41Model with the v41graph backend (a TypeError for any other module: compile
     those with torch.compile(module, backend="v41graph")). See the module docstring.
     capture=False runs the same decode buckets (padding, persistent buffers, graphs) without
@@ -563,7 +635,8 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
                          batch_sizes=batch_sizes, dump_dir=dump_dir,
                          share_decode_graph=share_decode_graph, inductor_segments=inductor_segments,
-                         compile_prefill=compile_prefill, compile_cache=compile_cache)
+                         compile_prefill=compile_prefill, compile_cache=compile_cache,
+                         stamp_layers=stamp_layers)
 
 
 __all__ = ["compile", "CompiledModel", "DecodeGraph"]

@@ -323,6 +323,35 @@ class _Stamper:
             raise StampRefused(f"the traced graph writes back {sorted(missing)[0]}, the stamped one does not")
 
 
+# LayerRole fields that hold layer ids (a guard on them expects the copy's ids)
+_ROLE_REFS = (".role.layer_id", ".role.kv_source", ".role.index_source", ".role.candidate_source")
+
+
+def map_checks(checks: list, stamp: StampPlan) -> list:
+    """Dynamo's guard checks of the traced layers (compile_cache.guards_from_entries) made the
+    whole model's: each check naming a traced layer's modules or caches repeated for every
+    layer copied from it, names mapped; checks on `stamp_layers` itself dropped (it is unset
+    when the stamped graph runs)."""
+    kept = [tuple(c) for c in checks if "stamp_layers" not in c[1]]
+    out, seen = list(kept), {repr(c) for c in kept}     # expected values may be lists
+    naming = {}
+    for c in kept:
+        for m in _LAYER_IN_SOURCE.finditer(c[1]):
+            naming.setdefault(int(m.group(2)), []).append(c)
+    for layer, traced in stamp.copied_from.items():
+        if layer == traced:
+            continue
+        layer_map = stamp.layer_maps[layer]
+        for kind, name, expected in naming.get(traced, ()):
+            if name.endswith(_ROLE_REFS) and expected[0] == "value" and expected[1] in layer_map:
+                expected = ("value", layer_map[expected[1]])     # a layer id the role holds
+            mapped = (kind, map_source(name, layer_map), expected)
+            if repr(mapped) not in seen:
+                seen.add(repr(mapped))
+                out.append(mapped)
+    return out
+
+
 def strip_tags(graph: fx.Graph) -> int:
     """Remove every stamp_tag node (each is a copy of its input)."""
     tags = [n for n in graph.nodes if n.op == "call_function" and n.target is STAMP_TAG]
@@ -339,5 +368,5 @@ def stamp_graph(gs: fx.GraphModule, sources: list, stamp: StampPlan, resolve) ->
     return _Stamper(gs, sources, stamp, resolve).run()
 
 
-__all__ = ["StampPlan", "StampRefused", "plan_stamping", "stamp_graph", "strip_tags", "layer_kind",
+__all__ = ["StampPlan", "StampRefused", "plan_stamping", "stamp_graph", "strip_tags", "layer_kind", "map_checks",
            "map_source", "map_tag"]
