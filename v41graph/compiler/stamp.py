@@ -251,12 +251,23 @@ class _Stamper:
         copy.meta = dict(n.meta)
         if own:
             copy.meta["nn_module_stack"] = _module_stack_map(n.meta.get("nn_module_stack"), own)
+            # a value object of its own: dumps find what a fused op replaced by value identity
+            copy.meta["val"] = self._fresh(n.meta.get("val"))
         env[n] = copy
         if key is not None:
             self.symbols[key] = copy
         source = self._version_source(n)
         if source is not None:
             self.latest[map_source(source, layer_map)] = copy
+
+    def _fresh(self, val):
+        """A fake value like `val` (same sizes, symbolic ones included, strides and dtype)."""
+        if isinstance(val, torch.Tensor):
+            with self.fake_mode:
+                return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        if isinstance(val, (tuple, list)):
+            return type(val)(self._fresh(v) for v in val)
+        return val
 
     # --------------------------------------------------------------- the whole graph
     def run(self) -> tuple[fx.GraphModule, list]:
