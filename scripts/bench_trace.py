@@ -5,13 +5,16 @@
     python scripts/bench_trace.py --profile /tmp/trace.prof    # + cProfile: Dynamo vs AOT parts
     python scripts/bench_trace.py --roles                      # + which layers trace the same ops
     python scripts/bench_trace.py --duplicates                 # + computations the graph repeats
+    python scripts/bench_trace.py --stamp-layers False         # trace all 40 layers (no stamping)
 
 Tracing (Dynamo + AOT autograd + our passes) is host work whose cost follows the op count and
 the symbolic shapes, not the tensor widths, so this stands in for the GPU host's cold trace
 (bench config, ~54 s on an H200 host) without a GPU. The config is tiny()'s widths with the
 released model's layer plan (40 layers, its compress ratios, KV / index / candidate sources,
 Engram layers and DSpark targets). One prefill of 3 sequences traces the graph every decode
-bucket then shares; the script prints the trace time and, with --profile, the cumulative time
+bucket then shares; the script prints the trace time (by default the layer-stamping route:
+the first layer of each kind traced, the others stamped, compiler/stamp.py; --stamp-layers
+False traces every layer, as before) and, with --profile, the cumulative time
 of Dynamo's symbolic execution, AOT's metadata pass and AOT's graph capture. --roles groups the
 layers of the untouched post-AOT graph by their op sequence (a node's layer from its
 nn_module_stack) and counts the edges from a layer into a later, non-adjacent one: what
@@ -129,6 +132,8 @@ def parse_share(value: str):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--share-decode-graph", type=parse_share, default="all", help="all (default), True or False")
+    ap.add_argument("--stamp-layers", choices=("True", "False"), default="True",
+                    help="trace the first layer of each kind and stamp the others (default True)")
     ap.add_argument("--profile", default=None, metavar="OUT.prof", help="cProfile the trace into this file")
     ap.add_argument("--roles", action="store_true", help="group the traced layers by their op sequence")
     ap.add_argument("--duplicates", action="store_true", help="count the computations the graph repeats")
@@ -137,7 +142,8 @@ def main(argv=None) -> int:
     cfg = released_plan_at_tiny_widths()
     model = init_random_(V41Model(cfg), seed=0).eval()
     compiled = v41graph.compile(model, backend="cpu", batch_sizes=(4,), compile_cache=False,
-                                share_decode_graph=args.share_decode_graph)
+                                share_decode_graph=args.share_decode_graph,
+                                stamp_layers=args.stamp_layers == "True")
     session = Session(compiled, 3, 48, block_size=16)
     prompt = torch.randint(0, cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(5))
     profile = cProfile.Profile() if args.profile else None
@@ -148,8 +154,12 @@ def main(argv=None) -> int:
     if profile:
         profile.disable()
     trace_s = time.perf_counter() - t0
-    print(f"{cfg.num_hidden_layers} layers, share_decode_graph={args.share_decode_graph!r}: first prefill "
-          f"(one trace) {trace_s:.1f} s; our passes {compiled.timings['passes_s']:.2f} s")
+    print(f"{cfg.num_hidden_layers} layers, share_decode_graph={args.share_decode_graph!r}, "
+          f"stamp_layers={args.stamp_layers}: first prefill (one trace) {trace_s:.1f} s; our passes "
+          f"{compiled.timings['passes_s']:.2f} s")
+    if "stamp" in compiled.notes:
+        print(f"  {compiled.notes['stamp']}: trace {compiled.timings['stamp_trace_s']:.1f} s, "
+              f"stamping {compiled.timings['stamp_s']:.1f} s")
     if profile:
         profile.dump_stats(args.profile)
         stats = pstats.Stats(args.profile).stats     # {(file, line, name): (cc, nc, tt, ct, callers)}

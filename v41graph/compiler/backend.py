@@ -62,10 +62,24 @@ class TracedGraph:
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy with its own nodes (node.meta copied shallowly, so fake values are shared)."""
+    """A copy with its own nodes (node.meta copied shallowly, so fake values are shared),
+    recompiling lazily when gm does (graph_module_like)."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
+    return graph_module_like(gm, graph)
+
+
+def graph_module_like(root: torch.fx.GraphModule, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule of `graph` (attributes from `root`), lazily recompiling when `root` does:
+    AOT hands over torch.fx's _LazyGraphModule, whose recompile() after each pass only marks
+    the forward stale; a plain GraphModule generates its 10 000-line forward again each time
+    (3-4 s of our passes on a 40-layer graph). Private in torch: a plain one where it is gone."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:
+        return torch.fx.GraphModule(root, graph)
+    cls = _LazyGraphModule if isinstance(root, _LazyGraphModule) else torch.fx.GraphModule
+    return cls(root, graph)
 
 
 def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None,

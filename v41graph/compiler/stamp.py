@@ -321,8 +321,8 @@ class _Stamper:
         self._check_write_backs()
         strip_tags(self.graph)
         self.graph.eliminate_dead_code()
-        gm = fx.GraphModule(self.gs, self.graph)
-        return gm, self.sources
+        from .backend import graph_module_like
+        return graph_module_like(self.gs, self.graph), self.sources
 
     def _check_write_backs(self) -> None:
         """Every input the traced graph wrote back is written back here too."""
