@@ -3,10 +3,12 @@
     python scripts/bench_compile.py --out $OUT                              # H200: both variants
     python scripts/bench_compile.py --variants executor --control --out $OUT   # + a cold-vs-cold control
     python scripts/bench_compile.py --variants inductor --out $OUT          # the long one
+    python scripts/bench_compile.py --variants executor,executor-unstamped --out $OUT   # stamping vs not
     python scripts/bench_compile.py --config tiny --device cpu --buckets 1,4 --steps 4 \\
         --prefill 16 --context 40 --out /tmp/bc                             # CPU smoke run
 
-For each variant (executor: our executor only; inductor: Inductor segments on), ONE invocation
+For each variant (executor: our executor only; inductor: Inductor segments on; either with
+"-unstamped": every layer traced, without layer stamping, compiler/stamp.py), ONE invocation
 runs two child processes one after the other on one cache directory: cold (the directory
 emptied first) then warm (the directory as the cold run left it). Each child builds the model
 (the config's random weights, as scripts/bench.py builds it), then times from
@@ -18,6 +20,8 @@ table last (and writes bench_compile.json to --out): times, CompiledModel.timing
 and whether the warm run's hashes equal the cold run's (the first differing step if not).
 --control adds a second cold process (its own empty directory) between the two: whether two
 cold starts agree bit for bit, without which warm != cold would say nothing about the cache.
+With a variant and its "-unstamped" twin in one invocation, the two cold runs are compared too
+(layer stamping must give the same bits as tracing every layer).
 Children run with torch.use_deterministic_algorithms on unless --nondeterministic: the fused
 wkv + RMSNorm's split-K atomics are not run-to-run deterministic (the ninth session's warm run
 parted from the cold one at step 25 without it; with it, cold == cold2 == warm over 100 steps on
@@ -44,7 +48,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-VARIANTS = ("executor", "inductor")
+# "-unstamped": every layer traced (stamp_layers=False), the route before layer stamping
+VARIANTS = ("executor", "inductor", "executor-unstamped", "inductor-unstamped")
 PHASES = ("cold", "cold2", "warm", "warm2", "warm3")     # cold2: the --control run; warm2+: --warm-runs
 
 
@@ -117,7 +122,8 @@ def run_child(args) -> dict:
     caches, blocks = bench.allocate_caches(model, biggest, max(max_context, args.prefill), device)
 
     t_start = time.perf_counter()
-    compiled = v41graph.compile(model, batch_sizes=buckets, inductor_segments=args.variant == "inductor",
+    compiled = v41graph.compile(model, batch_sizes=buckets, inductor_segments=args.variant.startswith("inductor"),
+                                stamp_layers=not args.variant.endswith("-unstamped"),
                                 share_decode_graph=True if args.bucket_1_static else "all",
                                 compile_cache=args.cache)
     compiled.warmup(caches, blocks, show_progress=False)
@@ -289,6 +295,13 @@ def main(argv=None) -> int:
         if "cold2" in runs:
             results["compare"][variant + " control"] = compare(runs["cold"], runs["cold2"])
         (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
+    # layer stamping must not change a bit: each variant's cold run against its unstamped twin's
+    colds = {r["variant"]: r for r in results["runs"] if r["phase"] == "cold"}
+    for variant in colds:
+        twin = variant + "-unstamped"
+        if twin in colds:
+            results["compare"][f"{variant} stamped"] = compare(colds[twin], colds[variant])
+    (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     return 0 if all(r.get("rc") == 0 for r in results["runs"]) else 1
 
@@ -308,6 +321,7 @@ def print_table(results: dict) -> None:
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
     for variant, c in results["compare"].items():
         what = ("cold2 == cold" if variant.endswith(" control") else
+                "stamped cold == unstamped cold" if variant.endswith(" stamped") else
                 f"{variant.split()[-1]} == cold" if " warm" in variant else "warm == cold")
         print(f"{variant}: {what} bit for bit: {c.get('equal')} (prefill {c.get('prefill_equal')}, "
               f"first differing step {c.get('first_differing_step')}, {c.get('differing_steps')} differ)")
