@@ -4,7 +4,8 @@ static capture.
     compiled = v41graph.compile(model, backend="auto", passes=None, disable=(), capture=True,
                                 batch_sizes=(1, 2, 4, 8), dump_dir=None, share_decode_graph="all",
                                 inductor_segments="auto", compile_prefill=True,
-                                compile_cache=None)      # a directory: $V41GRAPH_COMPILE_CACHE
+                                compile_cache=None,      # a directory: $V41GRAPH_COMPILE_CACHE
+                                stamp_layers=True)       # trace one layer per kind (stamp.py)
     logits = compiled(input_ids, positions, caches, metadata)         # any step
     logits = compiled.decode(input_ids, positions, caches, metadata)  # a decode step: its bucket
 
@@ -631,7 +632,11 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     compile_cache: a directory (default $V41GRAPH_COMPILE_CACHE; None and no variable, or
     False: off) where each traced graph is stored, so that a later process loads it instead of
     tracing (compiler/compile_cache.py); `timings["cache_hits"]` counts the graphs loaded,
-    `compiled.compile_cache.events` says why a graph was traced or not stored."""
+    `compiled.compile_cache.events` says why a graph was traced or not stored.
+    stamp_layers=True (the default) traces only the first layer of each kind and stamps the
+    whole model's graph from it (compiler/stamp.py; `notes["stamp"]` says which layers were
+    traced, `timings["stamp_trace_s"]` / `["stamp_s"]` the trace and the stamping); a call the
+    stamper cannot serve traces every layer, as stamp_layers=False always does."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
                          batch_sizes=batch_sizes, dump_dir=dump_dir,
                          share_decode_graph=share_decode_graph, inductor_segments=inductor_segments,
