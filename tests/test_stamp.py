@@ -167,21 +167,43 @@ def test_a_layer_read_the_stamper_cannot_name_refuses(prefill_call):
 
 
 # ----------------------------------------------------------------------------- compiled
-def _run(compiled_or_model, steps=DECODE_STEPS):
+def _run(compiled_or_model, steps=DECODE_STEPS, verify=False):
+    """Logits of a prefill and `steps` decode steps (and with `verify`, the outputs of a
+    speculative verify step after them), and the caches at the end."""
     session = Session(compiled_or_model, 3, 48, block_size=16)
     out = [session.prefill(PROMPT)]
     for _ in range(steps):
         out.append(session.decode(out[-1].argmax(-1)))
+    if verify:
+        out += _verify(compiled_or_model, session)
     return out, [t.clone() for t in session.caches.tensors()]
+
+
+def _verify(compiled, session, streams_of=(13, 14, 15)):
+    """A verify step as speculative decoding calls it (two tokens per sequence, every token's
+    logits, the streams leaving three layers): [logits, *streams]."""
+    got = {}
+
+    def verify(ids, positions, meta, **kwargs):
+        logits, streams = compiled(ids, positions, session.caches, meta, all_logits=True,
+                                   return_streams=streams_of)
+        got["out"] = [logits, *streams]
+        return logits
+    session.call_model = verify
+    session.extend([0, 1, 2], [[5, 6], [7, 8], [9, 10]])
+    return got["out"]
 
 
 def test_compile_stamps_and_matches_a_full_trace_bit_for_bit(tmp_path):
     full = v41graph.compile(new_model(), backend="cpu", batch_sizes=(4,), compile_cache=False, stamp_layers=False)
-    eager, eager_caches = _run(full)   # "eager": the whole-model trace
+    eager, eager_caches = _run(full, verify=True)   # "eager": the whole-model trace
     assert full.traced_by["prefill"] == 1 and "stamp" not in full.notes
     compiled = v41graph.compile(new_model(), backend="cpu", batch_sizes=(4,), compile_cache=tmp_path)
-    out, caches = _run(compiled)
-    assert compiled.traced_by["prefill"] == 1 and compiled.traced_by["decode"] == 0   # one graph, stamped
+    out, caches = _run(compiled, verify=True)
+    assert len(out) == len(eager) == 1 + DECODE_STEPS + 4
+    # one graph for prefill and decode, one for the verify step: both stamped
+    assert compiled.traced_by["prefill"] == 1 and compiled.traced_by["verify"] == 1
+    assert compiled.traced_by["decode"] == 0
     assert "traced layers [0, 1, 2, 3, 4, 8, 9, 10, 11] of 16" in compiled.notes["stamp"]
     assert compiled.timings["stamp_s"] > 0
     for a, b in zip(out, eager):

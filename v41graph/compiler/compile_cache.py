@@ -694,18 +694,21 @@ class CompileCache:
         return record, guards
 
     def add_stamped(self, kind: str, signature: str, record: "GraphRecord", guards, sources: list,
-                    gm: fx.GraphModule, graph, map_checks) -> "LoadedEntry":
+                    gm: fx.GraphModule, graph, map_checks, streams: int = 0) -> "LoadedEntry":
         """The entry of a graph stamped from `record` (its inputs named by `sources`; `gm` the
         final graph, `graph` what runs it): kept in this process, and stored when the cache has
         a directory, as a traced graph's entry is (a warm start cannot tell them apart). The
-        call's value is the graph's one output (CachedFunction stamps only such calls).
+        call's value is the graph's first output (the logits), or with `streams` > 0 (a call
+        with return_streams) (logits, [the other outputs]), as V41Model.forward returns them.
         map_checks(checks) turns the traced layers' guard checks into the whole model's."""
         if record.refused:
             raise NotCacheable(record.refused)
         vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        if not isinstance(outputs, (list, tuple)) or len(outputs) != 1:
-            raise NotCacheable("a stamped graph must have exactly one output (the logits)")
+        if not isinstance(outputs, (list, tuple)) or len(outputs) != 1 + streams:
+            raise NotCacheable(f"a stamped graph must have {1 + streams} outputs (the logits and {streams} streams)")
+        leaf = torch.empty(0)
+        spec = pytree.tree_flatten((leaf, [leaf] * streams) if streams else leaf)[1]
         checks, unchecked = guards_from_entries(guards or [])
         checks = map_checks(checks)
         if not guards:
@@ -714,8 +717,8 @@ class CompileCache:
                       inputs=[_tensor_meta(v) for v in vals], shape_guards=record.shape_guards,
                       arg_checks=[c for c in checks if not c[1].startswith("self")],
                       model_checks=[c for c in checks if c[1].startswith("self")],
-                      state=_state(), out_spec=pytree.treespec_dumps(pytree.tree_flatten(torch.empty(0))[1]),
-                      out_index=[0], graph={}, unchecked=unchecked)
+                      state=_state(), out_spec=pytree.treespec_dumps(spec),
+                      out_index=list(range(1 + streams)), graph={}, unchecked=unchecked)
         entry.digest = _digest([entry.signature, entry.sources, entry.inputs, entry.shape_guards])[:12]
         loaded = LoadedEntry(entry, None, graph=graph)
         self.resident.append(loaded)

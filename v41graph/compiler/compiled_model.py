@@ -188,6 +188,9 @@ class CompiledModel:
         caller traces the whole model instead."""
         import builtins
         cache, model = self._graphs, self.model
+        # a verify step (return_streams) is the plain step's graph with more outputs: trace that
+        streams_of = tuple(int(i) for i in scope.get("return_streams") or ())
+        kwargs = {k: v for k, v in kwargs.items() if k != "return_streams"}
         t0 = time.perf_counter()
         cache.begin(stamping=True)
         model.stamp_layers = self.stamp.traced
@@ -210,7 +213,8 @@ class CompiledModel:
         t1 = time.perf_counter()
         try:
             gm, sources = stamp_graph(record.gm, record.sources, self.stamp,
-                                      lambda source: eval(source, {"__builtins__": builtins}, {"L": scope}))
+                                      lambda source: eval(source, {"__builtins__": builtins}, {"L": scope}),
+                                      streams_of)
         except StampRefused as exc:
             cache.note(f"{kind}: not stamped ({exc}); tracing the whole model", logging.WARNING)
             return None
@@ -222,7 +226,7 @@ class CompiledModel:
         t4 = time.perf_counter()
         try:
             entry = cache.add_stamped(kind, signature, record, guards, sources, gm, graph,
-                                      lambda checks: map_checks(checks, self.stamp))
+                                      lambda checks: map_checks(checks, self.stamp), streams=len(streams_of))
         except NotCacheable as exc:
             cache.note(f"{kind}: not stamped ({exc}); tracing the whole model", logging.WARNING)
             return None
@@ -496,7 +500,9 @@ class CachedFunction:
             self.last_entry_kind = entry.entry.kind
             return entry(found)
         self.last_entry_kind = None
-        if compiled.stamp is not None and not scope.get("return_streams") and scope.get("decoder_replay") is None:
+        # (a model in debug mode records every layer's values from Python: not from a stamped graph)
+        if compiled.stamp is not None and scope.get("decoder_replay") is None and compiled.model.debug is None \
+                and len(args) <= 5:      # return_streams, when given, by keyword (CompiledModel.__call__)
             entry = compiled._stamp(self.fn, scope, self.kind, signature, args, kwargs)
             if entry is not None:
                 if compiled.compile_cache is not None:

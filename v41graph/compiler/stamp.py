@@ -121,8 +121,8 @@ def _sym_key(node: fx.Node):
 
 # ----------------------------------------------------------------------------- the stamper
 class _Stamper:
-    def __init__(self, gs: fx.GraphModule, sources: list, stamp: StampPlan, resolve):
-        self.gs, self.stamp, self.resolve = gs, stamp, resolve
+    def __init__(self, gs: fx.GraphModule, sources: list, stamp: StampPlan, resolve, streams_of=()):
+        self.gs, self.stamp, self.resolve, self.streams_of = gs, stamp, resolve, tuple(streams_of)
         nodes = list(gs.graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         if len(self.placeholders) != len(sources):
@@ -317,7 +317,15 @@ class _Stamper:
             value = self.latest[source]
             if value is not node:
                 self.graph.call_function(COPY_, (node, value))
-        self.graph.output(fx.node.map_arg(output.args[0], lambda a: self._lookup(a, env, epilogue_map, last + 1)))
+        outputs = fx.node.map_arg(output.args[0], lambda a: self._lookup(a, env, epilogue_map, last + 1))
+        if self.streams_of:     # forward(return_streams=...): the streams leaving those layers too
+            if not isinstance(outputs, (list, tuple)):
+                raise StampRefused("the traced graph's output is not a tuple")
+            missing = [w for w in self.streams_of if not 0 <= w <= last]
+            if missing:
+                raise StampRefused(f"return_streams: layer {missing[0]} is not a layer of the model")
+            outputs = (*outputs, *(self.tagged[repr(("layer_out", f"layer{w}", "streams"))] for w in self.streams_of))
+        self.graph.output(outputs)
         self._check_write_backs()
         strip_tags(self.graph)
         self.graph.eliminate_dead_code()
@@ -372,11 +380,14 @@ def strip_tags(graph: fx.Graph) -> int:
     return len(tags)
 
 
-def stamp_graph(gs: fx.GraphModule, sources: list, stamp: StampPlan, resolve) -> tuple[fx.GraphModule, list]:
+def stamp_graph(gs: fx.GraphModule, sources: list, stamp: StampPlan, resolve,
+                streams_of=()) -> tuple[fx.GraphModule, list]:
     """The whole model's post-AOT graph from `gs`, the graph of the traced layers (with tags),
     and its inputs' sources; `resolve(source)` gives the value a source names in the call
-    being compiled (to check each new input against the traced layer's). Raises StampRefused."""
-    return _Stamper(gs, sources, stamp, resolve).run()
+    being compiled (to check each new input against the traced layer's). streams_of: layers
+    whose outgoing streams become outputs after `gs`'s own (what forward's return_streams
+    adds: a verify step's graph is the plain step's with these outputs). Raises StampRefused."""
+    return _Stamper(gs, sources, stamp, resolve, streams_of).run()
 
 
 __all__ = ["StampPlan", "StampRefused", "plan_stamping", "stamp_graph", "strip_tags", "layer_kind", "map_checks",
