@@ -140,7 +140,8 @@ class _Stamper:
 
     def _regions(self, nodes) -> dict:
         """Traced layer -> (first, last) node index: from its first layer_in tag to its last
-        layer_out tag; nothing but placeholders before the first region's own prologue."""
+        layer_out tag. Before the first region is the prologue (embedding, Engram ids), after
+        the last the epilogue (head, write-backs); between two regions there must be no op."""
         spans = {}
         for i, n in enumerate(nodes):
             tag = _tag(n)
