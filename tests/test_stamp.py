@@ -4,7 +4,8 @@ layer of each kind must be the graph a full trace gives, and compute the same bi
 The model is tiny() widths with a 16-layer plan in which every kind the stamper copies occurs
 more than once: a ratio-2 KV source (layer 5 copied from 2), its Reuse layers (6, 7 from 3,
 reading layer 5's top-k and KV where 3 read layer 2's), a Reindex layer (13 from 10) and the
-Reuse layers of a Reindex source (12, 14, 15 from 11).
+Reuse layers of the Reindex sources (11, 12, 14, 15 from 9, the candidate source's Reuse layer:
+their top-k is the Reindex layer's, their KV the candidate source's).
 """
 from __future__ import annotations
 
@@ -53,10 +54,13 @@ def test_the_released_plan_traces_nine_of_forty_layers():
     # by hand from the released layer plan: window (0), window + Engram (1), the first
     # ratio-2 KV source (2) and its Reuse layer (3), the ratio-2 source with Engram (14; its
     # Reuse layers are copies of 3), the ratio-1 candidate source (20) and its Reuse layer
-    # (21), the first Reindex layer (24) and a Reuse layer of it (25)
-    assert plan.traced == (0, 1, 2, 3, 14, 20, 21, 24, 25)
-    assert plan.copied_from[9] == 3 and plan.layer_maps[9] == {3: 9, 2: 8}
-    assert plan.copied_from[37] == 25 and plan.layer_maps[37] == {25: 37, 20: 20, 24: 36}
+    # (21; the Reuse layers of the Reindex layers are copies of it too, reading their top-k
+    # where 21 reads 20's), the first Reindex layer (24)
+    assert plan.traced == (0, 1, 2, 3, 14, 20, 21, 24)
+    assert plan.copied_from[9] == 3 and plan.layer_maps[9] == {"self": {3: 9}, "kv": {2: 8}, "index": {2: 8}}
+    assert plan.copied_from[37] == 21 and plan.layer_maps[37] == {"self": {21: 37}, "kv": {20: 20},
+                                                                  "index": {20: 36}}
+    assert plan.copied_from[28] == 24 and plan.layer_maps[28]["candidate"] == {20: 20}
     assert plan.copied_from[8] == 2 and plan.copied_from[15] == 3
 
 
@@ -140,7 +144,7 @@ def test_the_stamped_graph_is_the_full_trace_node_for_node(prefill_call):
     for t, old in zip(call[2].tensors(), before):
         t.copy_(old)
     plan = st.plan_stamping(model.plan)
-    assert plan.traced == (0, 1, 2, 3, 4, 8, 9, 10, 11)
+    assert plan.traced == (0, 1, 2, 3, 4, 8, 9, 10)
     traced, traced_sources = _capture(model, call, plan.traced)
     full, full_sources = _capture(model, call, None)
     scope = dict(zip(("self", "input_ids", "positions", "caches", "metadata"), (model, *call)))
@@ -204,7 +208,7 @@ def test_compile_stamps_and_matches_a_full_trace_bit_for_bit(tmp_path):
     # one graph for prefill and decode, one for the verify step: both stamped
     assert compiled.traced_by["prefill"] == 1 and compiled.traced_by["verify"] == 1
     assert compiled.traced_by["decode"] == 0
-    assert "traced layers [0, 1, 2, 3, 4, 8, 9, 10, 11] of 16" in compiled.notes["stamp"]
+    assert "traced layers [0, 1, 2, 3, 4, 8, 9, 10] of 16" in compiled.notes["stamp"]
     assert compiled.timings["stamp_s"] > 0
     for a, b in zip(out, eager):
         assert torch.equal(a, b)

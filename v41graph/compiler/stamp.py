@@ -47,22 +47,31 @@ class StampRefused(Exception):
 
 
 # ----------------------------------------------------------------------------- which layers
-def _refs(role) -> tuple:
-    return (role.layer_id, role.kv_source, role.index_source, role.candidate_source)
+# The layer ids a layer refers to, by what it reads through each: its own weights, window ring
+# and streams ("self"); its KV source's global KV, index keys and compressor ring ("kv"); its
+# index source's top-k and global rows ("index"); the candidate source's candidates ("candidate").
+FIELDS = ("self", "kv", "index", "candidate")
+
+
+def _refs(role) -> dict:
+    return dict(zip(FIELDS, (role.layer_id, role.kv_source, role.index_source, role.candidate_source)))
 
 
 def layer_kind(role) -> tuple:
-    """Layers of one kind trace the same ops on their own weights, caches and sources."""
+    """Layers of one kind trace the same ops on their own weights, caches and sources: same
+    mode, ratio, candidate-source flag and Engram slot, and the same sources present (each
+    either the layer itself or another one). Which other layer a source is does not matter: a
+    copy reads its own sources' values through the same fields."""
     refs = _refs(role)
-    pattern = tuple(None if r is None else refs.index(r) for r in refs)
-    return (role.mode, role.ratio, role.is_candidate_source, role.engram_slot, pattern)
+    sources = tuple(None if refs[f] is None else refs[f] == role.layer_id for f in FIELDS[1:])
+    return (role.mode, role.ratio, role.is_candidate_source, role.engram_slot, sources)
 
 
 @dataclasses.dataclass
 class StampPlan:
     traced: tuple            # the layers traced: the first of each kind
     copied_from: dict        # layer -> the traced layer it is a copy of (itself when traced)
-    layer_maps: dict         # layer -> {layer id in its traced layer's graph -> its own}
+    layer_maps: dict         # layer -> {field: {its traced layer's id there -> its own}}
 
     @property
     def num_layers(self) -> int:
@@ -77,24 +86,49 @@ def plan_stamping(plan) -> StampPlan:
     for role in plan:
         rep = first[layer_kind(role)]
         copied_from[role.layer_id] = rep.layer_id
-        maps[role.layer_id] = {a: b for a, b in zip(_refs(rep), _refs(role)) if a is not None}
+        theirs, mine = _refs(rep), _refs(role)
+        maps[role.layer_id] = {f: {theirs[f]: mine[f]} for f in FIELDS if theirs[f] is not None}
     return StampPlan(tuple(sorted(r.layer_id for r in first.values())), copied_from, maps)
 
 
 # ----------------------------------------------------------------------------- names
-_LAYER_IN_SOURCE = re.compile(r"(\['layers'\]\._modules\['|\.layers\[|\.(?:window_kv|window_scale|compressor_state"
+_LAYER_IN_SOURCE = re.compile(r"(\['layers'\]\._modules\['|\.layers\[|\.(window_kv|window_scale|compressor_state"
                               r"|global_kv|global_scale|index_k|index_scale)\[)(\d+)")
 _LAYER_IN_TAG = re.compile(r"'layer(\d+)'")
+# which field a tag's layer id is read through (StepContext.tag keys; "shared" keys by their name)
+_TAG_FIELDS = {"layer_in": "self", "layer_out": "self", "topk": "index", "candidates": "candidate",
+               "global_rows": "index", "candidate_rows": "candidate"}
+# LayerRole fields that hold layer ids (a guard on them expects the copy's ids)
+_ROLE_REFS = {".role.layer_id": "self", ".role.kv_source": "kv", ".role.index_source": "index",
+              ".role.candidate_source": "candidate"}
+
+
+def _mapped(layer_map: dict, field: str, layer: int) -> int:
+    """`layer` through `field` of a layer map; the candidate source's own candidates are read
+    through "candidate" by Reindex layers but made by the source itself ("self")."""
+    for f in (field, "self") if field == "candidate" else (field,):
+        if layer in layer_map.get(f, {}):
+            return layer_map[f][layer]
+    return layer
 
 
 def map_source(source: str, layer_map: dict) -> str:
     """A Dynamo source (or guard name) with its layer ids mapped: module paths under `layers`
-    and the per-layer cache entries."""
-    return _LAYER_IN_SOURCE.sub(lambda m: m.group(1) + str(layer_map.get(int(m.group(2)), int(m.group(2)))), source)
+    and the window ring through "self", the other per-layer caches through "kv"."""
+    def sub(m):
+        field = "self" if m.group(2) in (None, "window_kv", "window_scale") else "kv"
+        return m.group(1) + str(_mapped(layer_map, field, int(m.group(3))))
+    return _LAYER_IN_SOURCE.sub(sub, source)
 
 
 def map_tag(tag: str, layer_map: dict) -> str:
-    return _LAYER_IN_TAG.sub(lambda m: f"'layer{layer_map.get(int(m.group(1)), int(m.group(1)))}'", tag)
+    key = ast.literal_eval(tag)
+    kind = key[1] if key[0] == "shared" else key[0]
+    if kind not in _TAG_FIELDS:
+        if _LAYER_IN_TAG.search(tag):
+            raise StampRefused(f"tag {tag}: a layer id in a value of unknown kind {kind!r}")
+        return tag
+    return _LAYER_IN_TAG.sub(lambda m: f"'layer{_mapped(layer_map, _TAG_FIELDS[kind], int(m.group(1)))}'", tag)
 
 
 def _module_stack_map(stack, layer_map: dict):
@@ -303,7 +337,7 @@ class _Stamper:
                     continue        # a mutated input's write-back: made for every cache below
                 self._copy(n, env, layer_map, layer, {traced: layer} if traced != layer else None)
         last_traced, last = self.stamp.traced[-1], self.stamp.num_layers - 1
-        epilogue_map = {last_traced: last}
+        epilogue_map = {"self": {last_traced: last}}
         env = dict(self.outer)
         output = None
         for n in self.nodes[last_end + 1:]:
@@ -343,10 +377,6 @@ class _Stamper:
             raise StampRefused(f"the traced graph writes back {sorted(missing)[0]}, the stamped one does not")
 
 
-# LayerRole fields that hold layer ids (a guard on them expects the copy's ids)
-_ROLE_REFS = (".role.layer_id", ".role.kv_source", ".role.index_source", ".role.candidate_source")
-
-
 def map_checks(checks: list, stamp: StampPlan) -> list:
     """Dynamo's guard checks of the traced layers (compile_cache.guards_from_entries) made the
     whole model's: each check naming a traced layer's modules or caches repeated for every
@@ -357,14 +387,15 @@ def map_checks(checks: list, stamp: StampPlan) -> list:
     naming = {}
     for c in kept:
         for m in _LAYER_IN_SOURCE.finditer(c[1]):
-            naming.setdefault(int(m.group(2)), []).append(c)
+            naming.setdefault(int(m.group(3)), []).append(c)
     for layer, traced in stamp.copied_from.items():
         if layer == traced:
             continue
         layer_map = stamp.layer_maps[layer]
         for kind, name, expected in naming.get(traced, ()):
-            if name.endswith(_ROLE_REFS) and expected[0] == "value" and expected[1] in layer_map:
-                expected = ("value", layer_map[expected[1]])     # a layer id the role holds
+            field = next((f for suffix, f in _ROLE_REFS.items() if name.endswith(suffix)), None)
+            if field is not None and expected[0] == "value" and isinstance(expected[1], int):
+                expected = ("value", _mapped(layer_map, field, expected[1]))   # a layer id the role holds
             mapped = (kind, map_source(name, layer_map), expected)
             if repr(mapped) not in seen:
                 seen.add(repr(mapped))
