@@ -152,6 +152,12 @@ class CompiledModel:
     def config(self):
         return self.model.config
 
+    @property
+    def compile_events(self) -> list[str]:
+        """Why graphs were traced, stamped, not stamped or not stored (readable lines): the
+        compile cache's events, or those of the in-memory store of stamped graphs."""
+        return self._graphs.events if self._graphs is not None else []
+
     def _graph_compiled(self, passes_s: float, lower_s: float) -> None:
         self.traced_by[self._tracing or "step"] += 1
         self.timings["passes_s"] += passes_s
