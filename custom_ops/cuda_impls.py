@@ -60,6 +60,20 @@ def triton_module(family: str, kernel: str | None = None):
 
 
 # ----------------------------------------------------------------------------- registrations
+# op name -> its CUDA impl (the Python function registered for the CUDA key): called directly
+# by compiler/triton_precompile.py on stand-in tensors to note the Triton kernels it compiles
+CUDA_IMPLS: dict = {}
+
+
+def _cuda_impl(op: str):
+    """Decorator: register `fn` as the CUDA impl of v41graph::`op` (and keep it in CUDA_IMPLS)."""
+    def register(fn):
+        CUDA_IMPLS[op] = fn
+        torch.library.register_kernel(f"{_NS}::{op}", "cuda", fn)
+        return fn
+    return register
+
+
 def _register_triton_first(op: str, family: str, checked: int, fallback) -> None:
     """CUDA impl of `op`: the Triton wrapper of the same name in triton/<family>.py when Triton
     is usable and `<op>_supported(*args[:checked])` accepts the inputs, else `fallback(*args)`,
@@ -69,7 +83,7 @@ def _register_triton_first(op: str, family: str, checked: int, fallback) -> None
         if tk is not None and getattr(tk, f"{op}_supported")(*args[:checked]):
             return getattr(tk, op)(*args)
         return fallback(*args)
-    torch.library.register_kernel(f"{_NS}::{op}", "cuda", impl)
+    _cuda_impl(op)(impl)
 
 
 _register_triton_first("fused_wkv_rmsnorm", "norms", 3, ref.wkv_rmsnorm)
@@ -93,7 +107,7 @@ def _register_cache_write(op: str, block: int) -> None:
             getattr(tk, op)(cache, scale, values, slot_mapping)
         else:
             getattr(ref, op)(cache, scale, values, slot_mapping)
-    torch.library.register_kernel(f"{_NS}::{op}", "cuda", impl)
+    _cuda_impl(op)(impl)
 
 
 _register_cache_write("window_kv_write", 32)    # FP8 + UE8M0 per 32
@@ -101,7 +115,7 @@ _register_cache_write("global_kv_write", 16)    # FP4 + E4M3 per 16
 _register_cache_write("index_k_write", 32)      # FP4 + UE8M0 per 32
 
 
-@torch.library.register_kernel(f"{_NS}::fused_ratio2_compressor", "cuda")
+@_cuda_impl("fused_ratio2_compressor")
 def _fused_ratio2_compressor_cuda(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype):
     tk = triton_module("compressor", "fused_ratio2_compressor")
     if tk is not None and tk.ratio2_supported(x, wkv, wgate, state, member_rows, norm_weight, out_dtype):
@@ -110,7 +124,7 @@ def _fused_ratio2_compressor_cuda(x, wkv, wgate, state, member_rows, norm_weight
     return ref.ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_dtype)
 
 
-@torch.library.register_kernel(f"{_NS}::fused_ratio2_compressor_update", "cuda")
+@_cuda_impl("fused_ratio2_compressor_update")
 def _fused_ratio2_compressor_update_cuda(x, wkv, wgate, state, member_rows, state_rows, norm_weight,
                                          eps, out_dtype):
     tk = triton_module("compressor", "fused_ratio2_compressor_update")
@@ -122,7 +136,7 @@ def _fused_ratio2_compressor_update_cuda(x, wkv, wgate, state, member_rows, stat
                                         eps, out_dtype)
 
 
-@torch.library.register_kernel(f"{_NS}::engram_gather", "cuda")
+@_cuda_impl("engram_gather")
 def _engram_gather_cuda(table, scale, row_ids, out_dtype):
     tk = triton_module("engram", "engram_gather")
     if tk is not None and tk.engram_gather_supported(table, scale, row_ids, out_dtype):
@@ -151,7 +165,7 @@ def _topk_ascending(scores, k):
     return ref.topk_ascending(scores, k)
 
 
-@torch.library.register_kernel(f"{_NS}::indexer_topk", "cuda")
+@_cuda_impl("indexer_topk")
 def _indexer_topk_cuda(q, weights, key_cache, key_scale, key_rows, visible, topk,
                        candidate_block_size, candidate_keep_blocks):
     scores = _indexer_scores(q, weights, key_cache, key_scale, key_rows, visible)
@@ -160,7 +174,7 @@ def _indexer_topk_cuda(q, weights, key_cache, key_scale, key_rows, visible, topk
                                     select=_topk_ascending))
 
 
-@torch.library.register_kernel(f"{_NS}::indexer_topk_candidates", "cuda")
+@_cuda_impl("indexer_topk_candidates")
 def _indexer_topk_candidates_cuda(q, weights, key_cache, key_scale, candidate_rows,
                                   candidate_positions, topk):
     listed = ref.listed_candidates(candidate_rows, candidate_positions)

@@ -8,7 +8,8 @@
         --prefill 16 --context 40 --out /tmp/bc                             # CPU smoke run
 
 For each variant (executor: our executor only; inductor: Inductor segments on; either with
-"-unstamped": every layer traced, without layer stamping, compiler/stamp.py), ONE invocation
+"-unstamped": every layer traced, without layer stamping, compiler/stamp.py, or with
+"-serialjit": no compile workers, compiler/triton_precompile.py), ONE invocation
 runs two child processes one after the other on one cache directory: cold (the directory
 emptied first) then warm (the directory as the cold run left it). Each child builds the model
 (the config's random weights, as scripts/bench.py builds it), then times from
@@ -48,8 +49,12 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-# "-unstamped": every layer traced (stamp_layers=False), the route before layer stamping
-VARIANTS = ("executor", "inductor", "executor-unstamped", "inductor-unstamped")
+# "-unstamped": every layer traced (stamp_layers=False), the route before layer stamping;
+# "-serialjit": V41GRAPH_COMPILE_WORKERS=0, each Triton kernel compiled at its first launch, one
+# after another, and Inductor's compile workers started by Inductor itself (the route before the
+# eighteenth session's parallel precompile)
+VARIANTS = ("executor", "inductor", "executor-unstamped", "inductor-unstamped", "executor-serialjit",
+            "inductor-serialjit")
 PHASES = ("cold", "cold2", "warm", "warm2", "warm3")     # cold2: the --control run; warm2+: --warm-runs
 
 
@@ -107,6 +112,9 @@ def run_child(args) -> dict:
     from v41graph.model.metadata import build_metadata, positions_of
 
     device = args.device
+    if args.variant.endswith("-serialjit"):
+        os.environ["V41GRAPH_COMPILE_WORKERS"] = "0"
+    jit = count_triton_compiles()
     if not args.nondeterministic:
         # the goal is "bit-identical with deterministic kernels": our kernels and cuBLAS pick
         # their deterministic paths; uninitialized memory is not filled (that would add kernels)
@@ -129,6 +137,7 @@ def run_child(args) -> dict:
     compiled.warmup(caches, blocks, show_progress=False)
     bench._sync(device)
     t_warm = time.perf_counter()
+    jit_warmup = dict(jit)
     # one prefill chunk of sequence 0 (slot 0, its own blocks)
     table0 = list(range(blocks))
     meta = build_metadata([0], [0], [args.prefill], [table0], blocks, device)
@@ -137,6 +146,7 @@ def run_child(args) -> dict:
     prefill_logits = compiled(ids, positions_of(meta), caches, meta)
     bench._sync(device)
     t_prefill = time.perf_counter()
+    jit_prefill = {k: v - jit_warmup[k] for k, v in jit.items()}
 
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(biggest)]
     pos = [args.context] * biggest
@@ -164,6 +174,9 @@ def run_child(args) -> dict:
             "to_first_step_s": round(first_step_s, 2), "warmup_s": round(t_warm - t_start, 2),
             "prefill_s": round(t_prefill - t_warm, 2),
             "timings": {k: round(v, 3) for k, v in compiled.timings.items()},
+            # Triton kernels compiled in this process (a worker's compile is a load here)
+            "triton_jit": {"warmup": jit_warmup, "prefill": jit_prefill},
+            "precompile": compiled.precompile.reports if compiled.precompile is not None else None,
             "segments_loaded": segments.loaded if segments else None,
             "segments_stored": segments.stored if segments else None,
             "cache_events": compiled.compile_cache.events[-30:] if compiled.compile_cache else [],
@@ -173,6 +186,25 @@ def run_child(args) -> dict:
                                  for sub in ("triton", "inductor")},
             "prefill_hash": prefill_hash,
             "step_hashes": hashes, "hash": digest.hexdigest()}
+
+
+def count_triton_compiles() -> dict:
+    """Counts of Triton compiles in this process from now on: "compiled" (a miss in Triton's
+    on-disk cache: the JIT ran here) and "loaded" (a hit), through Triton's compilation
+    listener (chained to one already set)."""
+    counts = {"compiled": 0, "loaded": 0}
+    try:
+        from triton import knobs
+    except ImportError:
+        return counts
+    previous = knobs.compilation.listener
+
+    def listen(**kwargs):
+        counts["loaded" if kwargs.get("cache_hit") else "compiled"] += 1
+        if previous is not None:
+            previous(**kwargs)
+    knobs.compilation.listener = listen
+    return counts
 
 
 # ----------------------------------------------------------------------------- parent
@@ -295,12 +327,13 @@ def main(argv=None) -> int:
         if "cold2" in runs:
             results["compare"][variant + " control"] = compare(runs["cold"], runs["cold2"])
         (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
-    # layer stamping must not change a bit: each variant's cold run against its unstamped twin's
+    # neither layer stamping nor the parallel precompile may change a bit: each variant's cold run
+    # against its twin's without them
     colds = {r["variant"]: r for r in results["runs"] if r["phase"] == "cold"}
     for variant in colds:
-        twin = variant + "-unstamped"
-        if twin in colds:
-            results["compare"][f"{variant} stamped"] = compare(colds[twin], colds[variant])
+        for suffix, what in (("-unstamped", "stamped"), ("-serialjit", "precompiled")):
+            if variant + suffix in colds:
+                results["compare"][f"{variant} {what}"] = compare(colds[variant + suffix], colds[variant])
     (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     return 0 if all(r.get("rc") == 0 for r in results["runs"]) else 1
@@ -308,13 +341,16 @@ def main(argv=None) -> int:
 
 def print_table(results: dict) -> None:
     head = ("variant", "phase", "rc", "process s", "to 1st step s", "warmup s", "prefill s", "trace s",
-            "first run s", "capture s", "lower s", "hits", "misses", "segs loaded", "triton new")
+            "first run s", "capture s", "lower s", "precompile s", "jit here", "hits", "misses", "segs loaded",
+            "triton new")
     rows = []
     for r in results["runs"]:
         t = r.get("timings", {})
         rows.append((r["variant"], r["phase"], r.get("rc"), r.get("process_wall_s"), r.get("to_first_step_s"),
                      r.get("warmup_s"), r.get("prefill_s"), t.get("trace_s"), t.get("first_run_s"),
-                     t.get("capture_s"), t.get("lower_s"), t.get("cache_hits", 0), t.get("cache_misses", 0),
+                     t.get("capture_s"), t.get("lower_s"), t.get("precompile_s"),
+                     "+".join(str(r.get("triton_jit", {}).get(k, {}).get("compiled")) for k in ("warmup", "prefill")),
+                     t.get("cache_hits", 0), t.get("cache_misses", 0),
                      r.get("segments_loaded"), r.get("tool_cache_growth", {}).get("triton_kernels_new")))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for row in (head, *rows):
@@ -322,6 +358,7 @@ def print_table(results: dict) -> None:
     for variant, c in results["compare"].items():
         what = ("cold2 == cold" if variant.endswith(" control") else
                 "stamped cold == unstamped cold" if variant.endswith(" stamped") else
+                "precompiled cold == serial-JIT cold" if variant.endswith(" precompiled") else
                 f"{variant.split()[-1]} == cold" if " warm" in variant else "warm == cold")
         print(f"{variant}: {what} bit for bit: {c.get('equal')} (prefill {c.get('prefill_equal')}, "
               f"first differing step {c.get('first_differing_step')}, {c.get('differing_steps')} differ)")

@@ -46,11 +46,15 @@ class TracedGraph:
     runs. Keeping the untouched graph lets the pass list change without tracing again:
     tracing (Dynamo + AOT) is ~90 % of compile time, our passes a few seconds."""
 
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, before_run=None):
         self.untouched = copy_graph_module(gm)
         self.current = gm
+        # before_run(gm, args), if given, sees every call first (triton_precompile.TritonPrecompile)
+        self.before_run = before_run
 
     def __call__(self, *args):
+        if self.before_run is not None:
+            self.before_run(self.current, args)
         return self.current.forward(*args)
 
     def repass(self, manager: PassManager, lower=None) -> None:
@@ -83,7 +87,7 @@ def graph_module_like(root: torch.fx.GraphModule, graph: torch.fx.Graph) -> torc
 
 
 def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", traced=None,
-                 lower=None, on_compiled=None, recorder=None):
+                 lower=None, on_compiled=None, recorder=None, before_run=None):
     """A torch.compile backend running our pass manager; returns (backend, pass_manager).
     `traced`, a list, collects a TracedGraph per compiled graph (CompiledModel.set_passes).
     `lower(gm)`, if given, is the platform lowering run on each final graph after the passes
@@ -91,7 +95,8 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
     given, is called when a graph is ready to run, with the seconds our passes and the lowering
     took on it. `recorder` (the persistent compile cache, compiler/compile_cache.py) sees the
     Dynamo graph (`dynamo_graph(gm)`), the post-AOT graph (`aot_graph(gm)`) and the final one
-    (`graph_ready(gm, fn)`, which may wrap the callable to see its first call)."""
+    (`graph_ready(gm, fn)`, which may wrap the callable to see its first call). `before_run`:
+    TracedGraph's hook (with `traced` only)."""
     from functorch.compile import make_boxed_func
 
     manager = PassManager(passes, disable, dump_dir)
@@ -105,7 +110,7 @@ def make_backend(passes=None, disable=(), dump_dir=None, platform: str = "cpu", 
             # it wants; the call that traced it must not run it (it is not the whole model)
             recorder.aot_graph(gm, keep=True)
             return make_boxed_func(_graph_captured)
-        graph = TracedGraph(gm) if traced is not None else None
+        graph = TracedGraph(gm, before_run) if traced is not None else None
         if recorder is not None:
             recorder.aot_graph(gm)
         t0 = time.perf_counter()

@@ -32,6 +32,7 @@ from .backend import GraphCaptured, TracedGraph, make_backend, raise_dynamo_reco
 from .compile_cache import CompileCache, NotCacheable, cache_key, resolve_dir
 from .stamp import StampRefused, map_checks, plan_stamping, stamp_graph
 from .dump import graph_name
+from .triton_precompile import make_precompile, worker_count
 
 _log = logging.getLogger(__name__)
 
@@ -102,12 +103,17 @@ class CompiledModel:
             inductor_segments, self.platform, self.compile_cache is not None,
             parallel=getattr(self.model, "parallel", None) is not None)
         if self.inductor_segments:   # Triton's environment as Inductor will set it, before any JIT
-            from .inductor_segments import pin_inductor_triton_env
+            from .inductor_segments import pin_inductor_triton_env, start_inductor_compile_workers
             pin_inductor_triton_env()
+            if worker_count() > 0:
+                start_inductor_compile_workers()
+        # On CUDA, each graph's Triton kernels are compiled by worker processes before its first
+        # run with new sizes (triton_precompile.py); the workers start now, during the trace.
+        self.precompile = make_precompile(self.platform, self.timings)
         self.backend, self.pass_manager = make_backend(passes, disable, dump_dir, self.platform,
                                                        traced=self.traced, lower=self._lower,
                                                        on_compiled=self._graph_compiled,
-                                                       recorder=self._graphs)
+                                                       recorder=self._graphs, before_run=self.precompile)
         self.capture = capture
         self.batch_sizes = sorted(set(int(b) for b in batch_sizes))
         if not self.batch_sizes or self.batch_sizes[0] < 1:
@@ -224,7 +230,7 @@ class CompiledModel:
         except StampRefused as exc:
             cache.note(f"{kind}: not stamped ({exc}); tracing the whole model", logging.WARNING)
             return None
-        graph = TracedGraph(gm)
+        graph = TracedGraph(gm, self.precompile)
         t2 = time.perf_counter()
         self.pass_manager(gm)
         t3 = time.perf_counter()

@@ -267,6 +267,23 @@ def pin_inductor_triton_env() -> dict:
     return {k: v for k, v in os.environ.items() if before.get(k) != v}
 
 
+def start_inductor_compile_workers() -> bool:
+    """Start Inductor's pool of Triton-compile workers now. Inductor sends a kernel to its pool
+    only once the pool has answered a first job; until then it compiles in this process, one
+    kernel after another. Started at the first segment's first kernel (as Inductor does by
+    itself), the pool is not ready for the first segments; started with the compiled model, its
+    workers start up while Dynamo traces. Private Inductor API, looked up by name: False
+    (nothing started) where it is missing or the pool is off (compile_threads 1)."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+        AsyncCompile.warm_pool()
+        AsyncCompile.use_process_pool()     # submits the readiness job: the workers start
+        return True
+    except Exception as exc:     # another torch: Inductor starts its pool itself, later
+        log.info("Inductor's compile workers not started early (%s: %s)", type(exc).__name__, exc)
+        return False
+
+
 def compile_segment(sub: fx.GraphModule):
     """Inductor's compiled callable for a segment GraphModule. Raises when Inductor refuses it."""
     from torch._guards import TracingContext, detect_fake_mode, tracing

@@ -1,0 +1,250 @@
+"""Triton precompile (compiler/triton_precompile.py): the stand-in calls must reproduce the
+graph's real op calls (sizes, strides, offsets, dtypes) for every set of sizes it runs with,
+a worker's compile must be the cache entry the first run's JIT looks for, and the hook must
+note each graph's kernels once per set of sizes.
+
+On CPU the graph's ops run their CPU kernels: the test checks the stand-ins against the
+arguments the graph really passes (an FX interpreter re-running the graph on the recorded
+arguments), which is what decides the Triton specializations on CUDA.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.fx as fx
+
+import v41graph
+from v41graph.compiler import triton_precompile as tp
+from v41graph.custom_ops.cuda_impls import CUDA_IMPLS
+from v41graph.model.config import V41Config
+from v41graph.model.model import V41Model, init_random_
+from v41graph.runtime.session import Session
+
+
+def describe(value):
+    """What of an argument decides a Triton specialization (tensors by size, stride, storage
+    offset, dtype, device; lists item by item; the rest by repr)."""
+    if isinstance(value, torch.Tensor):
+        return ("t", tuple(value.shape), value.stride(), value.storage_offset(), str(value.dtype), str(value.device))
+    if isinstance(value, (list, tuple)):
+        return tuple(describe(v) for v in value)
+    return repr(value)
+
+
+def recording_impls(calls: set) -> dict:
+    """CUDA_IMPLS' op names, each recording the description of its call in `calls`."""
+    def make(name):
+        def impl(*args, **kwargs):
+            calls.add((name, describe(args), describe(tuple(kwargs.items()))))
+        return impl
+    return {name: make(name) for name in CUDA_IMPLS}
+
+
+class _RealCalls(fx.Interpreter):
+    """Runs a graph and records the calls of CUDA_IMPLS' ops as they really are."""
+
+    def __init__(self, gm, calls: set):
+        super().__init__(gm)
+        self.calls = calls
+
+    def call_function(self, target, args, kwargs):
+        if isinstance(target, torch._ops.OpOverload):
+            name = target._schema.name
+            if name.startswith("v41graph::") and name.split("::", 1)[1] in CUDA_IMPLS:
+                self.calls.add((name.split("::", 1)[1], describe(args), describe(tuple(kwargs.items()))))
+        return super().call_function(target, args, kwargs)
+
+
+class FakePool:
+    n = 2
+
+    def __init__(self):
+        self.batches = []
+
+    def compile(self, jobs):
+        self.batches.append(jobs)
+        return [{"ok": True, "s": 0.0} for _ in jobs]
+
+
+def test_stand_in_calls_reproduce_the_graphs_real_calls(monkeypatch):
+    noted, runs = set(), []
+
+    class Hook(tp.TritonPrecompile):
+        def __call__(self, gm, args):
+            before = len(self.reports)
+            super().__call__(gm, args)
+            if len(self.reports) > before:       # noted: this set of sizes is new
+                runs.append((gm, [a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
+    hook = Hook(FakePool(), impls=recording_impls(noted))
+    monkeypatch.setattr("v41graph.compiler.compiled_model.make_precompile", lambda platform, timings=None: hook)
+    model = init_random_(V41Model(V41Config.tiny()), seed=0).eval()
+    compiled = v41graph.compile(model, backend="cpu", batch_sizes=(1, 4), compile_cache=False)
+    session = Session(compiled, 3, 48, block_size=16)
+    logits = session.prefill(torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(1)))
+    for _ in range(2):                             # bucket 4, twice: noted once
+        logits = session.decode(logits.argmax(-1))
+    session.release(1)
+    session.release(2)
+    session.decode(logits[:1].argmax(-1))           # sequence 0 alone: bucket 1
+    # the prefill, bucket 4 and bucket 1: three sets of sizes, one graph (shared decode)
+    assert len(runs) == 3 and len({id(gm) for gm, _ in runs}) == 1, [r["op_calls"] for r in hook.reports]
+    assert all(r["skipped"] == 0 and r["op_calls"] > 0 for r in hook.reports)
+    real: set = set()
+    for gm, args in runs:
+        _RealCalls(gm, real).run(*args)
+    assert real and noted == real
+    # each stand-in call was one distinct real call
+    assert sum(r["stand_in_calls"] for r in hook.reports) == len(noted)
+
+
+def test_allocations_come_out_zero_filled():
+    with tp._ZeroFilledAllocations():
+        tensors = [torch.empty(7, 5), torch.empty_strided((3, 4), (1, 3), dtype=torch.int64),
+                   torch.empty_like(torch.ones(6, dtype=torch.bfloat16)),
+                   torch.empty(9, dtype=torch.float8_e8m0fnu), torch.ones(2).new_empty((4,))]
+    for t in tensors:
+        bits = t.view(tp._INT_OF_SIZE[t.element_size()]) if t.dtype.is_floating_point else t
+        assert int(bits.count_nonzero()) == 0, t.dtype
+
+
+def test_a_stand_in_has_the_sizes_strides_and_offset_of_its_value():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        base = torch.empty(10, 12, dtype=torch.bfloat16)
+        val = base.t()[2:, 3:]               # strided view with an offset
+    stand_in = tp._stand_in(val, tp._Sizes([], []))
+    assert (tuple(stand_in.shape), stand_in.stride(), stand_in.storage_offset(), stand_in.dtype) == \
+        (tuple(val.shape), val.stride(), val.storage_offset(), val.dtype)
+    assert int(stand_in.count_nonzero()) == 0
+
+
+def test_worker_count_reads_the_environment(monkeypatch):
+    monkeypatch.setenv(tp.ENV_VAR, "3")
+    assert tp.worker_count() == 3
+    monkeypatch.setenv(tp.ENV_VAR, "0")
+    assert tp.worker_count() == 0 and tp.make_precompile("cuda") is None
+    monkeypatch.setenv(tp.ENV_VAR, "many")
+    with pytest.raises(ValueError, match="V41GRAPH_COMPILE_WORKERS must be a whole number"):
+        tp.worker_count()
+    assert tp.make_precompile("cpu") is None
+
+
+def _specialization(block_n: int) -> dict:
+    """A worker job for norms._rmsnorm_rows_kernel as Triton's jit_cache_hook describes it
+    (made by hand: this machine may have no GPU to launch it)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import serialize_specialization_data
+
+    from v41graph.custom_ops.triton import norms
+    kernel = norms._rmsnorm_rows_kernel
+    names = [p.name for p in kernel.params]
+    signature = dict.fromkeys(names, "constexpr")
+    signature.update(y_ptr="*bf16", nw_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32", eps="fp32")
+    constants = {(names.index("BR"),): 4, (names.index("NP2"),): block_n,
+                 (names.index("CAST_BEFORE_WEIGHT"),): False}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "nw_ptr", "out_ptr")}
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({"num_warps": 4})
+    spec = serialize_specialization_data(kernel.fn.__qualname__, signature, constants, attrs, options,
+                                         f"test-{block_n}")
+    return {"module": kernel.fn.__module__, "name": kernel.fn.__qualname__, "spec": spec,
+            "target": [target.backend, target.arch, target.warp_size], "env": tp._triton_env()}
+
+
+def test_a_workers_compile_is_the_cache_entry_the_jit_looks_for(tmp_path, monkeypatch):
+    pytest.importorskip("triton", reason="Triton is not installed: nothing to compile")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    pool = tp.CompileWorkers(2)
+    try:
+        jobs = [_specialization(64), _specialization(128),
+                {**_specialization(64), "module": "v41graph.no_such_module"}]
+        results = pool.compile(jobs, timeout=240)
+    finally:
+        pool.stop()
+    assert [r["ok"] for r in results] == [True, True, False], results
+    assert "ModuleNotFoundError" in results[2]["error"]
+    entries = sorted(os.listdir(tmp_path / "triton"))
+    assert len(entries) == 2
+    # the same specialization compiled here is a hit in the workers' entries (nothing added)
+    import triton
+    from triton import knobs
+    hits = []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    t0 = time.perf_counter()
+    tp.compile_specialization(jobs[0])
+    assert hits == [True] and sorted(os.listdir(tmp_path / "triton")) == entries, time.perf_counter() - t0
+    del triton
+
+
+def test_a_graph_is_noted_once_per_set_of_sizes(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    graph = fx.symbolic_trace(lambda x: x + 1)
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):                 # dim 0 symbolic, dim 1 static
+        fake = torch.empty(env.create_unbacked_symint(), 3)
+    next(n for n in graph.graph.nodes if n.op == "placeholder").meta["val"] = fake
+    noted = []
+
+    def note(gm, args, impls):
+        noted.append(tuple(args[0].shape))
+        return [], {"op_calls": 0, "stand_in_calls": 0, "skipped": 0}
+    monkeypatch.setattr(tp, "note_specializations", note)
+    hook = tp.TritonPrecompile(FakePool(), impls={})
+    for rows in (4, 4, 5, 4, 5, 2):
+        hook(graph, [torch.ones(rows, 3)])
+    assert noted == [(4, 3), (5, 3), (2, 3)] and len(hook.reports) == 3
+
+
+_CUDA_RUN = """
+import json, os, sys
+import torch
+from triton import knobs
+import v41graph
+from v41graph.model.config import V41Config
+from v41graph.model.model import V41Model, init_random_
+from v41graph.runtime.session import Session
+compiles = []
+knobs.compilation.listener = lambda **kw: compiles.append(bool(kw["cache_hit"]))
+model = init_random_(V41Model(V41Config.tiny()), seed=0).cuda().eval()
+compiled = v41graph.compile(model, batch_sizes=(1, 4), compile_cache=False)
+session = Session(compiled, 3, 48, block_size=16)
+out = [session.prefill(torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(1)))]
+for _ in range(3):
+    out.append(session.decode(out[-1].argmax(-1)))
+torch.save([o.cpu() for o in out], sys.argv[1])
+print(json.dumps({"reports": compiled.precompile.reports if compiled.precompile else None,
+                  "compiled_here": compiles.count(False), "loaded": compiles.count(True)}))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_first_runs_compile_no_kernel_after_the_precompile(tmp_path):
+    """In a fresh process on an empty Triton cache, the workers compile the graph's kernels; the
+    prefill's and the decode buckets' first runs then only load them (Triton's listener sees no
+    compile in the process), and the outputs equal a run without workers bit for bit."""
+    import json
+    import subprocess
+    import sys
+    pytest.importorskip("triton", reason="Triton is not installed")
+
+    def run(workers: str, name: str) -> tuple[dict, list]:
+        env = {**os.environ, tp.ENV_VAR: workers, "TRITON_CACHE_DIR": str(tmp_path / f"triton-{name}")}
+        proc = subprocess.run([sys.executable, "-c", _CUDA_RUN, str(tmp_path / f"{name}.pt")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1]), torch.load(tmp_path / f"{name}.pt")
+    got, out = run("4", "workers")
+    assert got["reports"] and sum(r["kernels"] for r in got["reports"]) > 0, got
+    assert all(r["failed"] == 0 for r in got["reports"]), got["reports"]
+    assert got["compiled_here"] == 0 and got["loaded"] > 0, got
+    serial, serial_out = run("0", "serial")
+    assert serial["reports"] is None and serial["compiled_here"] > 0, serial
+    for a, b in zip(out, serial_out):
+        assert torch.equal(a, b)

@@ -1,0 +1,523 @@
+"""Compile a graph's Triton kernels in worker processes before its first run (issue 24).
+
+A cold start's first run of the decode graph compiled our Triton kernels one after another as
+the executor reached them: 44 kernels, 24.5 s of a 70 s cold start on the H200 (and the prefill
+another 6 s). They do not depend on each other, so before a graph first runs with new sizes (a
+decode bucket, a prefill length) the compiled model
+
+  1. finds every call of a Triton-backed v41graph op in the graph and in its Inductor segments,
+     with this call's sizes (the graph's size symbols bound from the arguments);
+  2. calls each distinct one on zero-filled stand-in tensors of those sizes, strides, offsets and
+     dtypes, with Triton's `jit_cache_hook` noting each kernel specialization it would compile
+     and skipping that compile and its launch (every tensor allocated meanwhile is zero-filled,
+     so torch code after a skipped kernel reads zeros: valid indices, finite values);
+  3. compiles the noted specializations in worker processes into Triton's on-disk cache, where
+     the first run finds them.
+
+Nothing here changes what runs or its results: the first run is the same run, a kernel whose
+compile the workers did not produce (a stand-in that missed a real call's specialization, e.g.
+an unaligned view, or a worker error) is compiled there as before. Only the stand-ins run
+(never the graph's tensors), so a skipped kernel cannot corrupt any state.
+
+Workers are `python -m v41graph.compiler.triton_precompile` subprocesses talking JSON lines on
+their stdin/stdout (not multiprocessing: its spawn re-imports the user's __main__, which may be
+a script that compiles the model). They start when a CompiledModel is made on CUDA, so their
+imports (torch, Triton) overlap the trace, and stop after IDLE_S without work.
+$V41GRAPH_COMPILE_WORKERS sets their number (0: off; default min(16, CPUs)). Triton's
+environment (TRITON_* variables: cache directory, ptxas, libdevice) is sent with every job, so
+a worker's cache key is the first run's even when the model changed it after the start.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import torch
+import torch.fx as fx
+
+from v41graph.passes.base import written_args
+
+_log = logging.getLogger(__name__)
+
+ENV_VAR = "V41GRAPH_COMPILE_WORKERS"
+IDLE_S = 60.0           # workers stop after this long without a job (restarted when needed)
+JOB_TIMEOUT_S = 300.0   # a batch of compiles waits at most this long; what is left compiles at the first run
+# An op call whose stand-ins would take more (a cache write's whole cache, say) is not made:
+# its kernels compile at the first run. Stand-ins are freed after each call.
+STAND_IN_LIMIT_BYTES = 1 << 30
+
+
+def worker_count() -> int:
+    """$V41GRAPH_COMPILE_WORKERS, else min(16, CPUs of this process)."""
+    value = os.environ.get(ENV_VAR, "").strip()
+    if value:
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"${ENV_VAR} must be a whole number of worker processes (0: off), got {value!r}")
+        if n < 0:
+            raise ValueError(f"${ENV_VAR} must be >= 0, got {n}")
+        return n
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(16, cpus)
+
+
+def _triton_env() -> dict:
+    """The variables a Triton cache key or compile reads, as this process has them now."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("TRITON_", "MLIR_", "LLVM_"))}
+
+
+# ============================================================================ worker processes
+class CompileWorkers:
+    """A few worker processes compiling Triton specializations (see the module docstring)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            self._cancel_timer()
+            self._procs = [p for p in self._procs if p.poll() is None]
+            env = dict(os.environ)
+            # the package as this process imports it, installed or not
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+            while len(self._procs) < self.n:
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", __name__, "--worker"], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1))
+
+    def stop(self) -> None:
+        with self._lock:
+            self._cancel_timer()
+            procs, self._procs = self._procs, []
+        for p in procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def compile(self, jobs: list[dict], timeout: float = JOB_TIMEOUT_S) -> list[dict]:
+        """Each job's result ({"ok": bool, "s": seconds, "error": text}), in order; a job not
+        done within `timeout` (or whose worker died) reports ok False."""
+        if not jobs:
+            return []
+        self.start()
+        todo: queue.Queue = queue.Queue()
+        for i, job in enumerate(jobs):
+            todo.put(i)
+        results: list = [None] * len(jobs)
+
+        def serve(proc: subprocess.Popen) -> None:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    proc.stdin.write(json.dumps(jobs[i]) + "\n")
+                    line = proc.stdout.readline()
+                    results[i] = json.loads(line) if line else {"ok": False, "error": "worker exited"}
+                except (OSError, ValueError) as exc:
+                    results[i] = {"ok": False, "error": f"worker: {type(exc).__name__}: {exc}"}
+                if not line:
+                    return
+
+        threads = [threading.Thread(target=serve, args=(p,), daemon=True) for p in list(self._procs)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):   # stuck: kill them; the first run compiles the rest
+            _log.warning("Triton precompile: workers still busy after %.0f s; stopping them", timeout)
+            self.stop()
+        with self._lock:
+            self._cancel_timer()
+            self._timer = threading.Timer(IDLE_S, self.stop)
+            self._timer.daemon = True
+            self._timer.start()
+        return [r if r is not None else {"ok": False, "error": "not done in time"} for r in results]
+
+
+_WORKERS: CompileWorkers | None = None
+
+
+def workers() -> CompileWorkers | None:
+    """The process's workers (started, or None when $V41GRAPH_COMPILE_WORKERS is 0)."""
+    global _WORKERS
+    if _WORKERS is None:
+        n = worker_count()
+        if n == 0:
+            return None
+        _WORKERS = CompileWorkers(n)
+        atexit.register(_WORKERS.stop)
+    _WORKERS.start()
+    return _WORKERS
+
+
+def compile_specialization(job: dict) -> None:
+    """Compile one noted specialization (the worker's job) into Triton's on-disk cache: the
+    kernel from its module, its specialization as Triton serializes it for a hook
+    (signature, constexprs, attributes, options), for the target the job names. Uses no GPU."""
+    import importlib
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    kernel = importlib.import_module(job["module"])
+    for part in job["name"].split("."):
+        kernel = getattr(kernel, part)
+    spec = json.loads(job["spec"])
+
+    def constant(value):
+        if isinstance(value, str) and tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(value["constexpr"])
+        return value
+
+    def as_tuple(value):   # JSON made the tuples of a signature / options lists
+        return tuple(as_tuple(v) for v in value) if isinstance(value, list) else value
+
+    constexprs = {tuple(k): constant(v) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    signature = {k: as_tuple(v) for k, v in spec["signature"].items()}
+    target = GPUTarget(*job["target"])
+    options = make_backend(target).parse_options({k: as_tuple(v) for k, v in spec["options"].items()})
+    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _worker_main() -> None:
+    # the protocol owns stdout: anything else printed (C libraries too) goes to stderr
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    import triton  # noqa: F401  (imported before the first job: part of the start-up)
+    for line in sys.stdin:
+        job = json.loads(line)
+        for key in [k for k in os.environ if k.startswith(("TRITON_", "MLIR_", "LLVM_"))]:
+            del os.environ[key]
+        os.environ.update(job["env"])
+        t0 = time.perf_counter()
+        try:
+            compile_specialization(job)
+            reply = {"ok": True}
+        except Exception as exc:   # reported; the first run compiles this kernel itself
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        reply["s"] = round(time.perf_counter() - t0, 3)
+        out.write(json.dumps(reply) + "\n")
+
+
+# ============================================================================ noting kernels
+class _Unbound(Exception):
+    """A size this call cannot say (a symbol no argument binds, e.g. a data-dependent count)."""
+
+
+class _Sizes:
+    """The graph's size symbols bound to one call's values."""
+
+    def __init__(self, placeholders: list, args):
+        self.values: dict = {}
+        self._memo: dict = {}
+        for node, arg in zip(placeholders, args):
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt) and isinstance(arg, int):
+                self._bind(val, arg)
+            elif isinstance(val, torch.Tensor) and isinstance(arg, torch.Tensor) and val.dim() == arg.dim():
+                for s, a in zip((*val.shape, *val.stride()), (*arg.shape, *arg.stride())):
+                    if isinstance(s, torch.SymInt):
+                        self._bind(s, a)
+
+    def _bind(self, s: torch.SymInt, value: int) -> None:
+        import sympy
+        expr = s.node.expr
+        if isinstance(expr, sympy.Symbol):
+            self.values.setdefault(expr, sympy.Integer(int(value)))
+
+    def __call__(self, s) -> int:
+        if not isinstance(s, torch.SymInt):
+            return int(s)
+        expr = s.node.expr
+        value = self._memo.get(expr)
+        if value is None:
+            done = expr.xreplace({k: v for k, v in self.values.items() if k in expr.free_symbols})
+            if not done.is_number:
+                raise _Unbound(str(expr))
+            value = self._memo[expr] = int(done)
+        return value
+
+    def key(self) -> tuple:
+        return tuple(sorted((str(k), int(v)) for k, v in self.values.items()))
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _zero_(t: torch.Tensor) -> torch.Tensor:
+    """Zero a tensor of any dtype (fp8 E8M0 has no zero: its bytes are zeroed instead)."""
+    as_int = _INT_OF_SIZE.get(t.element_size())
+    (t.view(as_int) if as_int is not None and t.dtype.is_floating_point else t).zero_()
+    return t
+
+
+def _stand_in(val: torch.Tensor, sizes: _Sizes) -> torch.Tensor:
+    """A zero-filled tensor with val's sizes, strides, storage offset, dtype and device."""
+    shape = [sizes(d) for d in val.shape]
+    stride = [sizes(s) for s in val.stride()]
+    offset = sizes(val.storage_offset())
+    extent = offset + (1 + sum((d - 1) * s for d, s in zip(shape, stride)) if all(shape) else 0)
+    base = torch.zeros(max(extent, 1) * val.element_size(), dtype=torch.uint8, device=val.device)
+    return base.view(val.dtype).as_strided(shape, stride, offset)
+
+
+class _Call:
+    """The arguments one op call gets on the way to noting its kernels: the graph's own input
+    where the op only reads a graph input (weights, caches, an Engram table in host memory:
+    no copy of it is made), a zero-filled stand-in for everything else."""
+
+    def __init__(self, node: fx.Node, sizes: _Sizes, inputs: dict, outer: dict):
+        self.sizes, self.inputs, self.outer = sizes, inputs, outer
+        self.written = set(written_args(node))
+        self.bytes = 0
+
+    def _input(self, arg: fx.Node):
+        """The graph input an argument is (through Inductor segments' placeholders), or None."""
+        while arg in self.outer:
+            arg = self.outer[arg]
+        return self.inputs.get(arg)
+
+    def value(self, arg):
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self.value(a) for a in arg)
+        if not isinstance(arg, fx.Node):
+            return arg
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            given = self._input(arg) if arg not in self.written else None
+            if isinstance(given, torch.Tensor):
+                return given
+            self.bytes += val.element_size() * max(1, _numel(val, self.sizes))
+            if self.bytes > STAND_IN_LIMIT_BYTES:
+                raise _Unbound(f"stand-ins over {STAND_IN_LIMIT_BYTES >> 20} MiB")
+            return _stand_in(val, self.sizes)
+        if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+            return self.sizes(val)
+        if isinstance(val, (bool, float, str)) or val is None:
+            return val
+        raise _Unbound(f"{arg.name}: {type(val).__name__}")
+
+    def describe(self, arg):
+        """What of the argument decides a Triton specialization (the dedup key), unmade."""
+        if isinstance(arg, (list, tuple)):
+            return tuple(self.describe(a) for a in arg)
+        if not isinstance(arg, fx.Node):
+            return repr(arg)
+        val, sizes = arg.meta.get("val"), self.sizes
+        if isinstance(val, torch.Tensor):
+            return ("t", tuple(sizes(d) for d in val.shape), tuple(sizes(s) for s in val.stride()),
+                    sizes(val.storage_offset()), str(val.dtype), str(val.device))
+        if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
+            return repr(sizes(val))
+        return repr(val)
+
+
+def _numel(val: torch.Tensor, sizes: _Sizes) -> int:
+    n = 1
+    for d in val.shape:
+        n *= sizes(d)
+    return n
+
+
+def _op_calls(gm: fx.GraphModule, impls: dict, outer: dict):
+    """(op name, node) of every call of an op in `impls` in gm and its submodules' graphs
+    (Inductor segments keep theirs in `graph_module`). `outer` collects, for a submodule's
+    placeholders, the node of the calling graph each one is."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            name = node.target._schema.name
+            if name.startswith("v41graph::") and name.split("::", 1)[1] in impls:
+                yield name.split("::", 1)[1], node
+        elif node.op == "call_module":
+            sub = getattr(gm, node.target)
+            sub = getattr(sub, "graph_module", sub)
+            if isinstance(sub, fx.GraphModule):
+                inner = [n for n in sub.graph.nodes if n.op == "placeholder"]
+                outer.update((i, a) for i, a in zip(inner, node.args) if isinstance(a, fx.Node))
+                yield from _op_calls(sub, impls, outer)
+
+
+class _ZeroFilledAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor allocated uninitialized comes out zero-filled."""
+    _EMPTY = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in self._empty():
+            _zero_(out)
+        return out
+
+    @classmethod
+    def _empty(cls):
+        if cls._EMPTY is None:
+            aten = torch.ops.aten
+            cls._EMPTY = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided}
+        return cls._EMPTY
+
+
+def note_specializations(gm: fx.GraphModule, args, impls: dict | None = None) -> tuple[list[dict], dict]:
+    """The Triton specializations the first run of gm on `args` would compile (as worker jobs),
+    and counts: op calls seen, distinct stand-in calls made, calls skipped (sizes not bound, or
+    the stand-in call failed). `impls`: op name -> the function called for it (default: the
+    CUDA impls, custom_ops/cuda_impls.py)."""
+    try:
+        from triton import knobs
+    except ImportError:     # nothing to note (the stand-in calls still run: tests on CPU)
+        knobs = None
+    if impls is None:
+        from v41graph.custom_ops.cuda_impls import CUDA_IMPLS as impls
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sizes = _Sizes(placeholders, args)
+    inputs = dict(zip(placeholders, args))
+    outer: dict = {}
+    jobs: dict = {}
+
+    def hook(*, fn, compile, **_):
+        module, name = fn.module, fn.name
+        if "<locals>" not in name:
+            jobs.setdefault(compile["specialization_data"],
+                            {"module": module, "name": name, "spec": compile["specialization_data"]})
+        return True     # skip this compile (and so the launch): a worker makes it
+
+    counts = {"op_calls": 0, "stand_in_calls": 0, "skipped": 0}
+    done: set = set()
+    previous = knobs.runtime.jit_cache_hook if knobs is not None else None
+    if knobs is not None:
+        knobs.runtime.jit_cache_hook = hook
+    try:
+        with torch.no_grad(), _ZeroFilledAllocations():
+            for name, node in _op_calls(gm, impls, outer):
+                counts["op_calls"] += 1
+                try:
+                    call = _Call(node, sizes, inputs, outer)
+                    key = (name, call.describe(node.args), call.describe(tuple(node.kwargs.items())))
+                    if key in done:
+                        continue
+                    done.add(key)
+                    impls[name](*call.value(node.args), **{k: call.value(v) for k, v in node.kwargs.items()})
+                    counts["stand_in_calls"] += 1
+                except Exception as exc:   # that kernel compiles at the first run, as before
+                    counts["skipped"] += 1
+                    _log.debug("Triton precompile: %s at %s skipped (%s: %s)", name, node.name,
+                               type(exc).__name__, exc)
+    finally:
+        if knobs is not None:
+            knobs.runtime.jit_cache_hook = previous
+    return list(jobs.values()), counts
+
+
+# ============================================================================ the compiled model's hook
+class TritonPrecompile:
+    """Called before every run of a compiled graph (TracedGraph.before_run): the first time a
+    graph runs with new sizes, its Triton kernels are compiled by the workers first."""
+
+    def __init__(self, pool: CompileWorkers, timings: dict | None = None, impls: dict | None = None):
+        self.pool = pool
+        self.timings = timings if timings is not None else {}
+        self.impls = impls      # note_specializations' (None: the CUDA impls)
+        self.reports: list[dict] = []
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # gm -> size keys
+        self._size_args: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _quick_key(self, gm: fx.GraphModule, args) -> tuple:
+        """The sizes of the arguments that have symbolic ones (cheap: every run asks)."""
+        where = self._size_args.get(gm)
+        if where is None:
+            where = []
+            for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+                val = n.meta.get("val")
+                if isinstance(val, torch.SymInt):
+                    where.append((i, None))
+                elif isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in
+                                                           (*val.shape, *val.stride())):
+                    where.append((i, True))
+            self._size_args[gm] = where
+        return tuple((args[i].shape, args[i].stride()) if t else args[i] for i, t in where)
+
+    def __call__(self, gm: fx.GraphModule, args) -> None:
+        key = self._quick_key(gm, args)
+        seen = self._seen.setdefault(gm, set())
+        if key in seen:
+            return
+        seen.add(key)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return      # stand-ins would be captured into the graph; the warm-up ran first anyway
+        t0 = time.perf_counter()
+        try:
+            jobs, counts = note_specializations(gm, args, self.impls)
+            target = self._target() if jobs else None
+        except Exception as exc:     # never fail the run for this: the first run compiles
+            _log.warning("Triton precompile skipped (%s: %s)", type(exc).__name__, exc)
+            return
+        t1 = time.perf_counter()
+        env = _triton_env()
+        for job in jobs:
+            job["target"], job["env"] = target, env
+        results = self.pool.compile(jobs)
+        failed = [r.get("error", "") for r in results if not r.get("ok")]
+        report = {**counts, "kernels": len(jobs), "failed": len(failed), "note_s": round(t1 - t0, 3),
+                  "compile_s": round(time.perf_counter() - t1, 3), "workers": self.pool.n,
+                  "worker_s": round(sum(r.get("s", 0.0) for r in results), 3)}
+        self.reports.append(report)
+        self.timings["precompile_s"] = self.timings.get("precompile_s", 0.0) + time.perf_counter() - t0
+        self.timings["precompiled_kernels"] = self.timings.get("precompiled_kernels", 0) + len(jobs) - len(failed)
+        _log.info("Triton precompile: %d kernels on %d workers in %.1f s (noting %.2f s: %d op calls, %d "
+                  "stand-in calls, %d skipped; %d failed%s)", len(jobs), self.pool.n, report["compile_s"],
+                  report["note_s"], counts["op_calls"], counts["stand_in_calls"], counts["skipped"],
+                  len(failed), f": {failed[0]}" if failed else "")
+
+    @staticmethod
+    def _target() -> list:
+        from triton.runtime import driver
+        target = driver.active.get_current_target()
+        return [target.backend, target.arch, target.warp_size]
+
+
+def make_precompile(platform: str, timings: dict | None = None) -> TritonPrecompile | None:
+    """The hook for a compiled model on `platform` (CUDA with Triton and workers), else None.
+    Starts the workers now, so that their start-up overlaps the trace."""
+    if platform != "cuda":
+        return None
+    try:
+        import triton  # noqa: F401
+        from triton import knobs  # noqa: F401  (the hook needs Triton >= 3.4's knobs)
+    except ImportError:
+        return None
+    pool = workers()
+    return TritonPrecompile(pool, timings) if pool is not None else None
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    _worker_main()
