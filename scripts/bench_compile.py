@@ -137,7 +137,7 @@ def run_child(args) -> dict:
     compiled.warmup(caches, blocks, show_progress=False)
     bench._sync(device)
     t_warm = time.perf_counter()
-    jit_warmup = dict(jit)
+    jit_warmup = {k: (list(v) if isinstance(v, list) else v) for k, v in jit.items()}
     # one prefill chunk of sequence 0 (slot 0, its own blocks)
     table0 = list(range(blocks))
     meta = build_metadata([0], [0], [args.prefill], [table0], blocks, device)
@@ -146,7 +146,7 @@ def run_child(args) -> dict:
     prefill_logits = compiled(ids, positions_of(meta), caches, meta)
     bench._sync(device)
     t_prefill = time.perf_counter()
-    jit_prefill = {k: v - jit_warmup[k] for k, v in jit.items()}
+    jit_prefill = {k: v[len(jit_warmup[k]):] if isinstance(v, list) else v - jit_warmup[k] for k, v in jit.items()}
 
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(biggest)]
     pos = [args.context] * biggest
@@ -198,9 +198,13 @@ def count_triton_compiles() -> dict:
     except ImportError:
         return counts
     previous = knobs.compilation.listener
+    names = counts.setdefault("compiled_names", [])
 
     def listen(**kwargs):
         counts["loaded" if kwargs.get("cache_hit") else "compiled"] += 1
+        if not kwargs.get("cache_hit"):
+            src = kwargs.get("src")
+            names.append(str(getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", "?")))
         if previous is not None:
             previous(**kwargs)
     knobs.compilation.listener = listen
