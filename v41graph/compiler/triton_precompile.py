@@ -364,6 +364,21 @@ class _Call:
         return repr(val)
 
 
+def positional_args(op: torch._ops.OpOverload, args, kwargs) -> tuple:
+    """An op call's arguments in its schema's order, all by position (a graph passes some by
+    keyword, e.g. a cache write's `kv=`; the CUDA impls take them by position), defaults
+    filled in."""
+    out = list(args)
+    for arg in op._schema.arguments[len(args):]:
+        if arg.name in kwargs:
+            out.append(kwargs[arg.name])
+        elif arg.has_default_value():
+            out.append(arg.default_value)
+        else:
+            raise TypeError(f"{op._schema.name}: no value for argument {arg.name!r}")
+    return tuple(out)
+
+
 def _numel(val: torch.Tensor, sizes: _Sizes) -> int:
     n = 1
     for d in val.shape:
@@ -443,11 +458,12 @@ def note_specializations(gm: fx.GraphModule, args, impls: dict | None = None) ->
                 counts["op_calls"] += 1
                 try:
                     call = _Call(node, sizes, inputs, outer)
-                    key = (name, call.describe(node.args), call.describe(tuple(node.kwargs.items())))
+                    args = positional_args(node.target, node.args, node.kwargs)
+                    key = (name, call.describe(args))
                     if key in done:
                         continue
                     done.add(key)
-                    impls[name](*call.value(node.args), **{k: call.value(v) for k, v in node.kwargs.items()})
+                    impls[name](*call.value(args))
                     counts["stand_in_calls"] += 1
                 except Exception as exc:   # that kernel compiles at the first run, as before
                     counts["skipped"] += 1
