@@ -34,16 +34,26 @@ def describe(value):
     return repr(value)
 
 
-def recording_impls(calls: set) -> dict:
+def recording_impls(calls: set, graph_inputs: list) -> dict:
     """CUDA_IMPLS' op names, each recording the description of its call in `calls` once the
-    call binds to the real impl's signature (a call the real impl would refuse fails here)."""
+    call binds to the real impl's signature (a call the real impl would refuse fails here),
+    every index tensor it gets is zeros and nothing it writes is one of `graph_inputs` (a
+    failure here is a skipped call, which the test counts)."""
     import inspect
 
     def make(name):
         signature = inspect.signature(CUDA_IMPLS[name])
+        schema = getattr(torch.ops.v41graph, name).default._schema
+        written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
         def impl(*args, **kwargs):
             signature.bind(*args, **kwargs)
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dtype in (torch.int32, torch.int64):
+                    assert int(a.count_nonzero()) == 0, f"{name}: an index tensor that is not zeros"
+            owned = {t.untyped_storage().data_ptr() for t in graph_inputs[-1] if isinstance(t, torch.Tensor)}
+            assert not any(args[i].untyped_storage().data_ptr() in owned for i in written), \
+                f"{name}: writes a graph input"
             calls.add((name, describe(args) + describe(tuple(kwargs.items()))))
         return impl
     return {name: make(name) for name in CUDA_IMPLS}
@@ -77,15 +87,16 @@ class FakePool:
 
 
 def test_stand_in_calls_reproduce_the_graphs_real_calls(monkeypatch):
-    noted, runs = set(), []
+    noted, runs, graph_inputs = set(), [], []
 
     class Hook(tp.TritonPrecompile):
         def __call__(self, gm, args):
             before = len(self.reports)
+            graph_inputs.append(list(args))
             super().__call__(gm, args)
             if len(self.reports) > before:       # noted: this set of sizes is new
                 runs.append((gm, [a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
-    hook = Hook(FakePool(), impls=recording_impls(noted))
+    hook = Hook(FakePool(), impls=recording_impls(noted, graph_inputs))
     monkeypatch.setattr("v41graph.compiler.compiled_model.make_precompile", lambda platform, timings=None: hook)
     model = init_random_(V41Model(V41Config.tiny()), seed=0).eval()
     compiled = v41graph.compile(model, backend="cpu", batch_sizes=(1, 4), compile_cache=False)
@@ -126,6 +137,30 @@ def test_a_stand_in_has_the_sizes_strides_and_offset_of_its_value():
     assert (tuple(stand_in.shape), stand_in.stride(), stand_in.storage_offset(), stand_in.dtype) == \
         (tuple(val.shape), val.stride(), val.storage_offset(), val.dtype)
     assert int(stand_in.count_nonzero()) == 0
+
+
+def test_a_call_reads_the_graphs_data_but_never_its_indices_or_what_it_writes():
+    """A cache write whose every argument is a graph input: the values read (kv) are the
+    graph's own tensor, the caches it writes and the slot mapping are zero stand-ins (a kernel
+    already compiled launches on them: zeros address row 0), and an oversized written cache is
+    shrunk along its outer dimension."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = [torch.zeros(64, 16), torch.ones(64, 1), torch.randn(3, 16), torch.tensor([5, 9, 40])]
+    graph = fx.Graph()
+    nodes = [graph.placeholder(n) for n in ("cache", "scale", "kv", "slot_mapping")]
+    call = graph.call_function(torch.ops.v41graph.window_kv_write.default, tuple(nodes))
+    graph.output(None)
+    with FakeTensorMode() as mode:
+        for n, t in zip(nodes, real):
+            n.meta["val"] = mode.from_tensor(t)
+    c = tp._Call(call, tp._Sizes(nodes, real), dict(zip(nodes, real)), {})
+    cache, scale, kv, slots = c.value(call.args)
+    assert kv is real[2]
+    for got, given in ((cache, real[0]), (scale, real[1]), (slots, real[3])):
+        assert got is not given and got.untyped_storage().data_ptr() != given.untyped_storage().data_ptr()
+        assert got.shape == given.shape and int(got.count_nonzero()) == 0
+    small = tp._stand_in(nodes[0].meta["val"], tp._Sizes([], []), shrink=True)
+    assert tuple(small.shape) == (16, 16) and small.stride() == (16, 1)    # 64 rows: a multiple of 16
 
 
 def test_worker_count_reads_the_environment(monkeypatch):

@@ -275,9 +275,6 @@ class _Sizes:
             value = self._memo[expr] = int(done)
         return value
 
-    def key(self) -> tuple:
-        return tuple(sorted((str(k), int(v)) for k, v in self.values.items()))
-
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -311,10 +308,17 @@ def _stand_in(val: torch.Tensor, sizes: _Sizes, shrink: bool = False) -> torch.T
     return base.view(val.dtype).as_strided(shape, stride, offset)
 
 
+# Integer tensors that address memory (slot mappings, block tables, row ids): always zero
+# stand-ins, never the graph's own. A kernel already compiled in this process does launch on a
+# stand-in call, and zeros address row 0 of whatever it reads or writes, also of a shrunk cache.
+_INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+
+
 class _Call:
     """The arguments one op call gets on the way to noting its kernels: the graph's own input
-    where the op only reads a graph input (weights, caches, an Engram table in host memory:
-    no copy of it is made), a zero-filled stand-in for everything else."""
+    where the op only reads a graph input that is not an index tensor (weights, caches, an
+    Engram table in host memory: no copy of it is made), a zero-filled stand-in for everything
+    else."""
 
     def __init__(self, node: fx.Node, sizes: _Sizes, inputs: dict, outer: dict):
         self.sizes, self.inputs, self.outer = sizes, inputs, outer
@@ -334,7 +338,7 @@ class _Call:
             return arg
         val = arg.meta.get("val")
         if isinstance(val, torch.Tensor):
-            given = self._input(arg) if arg not in self.written else None
+            given = self._input(arg) if arg not in self.written and val.dtype not in _INDEX_DTYPES else None
             if isinstance(given, torch.Tensor):
                 return given
             shrink = val.element_size() * max(1, _numel(val, self.sizes)) > STAND_IN_LIMIT_BYTES
