@@ -70,7 +70,8 @@ class CompiledModel:
         # step split into tracing (Dynamo + AOT + passes + lowering, until the graph is ready:
         # "trace_s"; zero for a bucket that reuses a shared trace) and its first run (Triton JIT
         # of kernels seen for the first time, library setup: "first_run_s"), and on CUDA its
-        # capture (second warm-up + graph capture: "capture_s").
+        # capture (second warm-up + graph capture: "capture_s"); "precompile_s" (part of the
+        # first runs and the prefill's): noting and compiling Triton kernels in worker processes.
         self.timings: dict[str, float] = defaultdict(float)
         self.traced_by: dict[str, int] = defaultdict(int)   # graphs traced, by the step kind that traced
         self.notes: dict[str, str] = {}  # what timings cannot say: why the prefill traced its own graph
@@ -654,7 +655,9 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     stamp_layers=True (the default) traces only the first layer of each kind and stamps the
     whole model's graph from it (compiler/stamp.py; `notes["stamp"]` says which layers were
     traced, `timings["stamp_trace_s"]` / `["stamp_s"]` the trace and the stamping); a call the
-    stamper cannot serve traces every layer, as stamp_layers=False always does."""
+    stamper cannot serve traces every layer, as stamp_layers=False always does.
+    On CUDA, worker processes compile a graph's Triton kernels before its first run with new
+    sizes (compiler/triton_precompile.py; $V41GRAPH_COMPILE_WORKERS=0 turns them off)."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
                          batch_sizes=batch_sizes, dump_dir=dump_dir,
                          share_decode_graph=share_decode_graph, inductor_segments=inductor_segments,

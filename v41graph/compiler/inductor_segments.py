@@ -42,6 +42,7 @@ kept graph, Dynamo's guards are already built and would not check them.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
@@ -284,6 +285,18 @@ def start_inductor_compile_workers() -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _logger_off(name: str):
+    """The logger `name` silent inside the block."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def compile_segment(sub: fx.GraphModule):
     """Inductor's compiled callable for a segment GraphModule. Raises when Inductor refuses it."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
@@ -298,8 +311,12 @@ def compile_segment(sub: fx.GraphModule):
         raise ValueError("segment inputs carry no fake values (node.meta['val'])")
     before = _shape_env_state(fake_mode)
     # A fresh tracing context: Inductor records things (output strides...) in the current one,
-    # which inside our backend is the whole graph's.
-    with tracing(TracingContext(fake_mode)), inductor_config.patch(INDUCTOR_SETTINGS):
+    # which inside our backend is the whole graph's. Fake-tensor propagation logs the exception of
+    # a segment Inductor refuses (e.g. a size it needs from the unbacked batch size) with a
+    # 40-line traceback at ERROR before raising it (seen in every H200 cold start); the refusal
+    # is ours to report, one line in the segment summary, so that logger is off meanwhile.
+    with tracing(TracingContext(fake_mode)), inductor_config.patch(INDUCTOR_SETTINGS), \
+            _logger_off("torch._subclasses.fake_tensor"):
         # Our graph keeps ops that Inductor expects decomposed (silu, clamp, _to_copy, t...):
         # re-trace the segment through Inductor's decomposition table first.
         decomposed = make_fx(sub, decomposition_table=select_decomp_table(),
