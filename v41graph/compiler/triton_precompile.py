@@ -536,10 +536,12 @@ class TritonPrecompile:
         self.reports.append(report)
         self.timings["precompile_s"] = self.timings.get("precompile_s", 0.0) + time.perf_counter() - t0
         self.timings["precompiled_kernels"] = self.timings.get("precompiled_kernels", 0) + len(jobs) - len(failed)
-        _log.info("Triton precompile: %d kernels on %d workers in %.1f s (noting %.2f s: %d op calls, %d "
-                  "stand-in calls, %d skipped; %d failed%s)", len(jobs), self.pool.n, report["compile_s"],
-                  report["note_s"], counts["op_calls"], counts["stand_in_calls"], counts["skipped"],
-                  len(failed), f": {failed[0]}" if failed else "")
+        # a failed compile costs only time (the first run compiles that kernel), but say it louder
+        _log.log(logging.WARNING if failed else logging.INFO,
+                 "Triton precompile: %d kernels on %d workers in %.1f s (noting %.2f s: %d op calls, %d "
+                 "stand-in calls, %d skipped; %d failed%s)", len(jobs), self.pool.n, report["compile_s"],
+                 report["note_s"], counts["op_calls"], counts["stand_in_calls"], counts["skipped"],
+                 len(failed), f": {failed[0]}" if failed else "")
 
     @staticmethod
     def _target() -> list:
