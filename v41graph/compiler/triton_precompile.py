@@ -79,7 +79,8 @@ def _triton_env() -> dict:
 # A worker lowers its priority before importing anything: the workers start while this process
 # traces (single-threaded Python), and sixteen imports of torch at normal priority slowed that
 # trace by 8 s on an H100 host (26.4 s instead of 18.7 s).
-_WORKER_START = (f"import os; os.nice(19); import runpy; runpy.run_module({__name__!r}, run_name='__main__')")
+_WORKER_START = (f"import os; getattr(os, 'nice', abs)(19); import runpy; "
+                 f"runpy.run_module({__name__!r}, run_name='__main__')")
 
 
 class CompileWorkers:
@@ -89,6 +90,7 @@ class CompileWorkers:
         self.n = n
         self._procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()
+        self._batch = threading.Lock()     # one batch at a time owns the workers' pipes
         self._timer: threading.Timer | None = None
 
     def start(self) -> None:
@@ -128,6 +130,10 @@ class CompileWorkers:
         done within `timeout` (or whose worker died) reports ok False."""
         if not jobs:
             return []
+        with self._batch:
+            return self._compile(jobs, timeout)
+
+    def _compile(self, jobs: list[dict], timeout: float) -> list[dict]:
         self.start()
         todo: queue.Queue = queue.Queue()
         for i, job in enumerate(jobs):
