@@ -50,8 +50,9 @@ _log = logging.getLogger(__name__)
 ENV_VAR = "V41GRAPH_COMPILE_WORKERS"
 IDLE_S = 60.0           # workers stop after this long without a job (restarted when needed)
 JOB_TIMEOUT_S = 300.0   # a batch of compiles waits at most this long; what is left compiles at the first run
-# An op call whose stand-ins would take more (a cache write's whole cache, say) is not made:
-# its kernels compile at the first run. Stand-ins are freed after each call.
+# An op call whose stand-ins would take more is not made: its kernels compile at the first run.
+# (A written tensor over the limit, a cache, gets a shrunk stand-in: _stand_in.) Stand-ins are
+# freed after each call.
 STAND_IN_LIMIT_BYTES = 1 << 30
 
 
@@ -105,13 +106,14 @@ class CompileWorkers:
                     [sys.executable, "-c", _WORKER_START, "--worker"], stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1))
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """Close the workers' input (they exit when done), or with `kill` end them now."""
         with self._lock:
             self._cancel_timer()
             procs, self._procs = self._procs, []
         for p in procs:
             try:
-                p.stdin.close()
+                p.kill() if kill else p.stdin.close()
             except OSError:
                 pass
         for p in procs:
@@ -146,6 +148,7 @@ class CompileWorkers:
                     i = todo.get_nowait()
                 except queue.Empty:
                     return
+                line = ""
                 try:
                     proc.stdin.write(json.dumps(jobs[i]) + "\n")
                     line = proc.stdout.readline()
@@ -163,7 +166,7 @@ class CompileWorkers:
             t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in threads):   # stuck: kill them; the first run compiles the rest
             _log.warning("Triton precompile: workers still busy after %.0f s; stopping them", timeout)
-            self.stop()
+            self.stop(kill=True)
         with self._lock:
             self._cancel_timer()
             self._timer = threading.Timer(IDLE_S, self.stop)
