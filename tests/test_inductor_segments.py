@@ -132,3 +132,42 @@ def test_triton_environment_is_pinned_as_inductor_sets_it(monkeypatch):
     finally:
         os.environ.pop("TRITON_LIBDEVICE_PATH", None)
     assert seen == [True] and inductor_config.emulate_precision_casts == setting_before   # restored
+
+
+class _Chains(torch.nn.Module):
+    """Two elementwise chains around GEMMs: segments for Inductor, with a symbolic batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        h = torch.sigmoid(torch.relu(x @ self.w) * 2 + 1) - 0.5
+        return torch.tanh(h @ self.w) * 3 + h.abs().exp()
+
+
+def test_segments_compiled_by_worker_processes_compute_what_compiled_here_computes():
+    """The distinct segments of a graph with a symbolic batch, compiled by two worker processes
+    (their inputs rebuilt over a ShapeEnv of the worker's own), loaded here and run: bit for bit
+    the segments compiled in this process, at the traced batch and at another one."""
+    from v41graph.compiler.triton_precompile import CompileWorkers
+    torch.manual_seed(0)
+    model = _Chains().eval().requires_grad_(False)
+    xs = [torch.randn(4, 16), torch.randn(7, 16)]
+    outs, reports = {}, {}
+    pool = CompileWorkers(2)
+    try:
+        for how, workers in (("here", None), ("workers", pool)):
+            def lower(gm, workers=workers, how=how):
+                reports[how] = lower_inductor_segments(gm, min_compute_nodes=3, workers=workers)
+            harness = PassHarness(["cleanup"], lower=lower)
+            fn = harness.compile(model, dynamic=True)
+            outs[how] = [fn(x) for x in xs]
+            torch._dynamo.reset()
+    finally:
+        pool.stop()
+    assert reports["here"]["by_workers"] == 0
+    assert reports["workers"]["by_workers"] == reports["workers"]["distinct_compiled"] >= 1, reports
+    assert reports["workers"]["compiled"] == reports["here"]["compiled"]
+    for a, b in zip(outs["workers"], outs["here"]):
+        assert torch.equal(a, b)

@@ -194,7 +194,7 @@ def _specialization(block_n: int) -> dict:
     spec = serialize_specialization_data(kernel.fn.__qualname__, signature, constants, attrs, options,
                                          f"test-{block_n}")
     return {"module": kernel.fn.__module__, "name": kernel.fn.__qualname__, "spec": spec,
-            "target": [target.backend, target.arch, target.warp_size], "env": tp._triton_env()}
+            "target": [target.backend, target.arch, target.warp_size], "env": tp._compile_env()}
 
 
 def test_a_workers_compile_is_found_by_the_same_compile_in_process(tmp_path, monkeypatch):

@@ -24,8 +24,9 @@ their stdin/stdout (not multiprocessing: its spawn re-imports the user's __main_
 a script that compiles the model). They start when a CompiledModel is made on CUDA, so their
 imports (torch, Triton) overlap the trace, and stop after IDLE_S without work.
 $V41GRAPH_COMPILE_WORKERS sets their number (0: off; default min(16, CPUs)). Triton's
-environment (TRITON_* variables: cache directory, ptxas, libdevice) is sent with every job, so
-a worker's cache key is the first run's even when the model changed it after the start.
+environment (TRITON_* / TORCHINDUCTOR_* variables: cache directories, ptxas, libdevice) is sent
+with every job, so a worker's cache key is the first run's even when the model changed it after
+the start. The same workers compile Inductor segments when asked (inductor_segments.segment_job).
 """
 from __future__ import annotations
 
@@ -71,9 +72,13 @@ def worker_count() -> int:
     return min(16, cpus)
 
 
-def _triton_env() -> dict:
-    """The variables a Triton cache key or compile reads, as this process has them now."""
-    return {k: v for k, v in os.environ.items() if k.startswith(("TRITON_", "MLIR_", "LLVM_"))}
+# the environment variables a compile or a cache key reads (Triton's, its compilers', Inductor's)
+_ENV_PREFIXES = ("TRITON_", "MLIR_", "LLVM_", "TORCHINDUCTOR_")
+
+
+def _compile_env() -> dict:
+    """Those variables as this process has them now (sent with every job)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
 
 
 # ============================================================================ worker processes
@@ -233,13 +238,17 @@ def _worker_main() -> None:
     import triton  # noqa: F401  (imported before the first job: part of the start-up)
     for line in sys.stdin:
         job = json.loads(line)
-        for key in [k for k in os.environ if k.startswith(("TRITON_", "MLIR_", "LLVM_"))]:
+        for key in [k for k in os.environ if k.startswith(_ENV_PREFIXES)]:
             del os.environ[key]
         os.environ.update(job["env"])
         t0 = time.perf_counter()
         try:
-            compile_specialization(job)
-            reply = {"ok": True}
+            if job.get("kind") == "segment":     # an Inductor segment (inductor_segments.segment_job)
+                from v41graph.compiler.inductor_segments import compile_segment_job
+                reply = {"ok": True, **compile_segment_job(job)}
+            else:
+                compile_specialization(job)
+                reply = {"ok": True}
         except Exception as exc:   # reported; the first run compiles this kernel itself
             reply = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         reply["s"] = round(time.perf_counter() - t0, 3)
@@ -534,7 +543,7 @@ class TritonPrecompile:
             _log.warning("Triton precompile skipped (%s: %s)", type(exc).__name__, exc)
             return
         t1 = time.perf_counter()
-        env = _triton_env()
+        env = _compile_env()
         for job in jobs:
             job["target"], job["env"] = target, env
         results = self.pool.compile(jobs)
