@@ -167,7 +167,8 @@ def test_segments_compiled_by_worker_processes_compute_what_compiled_here_comput
     finally:
         pool.stop()
     assert reports["here"]["by_workers"] == 0
-    assert reports["workers"]["by_workers"] == reports["workers"]["distinct_compiled"] >= 1, reports
+    assert reports["workers"]["by_workers"] == reports["workers"]["distinct_compiled"] >= 1, \
+        reports["workers"]["worker_failures"]
     assert reports["workers"]["compiled"] == reports["here"]["compiled"]
     for a, b in zip(outs["workers"], outs["here"]):
         assert torch.equal(a, b)

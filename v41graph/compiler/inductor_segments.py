@@ -451,10 +451,10 @@ def compile_segment_job(job: dict) -> dict:
     return {"source": source, "inputs_to_check": [int(i) for i in getattr(compiled, "inputs_to_check", ())]}
 
 
-def _compile_in_workers(pending: dict, workers) -> dict:
-    """{key: callable or refusal text} for the segments in `pending` (key -> sub) compiled by
-    `workers` (a triton_precompile.CompileWorkers); a key the workers could not compile is left
-    out (this process compiles it)."""
+def _compile_in_workers(pending: dict, workers, failures: list) -> dict:
+    """{key: (callable, source, inputs to check)} for the segments in `pending` (key -> sub)
+    compiled by `workers` (a triton_precompile.CompileWorkers); a key the workers could not
+    compile is left out (this process compiles it) and its reason added to `failures`."""
     from .compile_cache import _load_inductor_module
     from .triton_precompile import _compile_env
     keys, jobs = [], []
@@ -463,14 +463,16 @@ def _compile_in_workers(pending: dict, workers) -> dict:
             jobs.append({**segment_job(sub), "env": _compile_env()})
             keys.append(key)
         except Exception as exc:       # (not expressible as a job: compiled here)
-            log.info("inductor segment not sent to a worker (%s: %s)", type(exc).__name__, exc)
+            failures.append(f"not sent: {type(exc).__name__}: {str(exc)[:200]}")
     out = {}
     for key, result in zip(keys, workers.compile(jobs)):
         if result.get("ok"):
             out[key] = (_load_inductor_module(result["source"], result["inputs_to_check"]),
                         result["source"], result["inputs_to_check"])
         else:
-            log.info("inductor segment: a worker failed (%s); compiling it here", result.get("error", "")[:300])
+            failures.append(f"worker: {result.get('error', '')[:300]}")
+    for why in failures:
+        log.info("inductor segment compiled here, not by a worker (%s)", why)
     return out
 
 
@@ -504,7 +506,8 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
     large = [s for s in segments if s.compute_nodes() >= min_compute_nodes]
     report = {"found": len(segments), "split": len(large), "compiled": 0, "distinct_compiled": 0,
               "too_small": len(segments) - len(large), "refused": 0, "refusals": [],
-              "nodes_compiled": 0, "compile_s": 0.0, "loaded": 0, "stored": 0, "by_workers": 0}
+              "nodes_compiled": 0, "compile_s": 0.0, "loaded": 0, "stored": 0, "by_workers": 0,
+              "worker_failures": []}
     subs = []
     for i, segment in enumerate(large):
         subs.append((f"segment_{i}", segment.compute_nodes(), extract_segment(gm, segment, f"segment_{i}")))
@@ -523,7 +526,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
                 if key not in pending and (store is None or not store.has(store.digest(key))):
                     pending[key] = sub
             if pending:
-                by_workers = _compile_in_workers(pending, workers)
+                by_workers = _compile_in_workers(pending, workers, report["worker_failures"])
         for name, n_compute, sub in subs:
             key = segment_key(sub)
             if key not in done:

@@ -235,7 +235,10 @@ def _worker_main() -> None:
     # the protocol owns stdout: anything else printed (C libraries too) goes to stderr
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    import triton  # noqa: F401  (imported before the first job: part of the start-up)
+    try:     # imported before the first job: part of the start-up (segment jobs on CPU need no Triton)
+        import triton  # noqa: F401
+    except ImportError:
+        pass
     for line in sys.stdin:
         job = json.loads(line)
         for key in [k for k in os.environ if k.startswith(_ENV_PREFIXES)]:
