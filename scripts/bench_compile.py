@@ -86,6 +86,10 @@ def parse_args(argv=None):
     p.add_argument("--nondeterministic", action="store_true",
                    help="leave torch.use_deterministic_algorithms off (the fused wkv + RMSNorm then "
                         "sums split-K partials with atomics, so two runs can differ in the last bit)")
+    p.add_argument("--profile", default="",
+                   help="comma list of phases (cold, warm) whose compile + warm-up runs under cProfile: the "
+                        "functions taking the most time go to <out>/<variant>-<phase>-profile.txt (the "
+                        "profiler slows Python, so that phase's times are not comparable)")
     p.add_argument("--out", required=True)
     # internal: one child run
     p.add_argument("--child", choices=PHASES, help=argparse.SUPPRESS)
@@ -132,6 +136,11 @@ def run_child(args) -> dict:
     max_context = args.context + args.steps + 1
     caches, blocks = bench.allocate_caches(model, biggest, max(max_context, args.prefill), device)
 
+    profiler = None
+    if args.child in args.profile.split(","):
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     t_start = time.perf_counter()
     compiled = v41graph.compile(model, batch_sizes=buckets, inductor_segments=args.variant.startswith("inductor"),
                                 stamp_layers=not args.variant.endswith("-unstamped"),
@@ -140,6 +149,9 @@ def run_child(args) -> dict:
     compiled.warmup(caches, blocks, show_progress=False)
     bench._sync(device)
     t_warm = time.perf_counter()
+    if profiler is not None:
+        profiler.disable()
+        write_profile(profiler, Path(args.out, f"{args.variant}-{args.child}-profile.txt"))
     jit_warmup = {k: (list(v) if isinstance(v, list) else v) for k, v in jit.items()}
     # one prefill chunk of sequence 0 (slot 0, its own blocks)
     table0 = list(range(blocks))
@@ -181,6 +193,11 @@ def run_child(args) -> dict:
             "triton_jit": {"warmup": jit_warmup, "prefill": jit_prefill},
             "precompile": compiled.precompile.reports if compiled.precompile is not None else None,
             "segments_loaded": segments.loaded if segments else None,
+            # each graph's lowering report (Inductor segments: compiled, loaded, slowest compiles)
+            "lowering": [{k: v for k, v in g.current.meta.get("inductor_segments", {}).items() if k != "refusals"}
+                         for g in compiled.traced],
+            # Inductor's own phase times in this process (dynamo_timed), the largest first
+            "inductor_phases_s": inductor_phase_seconds(),
             "segments_stored": segments.stored if segments else None,
             "cache_events": compiled.compile_cache.events[-30:] if compiled.compile_cache else [],
             "notes": dict(compiled.notes),
@@ -189,6 +206,28 @@ def run_child(args) -> dict:
                                  for sub in ("triton", "inductor")},
             "prefill_hash": prefill_hash,
             "step_hashes": hashes, "hash": digest.hexdigest()}
+
+
+def write_profile(profiler, path: Path, top: int = 45) -> None:
+    """The `top` functions by cumulative and by own time, as pstats prints them."""
+    import io
+    import pstats
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    for order in ("cumulative", "tottime"):
+        stats.sort_stats(order).print_stats(top)
+    path.write_text(text.getvalue())
+
+
+def inductor_phase_seconds(top: int = 30) -> dict:
+    """Seconds per phase torch's compile timers recorded in this process (Dynamo, AOT,
+    Inductor's lowering / codegen / waiting for its compile workers), the largest `top`."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    sums = {k: round(sum(v), 2) for k, v in compilation_time_metrics.items() if v}
+    return dict(sorted(sums.items(), key=lambda kv: -kv[1])[:top])
 
 
 def count_triton_compiles() -> dict:
@@ -278,7 +317,8 @@ def child_command(args, variant: str, phase: str, cache: Path, out: Path) -> lis
            "--config", args.config, "--device", args.device, "--buckets", args.buckets,
            "--prefill", str(args.prefill), "--context", str(args.context), "--steps", str(args.steps)]
     return (cmd + (["--bucket-1-static"] if args.bucket_1_static else [])
-            + (["--nondeterministic"] if args.nondeterministic else []))
+            + (["--nondeterministic"] if args.nondeterministic else [])
+            + (["--profile", args.profile] if args.profile else []))
 
 
 def compare(cold: dict, warm: dict) -> dict:
@@ -349,14 +389,14 @@ def main(argv=None) -> int:
 
 def print_table(results: dict) -> None:
     head = ("variant", "phase", "rc", "process s", "to 1st step s", "warmup s", "prefill s", "trace s",
-            "first run s", "capture s", "lower s", "precompile s", "jit here", "hits", "misses", "segs loaded",
+            "first run s", "capture s", "lower s", "precompile s", "pre. wait s", "jit here", "hits", "misses", "segs loaded",
             "triton new")
     rows = []
     for r in results["runs"]:
         t = r.get("timings", {})
         rows.append((r["variant"], r["phase"], r.get("rc"), r.get("process_wall_s"), r.get("to_first_step_s"),
                      r.get("warmup_s"), r.get("prefill_s"), t.get("trace_s"), t.get("first_run_s"),
-                     t.get("capture_s"), t.get("lower_s"), t.get("precompile_s"),
+                     t.get("capture_s"), t.get("lower_s"), t.get("precompile_s"), t.get("precompile_wait_s"),
                      "+".join(str(r.get("triton_jit", {}).get(k, {}).get("compiled")) for k in ("warmup", "prefill")),
                      t.get("cache_hits", 0), t.get("cache_misses", 0),
                      r.get("segments_loaded"), r.get("tool_cache_growth", {}).get("triton_kernels_new")))

@@ -91,11 +91,13 @@ def test_stand_in_calls_reproduce_the_graphs_real_calls(monkeypatch):
 
     class Hook(tp.TritonPrecompile):
         def __call__(self, gm, args):
-            before = len(self.reports)
             graph_inputs.append(list(args))
             super().__call__(gm, args)
-            if len(self.reports) > before:       # noted: this set of sizes is new
-                runs.append((gm, [a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
+
+        def _note(self, gm, args):     # this set of sizes is new (noted before the lowering, or at a run)
+            graph_inputs.append(list(args))
+            runs.append((gm, [a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
+            return super()._note(gm, args)
     hook = Hook(FakePool(), impls=recording_impls(noted, graph_inputs))
     monkeypatch.setattr("v41graph.compiler.compiled_model.make_precompile", lambda platform, timings=None: hook)
     model = init_random_(V41Model(V41Config.tiny()), seed=0).eval()
@@ -239,6 +241,36 @@ def test_a_graph_is_noted_once_per_set_of_sizes(monkeypatch):
     for rows in (4, 4, 5, 4, 5, 2):
         hook(graph, [torch.ones(rows, 3)])
     assert noted == [(4, 3), (5, 3), (2, 3)] and len(hook.reports) == 3
+
+
+def test_a_precompile_started_before_the_lowering_is_waited_for_by_the_first_run(monkeypatch):
+    """start() (the compiled model calls it before the lowering) notes and compiles in the
+    background; the first run with those sizes waits for that compile and notes nothing again."""
+    import threading
+    graph = fx.symbolic_trace(lambda x: x + 1)
+    release, finished = threading.Event(), []
+
+    class SlowPool(FakePool):
+        def compile(self, jobs):
+            release.wait(10)
+            finished.append(len(jobs))
+            return super().compile(jobs)
+    noted = []
+
+    def note(gm, args, impls):
+        noted.append(tuple(args[0].shape))
+        return [{"kernel": 1}], {"op_calls": 1, "stand_in_calls": 1, "skipped": 0}
+    monkeypatch.setattr(tp, "note_specializations", note)
+    monkeypatch.setattr(tp.TritonPrecompile, "_target", staticmethod(lambda: ["cuda", 90, 32]))
+    hook = tp.TritonPrecompile(SlowPool(), impls={})
+    hook.start(graph, [torch.ones(4, 3)])
+    assert noted == [(4, 3)] and finished == [] and hook.reports == []   # compiling in the background
+    threading.Timer(0.2, release.set).start()
+    hook(graph, [torch.ones(4, 3)])                                      # the first run: waits
+    assert finished == [1] and len(hook.reports) == 1 and noted == [(4, 3)]
+    assert hook.timings["precompile_wait_s"] > 0.1
+    hook(graph, [torch.ones(4, 3)])
+    assert noted == [(4, 3)] and len(hook.reports) == 1
 
 
 _CUDA_RUN = """

@@ -70,8 +70,10 @@ class CompiledModel:
         # step split into tracing (Dynamo + AOT + passes + lowering, until the graph is ready:
         # "trace_s"; zero for a bucket that reuses a shared trace) and its first run (Triton JIT
         # of kernels seen for the first time, library setup: "first_run_s"), and on CUDA its
-        # capture (second warm-up + graph capture: "capture_s"); "precompile_s" (part of the
-        # first runs and the prefill's): noting and compiling Triton kernels in worker processes.
+        # capture (second warm-up + graph capture: "capture_s"); "precompile_s": noting and
+        # compiling Triton kernels in worker processes (for a stamped graph's first sizes during
+        # its lowering, the first run waiting only for what is left: "precompile_wait_s"; for
+        # other sizes part of their first run).
         self.timings: dict[str, float] = defaultdict(float)
         self.traced_by: dict[str, int] = defaultdict(int)   # graphs traced, by the step kind that traced
         self.notes: dict[str, str] = {}  # what timings cannot say: why the prefill traced its own graph
@@ -226,10 +228,11 @@ class CompiledModel:
                        "tracing the whole model")
             return None
         t1 = time.perf_counter()
+
+        def resolve(source: str):      # a graph input's value in this call, by its Dynamo source
+            return eval(source, {"__builtins__": builtins}, {"L": scope})
         try:
-            gm, sources = stamp_graph(record.gm, record.sources, self.stamp,
-                                      lambda source: eval(source, {"__builtins__": builtins}, {"L": scope}),
-                                      streams_of)
+            gm, sources = stamp_graph(record.gm, record.sources, self.stamp, resolve, streams_of)
         except StampRefused as exc:
             cache.note(f"{kind}: not stamped ({exc}); tracing the whole model", logging.WARNING)
             return None
@@ -237,6 +240,8 @@ class CompiledModel:
         t2 = time.perf_counter()
         self.pass_manager(gm)
         t3 = time.perf_counter()
+        if self.precompile is not None:   # the workers compile this call's Triton kernels meanwhile
+            self.precompile.start(gm, [resolve(s) for s in sources])
         self._lower(gm)
         t4 = time.perf_counter()
         try:

@@ -451,12 +451,15 @@ def compile_segment_job(job: dict) -> dict:
     return {"source": source, "inputs_to_check": [int(i) for i in getattr(compiled, "inputs_to_check", ())]}
 
 
-def _compile_in_workers(pending: dict, workers, failures: list) -> dict:
+def _compile_in_workers(pending: dict, workers, report: dict) -> dict:
     """{key: (callable, source, inputs to check)} for the segments in `pending` (key -> sub)
     compiled by `workers` (a triton_precompile.CompileWorkers); a key the workers could not
-    compile is left out (this process compiles it) and its reason added to `failures`."""
+    compile is left out (this process compiles it) and its reason added to
+    report["worker_failures"]; report["workers_s"] says where the time went."""
     from .compile_cache import _load_inductor_module
     from .triton_precompile import _compile_env
+    failures = report["worker_failures"]
+    t0 = time.perf_counter()
     keys, jobs = [], []
     for key, sub in pending.items():
         try:
@@ -464,8 +467,11 @@ def _compile_in_workers(pending: dict, workers, failures: list) -> dict:
             keys.append(key)
         except Exception as exc:       # (not expressible as a job: compiled here)
             failures.append(f"not sent: {type(exc).__name__}: {str(exc)[:200]}")
+    t1 = time.perf_counter()
+    results = workers.compile(jobs)
+    t2 = time.perf_counter()
     out = {}
-    for key, result in zip(keys, workers.compile(jobs)):
+    for key, result in zip(keys, results):
         if result.get("ok"):
             out[key] = (_load_inductor_module(result["source"], result["inputs_to_check"]),
                         result["source"], result["inputs_to_check"])
@@ -473,6 +479,10 @@ def _compile_in_workers(pending: dict, workers, failures: list) -> dict:
             failures.append(f"worker: {result.get('error', '')[:300]}")
     for why in failures:
         log.info("inductor segment compiled here, not by a worker (%s)", why)
+    job_s = [r.get("s", 0.0) for r in results]
+    report["workers_s"] = {"jobs": round(t1 - t0, 2), "wall": round(t2 - t1, 2),
+                           "load": round(time.perf_counter() - t2, 2),
+                           "longest": max(job_s, default=0.0), "sum": round(sum(job_s), 2)}
     return out
 
 
@@ -519,6 +529,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
         done: dict = {}        # segment key -> compiled callable, or the refusal text
         digests: dict = {}     # segment key -> its digest in `store`, when kept there
         by_workers: dict = {}  # segment key -> (callable, source, inputs to check) from a worker
+        seconds: list = []     # (seconds, name, compute nodes) of each compile here
         if workers is not None:
             pending = {}
             for _, _, sub in subs:
@@ -526,7 +537,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
                 if key not in pending and (store is None or not store.has(store.digest(key))):
                     pending[key] = sub
             if pending:
-                by_workers = _compile_in_workers(pending, workers, report["worker_failures"])
+                by_workers = _compile_in_workers(pending, workers, report)
         for name, n_compute, sub in subs:
             key = segment_key(sub)
             if key not in done:
@@ -544,7 +555,9 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
                         report["stored"] += 1
                 else:
                     try:
+                        t_compile = time.perf_counter()
                         done[key] = compile_segment(sub)
+                        seconds.append((round(time.perf_counter() - t_compile, 2), name, n_compute))
                         report["distinct_compiled"] += 1
                         if store is not None and store.store(digest, done[key], sub):
                             digests[key] = digest
@@ -564,6 +577,10 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
             setattr(gm, name, segment)
             report["compiled"] += 1
             report["nodes_compiled"] += n_compute
+        # where the lowering's time goes: the slowest compiles, with their sizes
+        report["slowest"] = [f"{name} ({nodes} nodes): {s} s"
+                             for s, name, nodes in sorted(seconds, reverse=True)[:5]]
+        report["compiling_here_s"] = round(sum(s for s, _, _ in seconds), 2)
     gm.recompile()
     report["left"] = report["found"] - report["compiled"]
     report["compile_s"] = round(time.perf_counter() - t0, 3)

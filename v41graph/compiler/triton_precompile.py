@@ -239,6 +239,10 @@ def _worker_main() -> None:
         import triton  # noqa: F401
     except ImportError:
         pass
+    if os.environ.get("V41GRAPH_SEGMENT_WORKERS") == "1":    # Inductor too (~5 s), while the model traces
+        import torch._inductor.compile_fx  # noqa: F401
+
+        import v41graph.compiler.inductor_segments  # noqa: F401
     for line in sys.stdin:
         job = json.loads(line)
         for key in [k for k in os.environ if k.startswith(_ENV_PREFIXES)]:
@@ -514,6 +518,8 @@ class TritonPrecompile:
         self.reports: list[dict] = []
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # gm -> size keys
         self._size_args: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # gm -> {key: thread}
+        self._lock = threading.Lock()
 
     def _quick_key(self, gm: fx.GraphModule, args) -> tuple:
         """The sizes of the arguments that have symbolic ones (cheap: every run asks)."""
@@ -530,33 +536,69 @@ class TritonPrecompile:
             self._size_args[gm] = where
         return tuple((args[i].shape, args[i].stride()) if t else args[i] for i, t in where)
 
-    def __call__(self, gm: fx.GraphModule, args) -> None:
+    def start(self, gm: fx.GraphModule, args) -> None:
+        """Note `gm`'s specializations for `args` now and compile them in the background: the
+        compiled model calls this after our passes, before the lowering (Inductor segments,
+        ~30 s cold), so the workers compile while this process lowers. The run with these sizes
+        waits for them (__call__). The lowering moves only aten nodes into segments, so the op
+        calls noted here are the ones that run."""
         key = self._quick_key(gm, args)
         seen = self._seen.setdefault(gm, set())
         if key in seen:
             return
         seen.add(key)
+        batch = self._note(gm, args)
+        if batch is None:
+            return
+        thread = threading.Thread(target=self._compile, args=batch, daemon=True,
+                                  name="v41graph-triton-precompile")
+        thread.start()
+        self._pending.setdefault(gm, {})[key] = thread
+
+    def __call__(self, gm: fx.GraphModule, args) -> None:
+        key = self._quick_key(gm, args)
+        seen = self._seen.setdefault(gm, set())
+        if key in seen:
+            thread = self._pending.get(gm, {}).pop(key, None)
+            if thread is not None:      # started before the lowering: wait for its compiles
+                t0 = time.perf_counter()
+                thread.join()
+                self.timings["precompile_wait_s"] = (self.timings.get("precompile_wait_s", 0.0)
+                                                     + time.perf_counter() - t0)
+            return
+        seen.add(key)
+        batch = self._note(gm, args)
+        if batch is not None:
+            self._compile(*batch)
+
+    def _note(self, gm: fx.GraphModule, args):
+        """(jobs, counts, t0, t1) for the specializations `gm` would compile with `args`, or None."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return      # stand-ins would be captured into the graph; the warm-up ran first anyway
+            return None     # stand-ins would be captured into the graph; the warm-up ran first anyway
         t0 = time.perf_counter()
         try:
             jobs, counts = note_specializations(gm, args, self.impls)
             target = self._target() if jobs else None
         except Exception as exc:     # never fail the run for this: the first run compiles
             _log.warning("Triton precompile skipped (%s: %s)", type(exc).__name__, exc)
-            return
-        t1 = time.perf_counter()
+            return None
         env = _compile_env()
         for job in jobs:
             job["target"], job["env"] = target, env
+        return jobs, counts, t0, time.perf_counter()
+
+    def _compile(self, jobs: list[dict], counts: dict, t0: float, t1: float) -> None:
         results = self.pool.compile(jobs)
         failed = [r.get("error", "") for r in results if not r.get("ok")]
         report = {**counts, "kernels": len(jobs), "failed": len(failed), "note_s": round(t1 - t0, 3),
                   "compile_s": round(time.perf_counter() - t1, 3), "workers": self.pool.n,
                   "worker_s": round(sum(r.get("s", 0.0) for r in results), 3)}
-        self.reports.append(report)
-        self.timings["precompile_s"] = self.timings.get("precompile_s", 0.0) + time.perf_counter() - t0
-        self.timings["precompiled_kernels"] = self.timings.get("precompiled_kernels", 0) + len(jobs) - len(failed)
+        with self._lock:     # a background batch (start) may finish while a run adds its own
+            self.reports.append(report)
+            # seconds noting + compiling, whether or not a run waited for them (precompile_wait_s)
+            self.timings["precompile_s"] = self.timings.get("precompile_s", 0.0) + time.perf_counter() - t0
+            self.timings["precompiled_kernels"] = (self.timings.get("precompiled_kernels", 0)
+                                                   + len(jobs) - len(failed))
         # a failed compile costs only time (the first run compiles that kernel), but say it louder
         _log.log(logging.WARNING if failed else logging.INFO,
                  "Triton precompile: %d kernels on %d workers in %.1f s (noting %.2f s: %d op calls, %d "
