@@ -53,9 +53,10 @@ from pathlib import Path  # noqa: E402
 # "-serialjit": V41GRAPH_COMPILE_WORKERS=0, each Triton kernel compiled at its first launch, one
 # after another, and Inductor's compile workers started by Inductor itself (the route before the
 # eighteenth session's parallel precompile)
-# "-segworkers": V41GRAPH_SEGMENT_WORKERS=1, Inductor segments compiled by the compile workers
+# "-latepre": the Triton precompile of a graph's first sizes at its first run, after the lowering
+# (the route before the nineteenth session, which starts it before the lowering)
 VARIANTS = ("executor", "inductor", "executor-unstamped", "inductor-unstamped", "executor-serialjit",
-            "inductor-serialjit", "inductor-segworkers")
+            "inductor-serialjit", "inductor-latepre")
 PHASES = ("cold", "cold2", "warm", "warm2", "warm3")     # cold2: the --control run; warm2+: --warm-runs
 
 
@@ -119,8 +120,9 @@ def run_child(args) -> dict:
     device = args.device
     if args.variant.endswith("-serialjit"):
         os.environ["V41GRAPH_COMPILE_WORKERS"] = "0"
-    if args.variant.endswith("-segworkers"):
-        os.environ["V41GRAPH_SEGMENT_WORKERS"] = "1"
+    if args.variant.endswith("-latepre"):
+        from v41graph.compiler.triton_precompile import TritonPrecompile
+        TritonPrecompile.start = lambda self, gm, args: None    # the first run notes and compiles
     jit = count_triton_compiles()
     if not args.nondeterministic:
         # the goal is "bit-identical with deterministic kernels": our kernels and cuBLAS pick
@@ -379,7 +381,7 @@ def main(argv=None) -> int:
     colds = {r["variant"]: r for r in results["runs"] if r["phase"] == "cold"}
     for variant in colds:
         for suffix, what in (("-unstamped", "stamped"), ("-serialjit", "precompiled"),
-                             ("-segworkers", "segments by workers")):
+                             ("-latepre", "precompiled before the lowering")):
             if variant + suffix in colds:
                 results["compare"][f"{variant} {what}"] = compare(colds[variant + suffix], colds[variant])
     (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
@@ -407,7 +409,7 @@ def print_table(results: dict) -> None:
         what = ("cold2 == cold" if variant.endswith(" control") else
                 "stamped cold == unstamped cold" if variant.endswith(" stamped") else
                 "precompiled cold == serial-JIT cold" if variant.endswith(" precompiled") else
-                "segment-worker cold == cold" if variant.endswith(" segments by workers") else
+                "cold == cold precompiled at the first run" if variant.endswith(" before the lowering") else
                 f"{variant.split()[-1]} == cold" if " warm" in variant else "warm == cold")
         print(f"{variant}: {what} bit for bit: {c.get('equal')} (prefill {c.get('prefill_equal')}, "
               f"first differing step {c.get('first_differing_step')}, {c.get('differing_steps')} differ)")

@@ -302,11 +302,7 @@ class SegmentStore:
         if not isinstance(source, str) or getattr(compiled, "constants", None):
             _log.info("compile cache: segment %s not kept (no generated source, or constants)", digest)
             return False
-        return self.store_source(digest, source, getattr(compiled, "inputs_to_check", ()))
-
-    def store_source(self, digest: str, source: str, inputs_to_check) -> bool:
-        """Keep a compiled segment given as Inductor's generated module (a worker's compile)."""
-        data = {"source": source, "inputs_to_check": [int(i) for i in inputs_to_check]}
+        data = {"source": source, "inputs_to_check": [int(i) for i in getattr(compiled, "inputs_to_check", ())]}
         _atomic_save(data, self.root / f"{digest}.pt")
         self.stored += 1
         return True

@@ -186,10 +186,8 @@ class CompiledModel:
         """Platform lowering of a final graph (after the passes): Inductor segments if asked for
         (their compiled code kept in the compile cache's segment store when the cache is on)."""
         if self.inductor_segments:
-            from .inductor_segments import lower_inductor_segments, segment_workers_on
-            workers = self.precompile.pool if self.precompile is not None and segment_workers_on() else None
-            lower_inductor_segments(gm, store=self.compile_cache.segments if self.compile_cache else None,
-                                    workers=workers)
+            from .inductor_segments import lower_inductor_segments
+            lower_inductor_segments(gm, store=self.compile_cache.segments if self.compile_cache else None)
 
     def _set_cache_key(self) -> None:
         if self._graphs is not None:

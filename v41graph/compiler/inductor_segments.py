@@ -299,24 +299,16 @@ def _logger_off(name: str):
 
 def compile_segment(sub: fx.GraphModule):
     """Inductor's compiled callable for a segment GraphModule. Raises when Inductor refuses it."""
-    from torch._guards import detect_fake_mode
-
-    example_inputs = [n.meta["val"] for n in sub.graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode(example_inputs)
-    if fake_mode is None:
-        raise ValueError("segment inputs carry no fake values (node.meta['val'])")
-    return _inductor_compile(sub, example_inputs, fake_mode)
-
-
-def _inductor_compile(fn, example_inputs: list, fake_mode):
-    """compile_segment's work on any callable of the segment's inputs (a worker process has
-    the segment's code, not its GraphModule)."""
-    from torch._guards import TracingContext, tracing
+    from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    example_inputs = [n.meta["val"] for n in sub.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        raise ValueError("segment inputs carry no fake values (node.meta['val'])")
     before = _shape_env_state(fake_mode)
     # A fresh tracing context: Inductor records things (output strides...) in the current one,
     # which inside our backend is the whole graph's. Fake-tensor propagation logs the exception of
@@ -327,163 +319,12 @@ def _inductor_compile(fn, example_inputs: list, fake_mode):
             _logger_off("torch._subclasses.fake_tensor"):
         # Our graph keeps ops that Inductor expects decomposed (silu, clamp, _to_copy, t...):
         # re-trace the segment through Inductor's decomposition table first.
-        decomposed = make_fx(fn, decomposition_table=select_decomp_table(),
+        decomposed = make_fx(sub, decomposition_table=select_decomp_table(),
                              tracing_mode="symbolic")(*example_inputs)
         compiled = compile_fx_inner(decomposed, example_inputs, is_inference=True)
     if _shape_env_state(fake_mode) != before:
         raise ValueError("Inductor added shape guards (a specialization) that nothing would check")
     return compiled
-
-
-# ---------------------------------------------------------------------------- in worker processes
-# The distinct segments of a graph are independent compiles (~2 s each, 21 of them in a bench
-# cold start), so they can be compiled by the worker processes of compiler/triton_precompile.py.
-# A worker gets the segment as data: its code, its inputs' sizes / strides / offsets (symbolic
-# ones as sympy expressions), dtypes and devices, and each size symbol's hint (None: unbacked)
-# and value range; it rebuilds fake inputs over a ShapeEnv of its own, compiles, and sends back
-# Inductor's generated module, which this process loads as a warm start does
-# (compile_cache._load_inductor_module). Facts about the symbols other than their ranges (e.g.
-# that two unbacked sizes are equal) are not sent: Inductor's code is then at most more general.
-SEGMENT_WORKERS_ENV = "V41GRAPH_SEGMENT_WORKERS"
-
-
-def segment_workers_on() -> bool:
-    """$V41GRAPH_SEGMENT_WORKERS=1: a compiled model's segments go to its compile workers.
-    Off by default until measured on the GPU (a worker compiling a CUDA segment opens a CUDA
-    context of its own)."""
-    return os.environ.get(SEGMENT_WORKERS_ENV, "0") == "1"
-
-
-def segment_job(sub: fx.GraphModule) -> dict:
-    """A worker's job for compiling `sub` (JSON-able)."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols
-
-    from .compile_cache import _import_block
-    code = sub.graph.python_code(root_module="self")
-    inputs, symbols, env = [], set(), None
-
-    def text(v) -> str:
-        return str(v.node.expr) if isinstance(v, torch.SymInt) else str(int(v))
-    for n in sub.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        v = n.meta["val"]
-        symbols |= free_symbols(v)
-        if isinstance(v, torch.Tensor):
-            env = env or getattr(v, "fake_mode", None) and v.fake_mode.shape_env
-            inputs.append({"shape": [text(d) for d in v.shape], "stride": [text(d) for d in v.stride()],
-                           "offset": text(v.storage_offset()), "dtype": str(v.dtype).removeprefix("torch."),
-                           "device": str(v.device)})
-        elif isinstance(v, (torch.SymInt, int)):
-            env = env or (v.node.shape_env if isinstance(v, torch.SymInt) else None)
-            inputs.append({"int": text(v)})
-        else:
-            raise ValueError(f"segment input {n.name}: a {type(v).__name__}")
-
-    def bound(b):
-        try:
-            return int(b)
-        except (TypeError, ValueError, AttributeError, OverflowError):   # +-oo (sympy's or torch's int_oo)
-            return None
-    facts = {}
-    for sym in symbols:
-        hint = env.var_to_val.get(sym) if env is not None else None
-        rng = env.var_to_range.get(sym) if env is not None else None
-        facts[str(sym)] = [None if hint is None else int(hint),
-                           None if rng is None else bound(rng.lower), None if rng is None else bound(rng.upper)]
-    return {"kind": "segment", "code": _import_block(code.globals) + "\n" + code.src, "inputs": inputs,
-            "symbols": facts, "deterministic": torch.are_deterministic_algorithms_enabled()}
-
-
-def compile_segment_job(job: dict) -> dict:
-    """In a worker: compile a segment_job; {"source": Inductor's module, "inputs_to_check"}."""
-    import builtins
-
-    import sympy
-    from torch._dynamo.source import ConstantSource
-    from torch._inductor import config as inductor_config
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-    from torch.utils._sympy import functions as sympy_functions
-    from torch.utils._sympy.value_ranges import ValueRanges
-
-    torch.use_deterministic_algorithms(job["deterministic"])
-    inductor_config.compile_threads = 1      # the worker is one of several: no pool of its own
-    env = ShapeEnv()
-    names: dict = {}
-    for name, (hint, lo, hi) in sorted(job["symbols"].items()):
-        if hint is None:
-            sym = env.create_unbacked_symint().node.expr
-        else:
-            sym = env.create_symbol(hint, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
-        env.var_to_range[sym] = ValueRanges(sympy.Integer(lo) if lo is not None else -sympy.oo,
-                                            sympy.Integer(hi) if hi is not None else sympy.oo)
-        names[name] = sym
-    scope = {k: v for k, v in vars(sympy_functions).items() if k[:1].isupper()}
-    scope.update(names)
-    hints = {names[n]: sympy.Integer(h) for n, (h, _, _) in job["symbols"].items() if h is not None}
-
-    def size(text: str):
-        expr = sympy.sympify(text, locals=scope)
-        if expr.is_number:
-            return int(expr)
-        hint = expr.xreplace(hints)
-        return env.create_symintnode(expr, hint=int(hint) if hint.is_number else None)
-    mode = FakeTensorMode(shape_env=env)
-    inputs = []
-    with mode:
-        for spec in job["inputs"]:
-            if "int" in spec:
-                inputs.append(size(spec["int"]))
-                continue
-            shape, stride, offset = ([size(t) for t in spec["shape"]], [size(t) for t in spec["stride"]],
-                                     size(spec["offset"]))
-            dtype, device = getattr(torch, spec["dtype"]), torch.device(spec["device"])
-            extent = offset + 1 + sum((d - 1) * st for d, st in zip(shape, stride))
-            inputs.append(torch.empty(extent, dtype=dtype, device=device).as_strided(shape, stride, offset))
-    namespace: dict = {"__builtins__": builtins}
-    exec(compile(job["code"], "<v41graph segment>", "exec"), namespace)
-    forward = namespace["forward"]
-    compiled = _inductor_compile(lambda *args: forward(None, *args), inputs, mode)
-    source = getattr(compiled, "source_code", None)
-    if not isinstance(source, str) or getattr(compiled, "constants", None):
-        raise ValueError("Inductor gave no generated source (or one with constants)")
-    return {"source": source, "inputs_to_check": [int(i) for i in getattr(compiled, "inputs_to_check", ())]}
-
-
-def _compile_in_workers(pending: dict, workers, report: dict) -> dict:
-    """{key: (callable, source, inputs to check)} for the segments in `pending` (key -> sub)
-    compiled by `workers` (a triton_precompile.CompileWorkers); a key the workers could not
-    compile is left out (this process compiles it) and its reason added to
-    report["worker_failures"]; report["workers_s"] says where the time went."""
-    from .compile_cache import _load_inductor_module
-    from .triton_precompile import _compile_env
-    failures = report["worker_failures"]
-    t0 = time.perf_counter()
-    keys, jobs = [], []
-    for key, sub in pending.items():
-        try:
-            jobs.append({**segment_job(sub), "env": _compile_env()})
-            keys.append(key)
-        except Exception as exc:       # (not expressible as a job: compiled here)
-            failures.append(f"not sent: {type(exc).__name__}: {str(exc)[:200]}")
-    t1 = time.perf_counter()
-    results = workers.compile(jobs)
-    t2 = time.perf_counter()
-    out = {}
-    for key, result in zip(keys, results):
-        if result.get("ok"):
-            out[key] = (_load_inductor_module(result["source"], result["inputs_to_check"]),
-                        result["source"], result["inputs_to_check"])
-        else:
-            failures.append(f"worker: {result.get('error', '')[:300]}")
-    for why in failures:
-        log.info("inductor segment compiled here, not by a worker (%s)", why)
-    job_s = [r.get("s", 0.0) for r in results]
-    report["workers_s"] = {"jobs": round(t1 - t0, 2), "wall": round(t2 - t1, 2),
-                           "load": round(time.perf_counter() - t2, 2),
-                           "longest": max(job_s, default=0.0), "sum": round(sum(job_s), 2)}
-    return out
 
 
 def segment_key(sub: fx.GraphModule) -> tuple:
@@ -499,16 +340,14 @@ def segment_key(sub: fx.GraphModule) -> tuple:
 
 
 def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COMPUTE_NODES,
-                            compile_segments: bool = True, store=None, workers=None) -> dict:
+                            compile_segments: bool = True, store=None) -> dict:
     """Split gm (in place) into segments and, with `compile_segments`, compile each with Inductor.
     Returns the summary also kept in gm.meta["inductor_segments"] and logged: segments found,
     split out, compiled, left to the executor (too small / refused, with Inductor's reasons),
     compute nodes compiled, seconds (splitting + compiling). compile_segments=False only
     splits: the segments run as plain GraphModules (the same ops, for testing the split).
     `store` (compile_cache.SegmentStore): compiled segments are looked up there by their
-    segment_key first ("loaded") and kept there once compiled ("stored"), across processes.
-    `workers` (triton_precompile.CompileWorkers): the distinct segments not in the store are
-    compiled by those processes ("by_workers"; one they fail on is compiled here)."""
+    segment_key first ("loaded") and kept there once compiled ("stored"), across processes."""
     t0 = time.perf_counter()
     if compile_segments:
         pin_inductor_triton_env()     # before any kernel compiles, loaded or compiled segments alike
@@ -516,8 +355,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
     large = [s for s in segments if s.compute_nodes() >= min_compute_nodes]
     report = {"found": len(segments), "split": len(large), "compiled": 0, "distinct_compiled": 0,
               "too_small": len(segments) - len(large), "refused": 0, "refusals": [],
-              "nodes_compiled": 0, "compile_s": 0.0, "loaded": 0, "stored": 0, "by_workers": 0,
-              "worker_failures": []}
+              "nodes_compiled": 0, "compile_s": 0.0, "loaded": 0, "stored": 0}
     subs = []
     for i, segment in enumerate(large):
         subs.append((f"segment_{i}", segment.compute_nodes(), extract_segment(gm, segment, f"segment_{i}")))
@@ -528,16 +366,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
         # pickle the cache key on the H200 and compiled every segment again, ~2 s each.)
         done: dict = {}        # segment key -> compiled callable, or the refusal text
         digests: dict = {}     # segment key -> its digest in `store`, when kept there
-        by_workers: dict = {}  # segment key -> (callable, source, inputs to check) from a worker
         seconds: list = []     # (seconds, name, compute nodes) of each compile here
-        if workers is not None:
-            pending = {}
-            for _, _, sub in subs:
-                key = segment_key(sub)
-                if key not in pending and (store is None or not store.has(store.digest(key))):
-                    pending[key] = sub
-            if pending:
-                by_workers = _compile_in_workers(pending, workers, report)
         for name, n_compute, sub in subs:
             key = segment_key(sub)
             if key not in done:
@@ -546,18 +375,10 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
                 if kept is not None:
                     done[key], digests[key] = kept.compiled, digest
                     report["loaded"] += 1
-                elif key in by_workers:
-                    done[key], source, inputs_to_check = by_workers[key]
-                    report["distinct_compiled"] += 1
-                    report["by_workers"] += 1
-                    if store is not None and store.store_source(digest, source, inputs_to_check):
-                        digests[key] = digest
-                        report["stored"] += 1
                 else:
+                    t_compile = time.perf_counter()
                     try:
-                        t_compile = time.perf_counter()
                         done[key] = compile_segment(sub)
-                        seconds.append((round(time.perf_counter() - t_compile, 2), name, n_compute))
                         report["distinct_compiled"] += 1
                         if store is not None and store.store(digest, done[key], sub):
                             digests[key] = digest
@@ -565,6 +386,8 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
                     except Exception as exc:   # Inductor refused: the executor runs the segment
                         first_line = (str(exc).splitlines() or [""])[0][:200]
                         done[key] = f"{type(exc).__name__}: {first_line}"
+                    refused = " refused" if isinstance(done[key], str) else ""
+                    seconds.append((round(time.perf_counter() - t_compile, 2), name + refused, n_compute))
             compiled = done[key]
             if isinstance(compiled, str):
                 report["refused"] += 1
@@ -577,7 +400,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
             setattr(gm, name, segment)
             report["compiled"] += 1
             report["nodes_compiled"] += n_compute
-        # where the lowering's time goes: the slowest compiles, with their sizes
+        # where the lowering's time goes: the slowest compiles (refused ones too), with their sizes
         report["slowest"] = [f"{name} ({nodes} nodes): {s} s"
                              for s, name, nodes in sorted(seconds, reverse=True)[:5]]
         report["compiling_here_s"] = round(sum(s for s, _, _ in seconds), 2)

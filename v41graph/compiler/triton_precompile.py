@@ -24,9 +24,8 @@ their stdin/stdout (not multiprocessing: its spawn re-imports the user's __main_
 a script that compiles the model). They start when a CompiledModel is made on CUDA, so their
 imports (torch, Triton) overlap the trace, and stop after IDLE_S without work.
 $V41GRAPH_COMPILE_WORKERS sets their number (0: off; default min(16, CPUs)). Triton's
-environment (TRITON_* / TORCHINDUCTOR_* variables: cache directories, ptxas, libdevice) is sent
-with every job, so a worker's cache key is the first run's even when the model changed it after
-the start. The same workers compile Inductor segments when asked (inductor_segments.segment_job).
+environment (TRITON_* variables: cache directory, ptxas, libdevice) is sent with every job, so
+a worker's cache key is the first run's even when the model changed it after the start.
 """
 from __future__ import annotations
 
@@ -72,8 +71,8 @@ def worker_count() -> int:
     return min(16, cpus)
 
 
-# the environment variables a compile or a cache key reads (Triton's, its compilers', Inductor's)
-_ENV_PREFIXES = ("TRITON_", "MLIR_", "LLVM_", "TORCHINDUCTOR_")
+# the environment variables a compile or a cache key reads (Triton's and its compilers')
+_ENV_PREFIXES = ("TRITON_", "MLIR_", "LLVM_")
 
 
 def _compile_env() -> dict:
@@ -235,14 +234,10 @@ def _worker_main() -> None:
     # the protocol owns stdout: anything else printed (C libraries too) goes to stderr
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    try:     # imported before the first job: part of the start-up (segment jobs on CPU need no Triton)
+    try:     # imported before the first job: part of the start-up
         import triton  # noqa: F401
-    except ImportError:
+    except ImportError:     # (every job then reports the ImportError)
         pass
-    if os.environ.get("V41GRAPH_SEGMENT_WORKERS") == "1":    # Inductor too (~5 s), while the model traces
-        import torch._inductor.compile_fx  # noqa: F401
-
-        import v41graph.compiler.inductor_segments  # noqa: F401
     for line in sys.stdin:
         job = json.loads(line)
         for key in [k for k in os.environ if k.startswith(_ENV_PREFIXES)]:
@@ -250,12 +245,8 @@ def _worker_main() -> None:
         os.environ.update(job["env"])
         t0 = time.perf_counter()
         try:
-            if job.get("kind") == "segment":     # an Inductor segment (inductor_segments.segment_job)
-                from v41graph.compiler.inductor_segments import compile_segment_job
-                reply = {"ok": True, **compile_segment_job(job)}
-            else:
-                compile_specialization(job)
-                reply = {"ok": True}
+            compile_specialization(job)
+            reply = {"ok": True}
         except Exception as exc:   # reported; the first run compiles this kernel itself
             reply = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         reply["s"] = round(time.perf_counter() - t0, 3)
