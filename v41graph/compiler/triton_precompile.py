@@ -533,12 +533,8 @@ class TritonPrecompile:
         ~30 s cold), so the workers compile while this process lowers. The run with these sizes
         waits for them (__call__). The lowering moves only aten nodes into segments, so the op
         calls noted here are the ones that run."""
-        key = self._quick_key(gm, args)
-        seen = self._seen.setdefault(gm, set())
-        if key in seen:
-            return
-        seen.add(key)
-        batch = self._note(gm, args)
+        key = self._new_sizes(gm, args)
+        batch = self._note(gm, args) if key is not None else None
         if batch is None:
             return
         thread = threading.Thread(target=self._compile, args=batch, daemon=True,
@@ -547,20 +543,29 @@ class TritonPrecompile:
         self._pending.setdefault(gm, {})[key] = thread
 
     def __call__(self, gm: fx.GraphModule, args) -> None:
-        key = self._quick_key(gm, args)
-        seen = self._seen.setdefault(gm, set())
-        if key in seen:
-            thread = self._pending.get(gm, {}).pop(key, None)
-            if thread is not None:      # started before the lowering: wait for its compiles
+        pending = self._pending.get(gm)
+        if pending:                     # started before the lowering: wait for its compiles
+            thread = pending.pop(self._quick_key(gm, args), None)
+            if thread is not None:
                 t0 = time.perf_counter()
                 thread.join()
                 self.timings["precompile_wait_s"] = (self.timings.get("precompile_wait_s", 0.0)
                                                      + time.perf_counter() - t0)
+                return
+        if self._new_sizes(gm, args) is None:
             return
-        seen.add(key)
         batch = self._note(gm, args)
         if batch is not None:
             self._compile(*batch)
+
+    def _new_sizes(self, gm: fx.GraphModule, args):
+        """The size key of `args` if `gm` has not seen it yet (now it has), else None."""
+        key = self._quick_key(gm, args)
+        seen = self._seen.setdefault(gm, set())
+        if key in seen:
+            return None
+        seen.add(key)
+        return key
 
     def _note(self, gm: fx.GraphModule, args):
         """(jobs, counts, t0, t1) for the specializations `gm` would compile with `args`, or None."""
