@@ -486,7 +486,7 @@ def bench_ratio2(tk, bw, quick):
 
 # =============================================================================== released formats
 # The model's FP8 projections at bench_rank widths: (name, N, K)
-FP8_SWEEP_KERNELS = ("skinny", "tiles")   # --fp8-sweep
+FP8_SWEEP_KERNELS = ("blocks", "skinny", "tiles")   # --fp8-sweep
 FP8_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
               ("shared w1", 2304, 5120), ("shared w2", 5120, 2304)]
 
@@ -494,6 +494,14 @@ FP8_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), (
 def _fp8_sweep_configs(m: int, quick: bool, kernel: str = "tiles"):
     """(BM or BT, BN, BK, split, num_warps, num_stages) candidates (quant_gemm._config's and
     _skinny_config's fields) of one kernel."""
+    if kernel == "blocks":
+        if m > 16:      # its scale product grows with the token tile: a decode kernel only
+            return []
+        bts = (8, 16) if m <= 8 else (16,)
+        return [(bt, bn, bk, split, warps, stages, tma) for bt in bts for bn in (64, 128) + (() if quick else (256,))
+                for bk in ((128,) if quick else (128, 256)) for split in (1, 2, 4, 8, 16, 32)
+                for warps in ((4,) if bn < 256 else (8,)) for stages in ((4, 6) if quick else (3, 4, 6, 8))
+                for tma in (False, True)]
     if kernel == "skinny":
         from v41graph.custom_ops.triton.quant_gemm import skinny_token_tile
         bt = skinny_token_tile(m)
@@ -537,13 +545,13 @@ def bench_fp8_linear(bw, quick):
             err = rel(ops.fp8_linear(x, w, sc, torch.float32), want)
             t_def = cbench(lambda: ops.fp8_linear(x, w, sc, torch.bfloat16))
             default = ("QDQ kernel + dequant kernel + cuBLAS" if m >= quant_gemm.PREFILL_ROWS
-                       else "triton skinny kernel" if quant_gemm._use_skinny(m, n, k, x.device)
-                       else "triton tiles kernel")
+                       else f"triton {quant_gemm.decode_kernel(m, n, k, x.device)} kernel")
             err = rel(ops.fp8_linear(x, w, sc, torch.bfloat16).float(), want.bfloat16().float()) \
                 if m >= quant_gemm.PREFILL_ROWS else err
             row("fp8_linear", shape, f"default: {default}", t_def, wbytes, base_us=t_bf16, err=err, bw=bw)
             if m < quant_gemm.PREFILL_ROWS:   # both decode kernels at their own table's config
-                for kernel, table in (("skinny", quant_gemm._skinny_config), ("tiles", quant_gemm._config)):
+                for kernel, table in (("blocks", quant_gemm._blocks_config), ("skinny", quant_gemm._skinny_config),
+                                      ("tiles", quant_gemm._config)):
                     t_k = cbench(lambda kernel=kernel: quant_gemm.fp8_linear(x, w, sc, torch.bfloat16, kernel=kernel))
                     e_k = rel(quant_gemm.fp8_linear(x, w, sc, torch.float32, kernel=kernel), want)
                     row("fp8_linear", shape, f"{kernel} kernel {table(m, n, k, x.device)}", t_k, wbytes,

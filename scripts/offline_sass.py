@@ -17,6 +17,7 @@ tiles a kernel decodes per iteration (2 for gate+up); BS x D for the attention's
     python scripts/offline_sass.py sparse_attn PTX=0 --stages 1   # the generic FP8 and FP4 decodes
     python scripts/offline_sass.py sparse_attn_tile --warps 8 --stages 1
     python scripts/offline_sass.py fp8_linear_skinny BN=128      # the skinny FP8 decode kernel
+    python scripts/offline_sass.py fp8_linear_blocks BN=128      # per-32-block partials of the codes
 """
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ KERNELS = {
                            "K_PER_SPLIT": "i32", "n_split": "i32"},
                           {"BT": 16, "BN": 64, "BK": 128, "QUANTIZED": True, "SPLIT": True},
                           lambda c: c["BN"] * c["BK"]),
+    "fp8_linear_blocks": ("quant_gemm", "_fp8_linear_blocks_kernel",
+                          {"xc_ptr": "*fp16", "xs_ptr": "*fp32", "w_src": "*u8", "s_ptr": "*u8",
+                           "out_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32",
+                           "K": "i32", "K_PER_SPLIT": "i32", "n_split": "i32"},
+                          {"BT": 8, "BN": 128, "BK": 128, "SPLIT": True, "TMA": False}, lambda c: c["BN"] * c["BK"]),
     # decode attention, a block of BS rows x D per iteration: the window-ring loop is the one
     # counted (the longest of the loops with the most MMAs), the FP4 row loop is listed after
     # it; the launch uses --stages 1

@@ -115,26 +115,55 @@ def test_fp8_linear_skinny_every_config_and_deterministic_split():
         quant_gemm.fp8_linear(x, w, s, torch.float32, kernel="gemv")
 
 
+def test_fp8_linear_blocks_every_config_and_deterministic_split():
+    """The blocks kernel (per-32-block partials of the codes, the reference's arithmetic) at
+    the token tiles, row tiles, BK, splits, warps and pipeline depths its sweep tries, the
+    weight through TMA (rows past N: the descriptor's zero fill) and through pointers, on a
+    shape that fills no tile (N = 200; 1, 8, 13 and 40 tokens), against the reference; the
+    split-K reduction repeats bit for bit. Its x quantization (codes, scales) is
+    codecs.qdq_fp8_ue8m0's, value for value."""
+    from v41graph.custom_ops import codecs
+    g = torch.Generator().manual_seed(13)
+    w, s = fp8_weight(200, 2048, g)
+    for m in (1, 8, 13, 40):
+        x = activations(m, 2048, torch.bfloat16, g)
+        codes, scales = quant_gemm.quantize_rows_codes(x)
+        qdq = (codes.float().view(m, -1, 32) * scales[:, :, None]).view(m, -1)
+        assert torch.equal(qdq, codecs.qdq_fp8_ue8m0(x.float(), 32)), m
+        want = ref.fp8_linear(x, w, s, torch.float32)
+        for bt in (8, 16, 64) if m > 8 else (8, 16):
+            for bn, bk, warps, stages, tma in [(64, 128, 4, 4, True), (128, 128, 4, 6, False), (128, 256, 8, 3, True),
+                                               (256, 128, 8, 4, False), (128, 128, 4, 4, True)]:
+                for split in (1, 2, 4, 8, 16):
+                    config = (bt, bn, bk, split, warps, stages, tma)
+                    got = quant_gemm.fp8_linear(x, w, s, torch.float32, config=config, kernel="blocks")
+                    err = rel_err(got, want)
+                    assert err < FP32_OUT_REL, (m, config, err)
+                    again = quant_gemm.fp8_linear(x, w, s, torch.float32, config=config, kernel="blocks")
+                    assert torch.equal(got, again), (m, config)
+
+
 def test_fp8_kernel_switch_picks_the_kernel_and_refuses_a_bad_value(monkeypatch):
-    """V41GRAPH_FP8_KERNEL forces a decode kernel (bench.py's v41graph-tilesfp8 A/B); unset, the
+    """V41GRAPH_FP8_KERNEL forces a decode kernel (bench.py's fp8 A/B variants); unset, the
     measured rule: wq_b's 32768 rows take the skinny kernel even at 64 tokens, wo_b's K = 8192
     the tiles kernel even at one."""
     dev = torch.device(DEV)
     monkeypatch.delenv("V41GRAPH_FP8_KERNEL", raising=False)
-    assert quant_gemm._use_skinny(64, 32768, 1280, dev) and not quant_gemm._use_skinny(1, 5120, 8192, dev)
-    assert quant_gemm._use_skinny(1, 1280, 5120, dev) and not quant_gemm._use_skinny(64, 1280, 5120, dev)
-    monkeypatch.setenv("V41GRAPH_FP8_KERNEL", "tiles")
-    assert not quant_gemm._use_skinny(1, 1280, 5120, dev)
-    monkeypatch.setenv("V41GRAPH_FP8_KERNEL", "skinny")
-    assert quant_gemm._use_skinny(64, 1280, 5120, dev)
+    assert quant_gemm.decode_kernel(64, 32768, 1280, dev) == "skinny"
+    assert quant_gemm.decode_kernel(1, 5120, 8192, dev) == "tiles"
+    assert quant_gemm.decode_kernel(1, 1280, 5120, dev) == "skinny"
+    assert quant_gemm.decode_kernel(64, 1280, 5120, dev) == "tiles"
     g = torch.Generator().manual_seed(3)
     w, s = fp8_weight(256, 512, g)
     x = activations(4, 512, torch.bfloat16, g)
     want = ref.fp8_linear(x, w, s, torch.float32)
-    assert rel_err(ops.fp8_linear(x, w, s, torch.float32), want) < FP32_OUT_REL
+    for kernel in quant_gemm.DECODE_KERNELS:
+        monkeypatch.setenv("V41GRAPH_FP8_KERNEL", kernel)
+        assert quant_gemm.decode_kernel(64, 1280, 5120, dev) == kernel
+        assert rel_err(ops.fp8_linear(x, w, s, torch.float32), want) < FP32_OUT_REL, kernel
     monkeypatch.setenv("V41GRAPH_FP8_KERNEL", "gemv")
     with pytest.raises(ValueError, match="V41GRAPH_FP8_KERNEL must be"):
-        quant_gemm._use_skinny(1, 1280, 5120, dev)
+        quant_gemm.decode_kernel(1, 1280, 5120, dev)
 
 
 def test_e2m1_byte_decode_is_exact_for_every_byte_and_scale():

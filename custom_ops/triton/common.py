@@ -83,24 +83,36 @@ def _program_rows(index_ptr, n_rows, other, BR: tl.constexpr):
 # the FP8-quantized activation, so the products are exact and only the fp32 summation order
 # differs from the reference's per-32-block partial sums (quant_gemm.py, moe_fp4.py).
 @triton.jit
-def _qdq_fp8_blocks(x, BM: tl.constexpr, BK: tl.constexpr):
-    """x [BM, BK] fp32 -> its FP8 E4M3 quantize-dequantize with one UE8M0 scale per 32 columns
-    (codecs.qdq_fp8_ue8m0: amax floor 1e-4, scale 2^ceil(log2(amax/448))), fp32, exact values."""
+def _quant_fp8_blocks(x, BM: tl.constexpr, BK: tl.constexpr):
+    """x [BM, BK] fp32 -> its FP8 E4M3 quantization with one UE8M0 scale per 32 columns
+    (codecs.qdq_fp8_ue8m0: amax floor 1e-4, scale 2^ceil(log2(amax/448))): the codes' values
+    as fp32 [BM, BK/32, 32] and the scale exponents (int32 [BM, BK/32])."""
     xb = tl.reshape(x, (BM, BK // 32, 32))
     amax = tl.max(tl.abs(xb), axis=2)
     ex = _ceil_log2(tl.maximum(amax, 1e-4) * 0.002232142857142857)     # fp32(1/448)
     q = xb * _exp2i(-ex)[:, :, None]
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+    return tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32), ex
+
+
+@triton.jit
+def _qdq_fp8_blocks(x, BM: tl.constexpr, BK: tl.constexpr):
+    """x [BM, BK] fp32 -> its FP8 E4M3 quantize-dequantize (_quant_fp8_blocks), fp32, exact values."""
+    q, ex = _quant_fp8_blocks(x, BM, BK)
     return tl.reshape(q * _exp2i(ex)[:, :, None], (BM, BK))
 
 
 @triton.jit
-def _scaled_tile(v, scale_bytes, BN: tl.constexpr, BK: tl.constexpr):
-    """v [BN, BK] fp32 codes times their E8M0 scales [BN, BK/32] (one per 32 columns), as bf16.
-    The scale is built from its bits: byte u is the fp32 exponent field, and u = 0 is the
-    subnormal 2^-127 (bits 0x00400000; _exp2i would give 0.0)."""
+def _e8m0_to_fp32(scale_bytes):
+    """E8M0 scale bytes -> 2^(u-127) as fp32, from the bits: byte u is the fp32 exponent field,
+    and u = 0 is the subnormal 2^-127 (bits 0x00400000; _exp2i would give 0.0)."""
     u = scale_bytes.to(tl.int32)
-    s = tl.where(u == 0, 0x00400000, u << 23).to(tl.float32, bitcast=True)
+    return tl.where(u == 0, 0x00400000, u << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled_tile(v, scale_bytes, BN: tl.constexpr, BK: tl.constexpr):
+    """v [BN, BK] fp32 codes times their E8M0 scales [BN, BK/32] (one per 32 columns), as bf16."""
+    s = _e8m0_to_fp32(scale_bytes)
     v = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * s[:, :, None], (BN, BK))
     return v.to(tl.bfloat16)
 

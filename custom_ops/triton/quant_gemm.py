@@ -31,9 +31,10 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (_FLOAT_DTYPES, _capability_at_least, _e4m3_pairs_to_bf16, _e8m0_to_bf16,
-                     _fp8_weight_tile, _num_sms, _qdq_fp8_blocks, _rows)
+from .common import (_FLOAT_DTYPES, _capability_at_least, _e4m3_pairs_to_bf16, _e8m0_to_bf16, _e8m0_to_fp32,
+                     _exp2i, _fp8_weight_tile, _num_sms, _qdq_fp8_blocks, _quant_fp8_blocks, _rows)
 
 _WARNED: set = set()
 
@@ -124,6 +125,47 @@ def _fp8_linear_skinny_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M
 
 
 @triton.jit
+def _fp8_linear_blocks_kernel(xc_ptr, xs_ptr, w_src, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_PER_SPLIT,
+                              n_split, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              SPLIT: tl.constexpr, TMA: tl.constexpr):
+    """The reference's own arithmetic (reference.blockwise_gemm) in the skinny kernel's shape,
+    out^T [BN, BT]: per 32-wide K block one fp32 partial of the codes alone, W codes [BN, 32] .
+    x codes [BT, 32]^T, times that block's two power-of-two scales (exact), added in block
+    order. E4M3 codes are exact in fp16, so the weight needs one cvt per two codes and no
+    per-code scale; the scales cost an outer product on the [BN, BT] partial instead, which
+    is cheap while BT is small (decode). x arrives as codes (quantize_rows_codes: fp16 codes,
+    fp32 scales per 32). TMA: w_src is a host tensor descriptor of the weight with [BN, 32]
+    boxes, so the copy engine moves the weight (the loads of a pointer tile, cp.async, kept
+    too few bytes in flight: every decode kernel sat at the same ~23 us on wq_b on an H100 and
+    an H200 alike); else w_src is the weight's pointer. SPLIT: see _store_or_reduce_split."""
+    pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    t = pid_t * BT + tl.arange(0, BT)
+    n_mask, t_mask = n < N, t < M
+    c32 = tl.arange(0, 32)
+    acc = tl.zeros([BN, BT], dtype=tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BK):
+        for j in tl.static_range(BK // 32):
+            k = k0 + j * 32 + c32
+            if TMA:     # rows past N arrive as zeros
+                w = w_src.load([pid_n * BN, k0 + j * 32])
+            else:
+                w = tl.load(w_src + n[:, None] * K + k[None, :], mask=n_mask[:, None], other=0)
+            xc = tl.load(xc_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=t_mask[:, None], other=0.0)
+            kb = k0 // 32 + j
+            u = tl.load(s_ptr + (n // 32) * (K // 32) + kb, mask=n_mask, other=127)
+            sx = tl.load(xs_ptr + t * (K // 32) + kb, mask=t_mask, other=0.0)
+            part = tl.dot(w.to(tl.float8e4nv, bitcast=True).to(tl.float16), tl.trans(xc))
+            acc += part * (_e8m0_to_fp32(u)[:, None] * sx[None, :])
+    mask = n_mask[:, None] & t_mask[None, :]
+    at = t[None, :].to(tl.int64) * N + n[:, None]
+    _store_or_reduce_split(acc, out_ptr, ws_ptr, count_ptr, at, mask, pid_n, pid_t, pid_k, M, N,
+                           n_split, BN, BT, SPLIT)
+
+
+@triton.jit
 def _store_or_reduce_split(acc, out_ptr, ws_ptr, count_ptr, at, mask, pid_n, pid_t, pid_k, M, N,
                            n_split, BN: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr):
     """A [BN, BT] output tile's end. SPLIT: this program's K share goes to the fp32 workspace
@@ -197,6 +239,18 @@ def _qdq_rows_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
     tl.store(out_ptr + offs, _qdq_fp8_blocks(x, BM, BK).to(tl.bfloat16), mask=(m < M)[:, None])
 
 
+@triton.jit
+def _quant_rows_kernel(x_ptr, codes_ptr, scale_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    x = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=(m < M)[:, None], other=0.0)
+    q, ex = _quant_fp8_blocks(x.to(tl.float32), BM, BK)
+    tl.store(codes_ptr + m[:, None].to(tl.int64) * K + k[None, :], tl.reshape(q, (BM, BK)).to(tl.float16),
+             mask=(m < M)[:, None])
+    kb = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
+    tl.store(scale_ptr + m[:, None].to(tl.int64) * (K // 32) + kb[None, :], _exp2i(ex), mask=(m < M)[:, None])
+
+
 PREFILL_ROWS = 256   # from here on: dequantize the weight (transient bf16) + cuBLAS
 QUANTIZE_FIRST_ROWS = 17   # from here on the decode kernel reads x quantized once (quantize_rows):
                            # re-quantizing it in every output tile cost more than the extra launch
@@ -210,6 +264,18 @@ def quantize_rows(x2: torch.Tensor) -> torch.Tensor:
     a = torch.empty((m, k), device=x2.device, dtype=torch.bfloat16)
     _qdq_rows_kernel[(triton.cdiv(m, 32), k // bk)](x2, a, m, k, BM=32, BK=bk, num_warps=4)
     return a
+
+
+def quantize_rows_codes(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] (K % 32 == 0) FP8-quantized per 32 as (codes [M, K] fp16, which holds every
+    E4M3 value exactly; scales [M, K/32] fp32, powers of two): codecs.qdq_fp8_ue8m0's values
+    are codes * scales."""
+    m, k = x2.shape
+    bk = _block_k(k, 128)
+    codes = torch.empty((m, k), device=x2.device, dtype=torch.float16)
+    scales = torch.empty((m, k // 32), device=x2.device, dtype=torch.float32)
+    _quant_rows_kernel[(triton.cdiv(m, 16), k // bk)](x2, codes, scales, m, k, BM=16, BK=bk, num_warps=4)
+    return codes, scales
 
 
 def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -231,6 +297,7 @@ def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 SKINNY_MAX_ROWS = 16
 SKINNY_MAX_K = 4096 + 2048
 SKINNY_MAX_TOKEN_TILE = 64   # tokens per program (the MMA's N side): more rows, more token tiles
+DECODE_KERNELS = ("blocks", "skinny", "tiles")
 
 
 def skinny_token_tile(m: int) -> int:
@@ -238,18 +305,18 @@ def skinny_token_tile(m: int) -> int:
     return max(16, min(SKINNY_MAX_TOKEN_TILE, triton.next_power_of_2(m)))
 
 
-def _use_skinny(m: int, n: int, k: int, device: torch.device) -> bool:
-    """The measured rule above, unless $V41GRAPH_FP8_KERNEL names a kernel ("skinny" or "tiles":
-    the A/B switch of scripts/bench.py's v41graph-tilesfp8; read at every call, so a capture
-    takes it)."""
+def decode_kernel(m: int, n: int, k: int, device: torch.device) -> str:
+    """The measured rule above, unless $V41GRAPH_FP8_KERNEL names a kernel (one of
+    DECODE_KERNELS: the A/B switch of scripts/bench.py's fp8 variants; read at every call, so a
+    capture takes it)."""
     forced = os.environ.get("V41GRAPH_FP8_KERNEL") or "auto"
-    if forced not in ("auto", "skinny", "tiles"):
-        raise ValueError(f"V41GRAPH_FP8_KERNEL must be 'auto', 'skinny' or 'tiles', got {forced!r}")
+    if forced not in ("auto",) + DECODE_KERNELS:
+        raise ValueError(f"V41GRAPH_FP8_KERNEL must be 'auto' or one of {DECODE_KERNELS}, got {forced!r}")
     if forced != "auto":
-        return forced == "skinny"
+        return forced
     if triton.cdiv(n, 128) >= _num_sms(device):
-        return m <= SKINNY_MAX_TOKEN_TILE
-    return m <= SKINNY_MAX_ROWS and k <= SKINNY_MAX_K
+        return "skinny" if m <= SKINNY_MAX_TOKEN_TILE else "tiles"
+    return "skinny" if m <= SKINNY_MAX_ROWS and k <= SKINNY_MAX_K else "tiles"
 
 
 def _skinny_config(m: int, n: int, k: int, device: torch.device):
@@ -266,46 +333,86 @@ def _skinny_config(m: int, n: int, k: int, device: torch.device):
     return bt, bn, bk, split, warps, stages
 
 
+def _blocks_config(m: int, n: int, k: int, device: torch.device):
+    """(BT, BN, BK, split, num_warps, num_stages, tma) of the blocks kernel: 8 or 16 tokens (its
+    scale product grows with BT; 8 makes Triton use mma.sync, which reads the weight tile from
+    shared memory in 8-byte words), 128 weight rows x BK 128 per step, split-K until the grid
+    covers the SMs 1.5 times, the weight through TMA where the GPU has it (sm90+)."""
+    bt = 8 if m <= 8 else 16
+    bn, bk, warps, stages = 128, _block_k(k, 128), 4, 4
+    tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
+    steps = k // bk
+    split = 1
+    while tiles * split < 3 * _num_sms(device) // 2 and split * 2 <= steps and split < 64:
+        split *= 2
+    return bt, bn, bk, split, warps, stages, _capability_at_least(device, 9, 0)
+
+
+def _swapped_launch(m: int, n: int, k: int, bt: int, bn: int, bk: int, split: int, device, out_dtype):
+    """The grid and buffers of the swapped kernels (skinny, blocks): (grid, K per split, out,
+    fp32 workspace, per-tile counts); the split is recomputed from whole BK steps."""
+    if bk % 32 or k % bk:
+        raise ValueError(f"fp8_linear: the kernel's BK must be a multiple of 32 dividing K={k}, got {bk}")
+    k_per_split = triton.cdiv(k // bk, split) * bk
+    split = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bt), split)
+    out = torch.empty((m, n), device=device, dtype=out_dtype)
+    if split > 1:   # fp32 shares + one zeroed count per output tile (a memset node when captured)
+        ws = torch.empty((split, m, n), device=device, dtype=torch.float32)
+        count = torch.zeros(grid[0] * grid[1], device=device, dtype=torch.int32)
+    else:
+        ws = count = out    # never read
+    return grid, k_per_split, out, ws, count
+
+
 def _fp8_linear_skinny(x2, weight, scale, out_dtype, config):
     m, k = x2.shape
     n = weight.shape[0]
     bt, bn, bk, split, warps, stages = config or _skinny_config(m, n, k, x2.device)
-    if bk % 32 or k % bk:
-        raise ValueError(f"fp8_linear: the skinny kernel's BK must be a multiple of 32 dividing K={k}, got {bk}")
-    k_per_split = triton.cdiv(k // bk, split) * bk
-    split = triton.cdiv(k, k_per_split)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bt), split)
-    out = torch.empty((m, n), device=x2.device, dtype=out_dtype)
-    if split > 1:   # fp32 shares + one zeroed count per output tile (a memset node when captured)
-        ws = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
-        count = torch.zeros(grid[0] * grid[1], device=x2.device, dtype=torch.int32)
-    else:
-        ws = count = out    # never read
+    grid, k_per_split, out, ws, count = _swapped_launch(m, n, k, bt, bn, bk, split, x2.device, out_dtype)
     quantized = m >= QUANTIZE_FIRST_ROWS
     xq = quantize_rows(x2).view(torch.int32) if quantized else x2
     _fp8_linear_skinny_kernel[grid](xq, weight.view(torch.int16), scale, out, ws, count, m, n, k,
-                                    k_per_split, split, BT=bt, BN=bn, BK=bk, QUANTIZED=quantized,
-                                    SPLIT=split > 1, num_warps=warps, num_stages=stages)
+                                    k_per_split, grid[2], BT=bt, BN=bn, BK=bk, QUANTIZED=quantized,
+                                    SPLIT=grid[2] > 1, num_warps=warps, num_stages=stages)
+    return out
+
+
+def _fp8_linear_blocks(x2, weight, scale, out_dtype, config):
+    m, k = x2.shape
+    n = weight.shape[0]
+    bt, bn, bk, split, warps, stages, tma = config or _blocks_config(m, n, k, x2.device)
+    grid, k_per_split, out, ws, count = _swapped_launch(m, n, k, bt, bn, bk, split, x2.device, out_dtype)
+    codes, scales = quantize_rows_codes(x2)
+    # the descriptor is encoded by Triton's launcher on the host at every launch and passed by
+    # value, so a captured graph keeps it (the weight's address never changes)
+    w_src = TensorDescriptor(weight, [n, k], [k, 1], [bn, 32]) if tma else weight
+    _fp8_linear_blocks_kernel[grid](codes, scales, w_src, scale, out, ws, count, m, n, k, k_per_split,
+                                    grid[2], BT=bt, BN=bn, BK=bk, SPLIT=grid[2] > 1, TMA=tma,
+                                    num_warps=warps, num_stages=stages)
     return out
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
                config=None, kernel=None) -> torch.Tensor:
-    """`kernel`: "skinny" (_fp8_linear_skinny_kernel) or "tiles" (_fp8_linear_kernel); default
-    below PREFILL_ROWS rows: the measured choice of _use_skinny; `config`
-    (BM or BT, BN, BK, split, num_warps, num_stages) overrides the chosen kernel's table
-    (bench_ops' sweep)."""
+    """`kernel`: one of DECODE_KERNELS ("blocks": _fp8_linear_blocks_kernel, "skinny":
+    _fp8_linear_skinny_kernel, "tiles": _fp8_linear_kernel); default below PREFILL_ROWS rows:
+    the measured choice of decode_kernel; `config` (BM or BT, BN, BK, split, num_warps,
+    num_stages, and for the blocks kernel tma) overrides the chosen kernel's table (bench_ops'
+    sweep)."""
     x2 = _rows(x)
     m, k = x2.shape
     n = weight.shape[0]
     if kernel is None:
         if config is None and m >= PREFILL_ROWS and out_dtype == torch.bfloat16:
             return _fp8_linear_prefill(x2, weight, scale).view(*x.shape[:-1], n)
-        kernel = "skinny" if _use_skinny(m, n, k, x.device) else "tiles"
+        kernel = decode_kernel(m, n, k, x.device)
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"fp8_linear: kernel must be one of {DECODE_KERNELS}, got {kernel!r}")
     if kernel == "skinny":
         return _fp8_linear_skinny(x2, weight, scale, out_dtype, config).view(*x.shape[:-1], n)
-    if kernel != "tiles":
-        raise ValueError(f"fp8_linear: kernel must be 'skinny' or 'tiles', got {kernel!r}")
+    if kernel == "blocks":
+        return _fp8_linear_blocks(x2, weight, scale, out_dtype, config).view(*x.shape[:-1], n)
     bm, bn, bk, split, warps, stages = config or _config(m, n, k, x.device)
     k_per_split = triton.cdiv(k // bk, split) * bk
     split = triton.cdiv(k, k_per_split)
