@@ -1,8 +1,8 @@
 """fp8_linear on CUDA: x times the checkpoint's FP8 E4M3 weight with E8M0 scales per 32x32
 block, the activation's FP8 quantization fused in (imported lazily by cuda_impls.py).
 
-Decode and small batches (M < PREFILL_ROWS, or a result that is not bf16): one of two kernels,
-picked by a rule measured on the H200 (`_use_skinny`):
+Decode and small batches (M < PREFILL_ROWS, or a result that is not bf16): one of three kernels,
+picked by a rule measured on the GPU (`decode_kernel`):
 - the tiles kernel (`_fp8_linear_kernel`): a program owns a [BM, BN] output tile and a share of
   K (split-K when the tile grid alone would leave SMs idle, as in decode); per BK step it loads
   the activation tile (from QUANTIZE_FIRST_ROWS rows on, x quantized once by `quantize_rows`;
@@ -13,15 +13,20 @@ picked by a rule measured on the H200 (`_use_skinny`):
   once, as the reference casts once;
 - the skinny kernel (`_fp8_linear_skinny_kernel`): the same values with the weight rows as the
   MMA's M side and the few tokens as its N side, the E4M3 decode in PTX, and the split-K
-  shares added in split order by the tile's last program (deterministic, no second launch).
+  shares added in split order by the tile's last program (deterministic, no second launch);
+- the blocks kernel (`_fp8_linear_blocks_kernel`): the skinny kernel's shape doing the
+  reference's own arithmetic (reference.blockwise_gemm): one fp32 partial per 32-wide K block
+  of the codes alone (fp16 MMAs: E4M3 codes are exact in fp16, two converted per instruction),
+  times the block's weight and activation scales, added in block order; x quantized once to
+  (codes, scales) by `quantize_rows_codes`; the weight tiles by TMA.
 
 Prefill (M >= PREFILL_ROWS, a bf16 result): the activation is quantized by one kernel, the
 weight dequantized to a transient bf16 copy by another, and cuBLAS multiplies them
 (`_fp8_linear_prefill`): the Triton kernel reached only 0.20-0.34x of cuBLAS there on the
 H200, this path 0.71-0.96x (docs/BENCHMARKS.md, eighth session).
 
-The tile tables (`_config`, `_skinny_config`) and the choice between the kernels come from
-scripts/bench_ops.py --only fp8 on the H200.
+The tile tables (`_config`, `_skinny_config`, `_blocks_config`) and the choice between the
+kernels come from scripts/bench_ops.py --only fp8 on the GPU.
 """
 from __future__ import annotations
 
