@@ -505,9 +505,9 @@ def _fp8_sweep_configs(m: int, quick: bool, kernel: str = "tiles"):
     if kernel == "skinny":
         from v41graph.custom_ops.triton.quant_gemm import skinny_token_tile
         bt = skinny_token_tile(m)
-        return [(bt, bn, bk, split, warps, stages) for bn in (64, 128) for bk in (128, 256)
-                for split in (1, 2, 4, 8, 16, 32) for warps in ((4,) if bn == 64 else (4, 8))
-                for stages in ((3, 5) if quick else (3, 4, 5, 6))]   # ncu: latency-bound at 3
+        return [(bt, bn, bk, split, warps, stages, tma) for bn in (64, 128) for bk in ((128,) if quick else (128, 256))
+                for split in (1, 2, 4, 8, 16, 32) for warps in ((4,) if bn == 64 or quick else (4, 8))
+                for stages in ((3, 5) if quick else (3, 4, 5, 6)) for tma in (False, True)]
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
     if m > 64:
         return [(128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3), (64, 128, 128, 1, 4, 3)]
@@ -520,7 +520,7 @@ def _fp8_sweep_configs(m: int, quick: bool, kernel: str = "tiles"):
     return out
 
 
-def bench_fp8_linear(bw, quick):
+def bench_fp8_linear(bw, quick, rows=None):
     """fp8_linear (the checkpoint's FP8 weights + E8M0/32x32, activation quantization fused) vs
     the bf16 cuBLAS linear of the same shape, decode M = 1 / 8 / 64 and prefill M = 4096. Cold
     L2 per call (cbench). The rows sweep the kernel's tile table (BEST = the fastest config,
@@ -536,7 +536,7 @@ def bench_fp8_linear(bw, quick):
         sc = torch.randint(118, 126, ((n + 31) // 32, k // 32), device="cuda", dtype=torch.uint8, generator=g)
         dense = codecs.dequant_fp8_weight(w.view(torch.float8_e4m3fn), sc).bfloat16()
         wbytes = n * k + sc.numel()
-        for m in ((1, 8, 64, 4096) if name in ("wq_a", "wq_b", "wo_b") else (1, 8, 64)):
+        for m in rows or ((1, 8, 64, 4096) if name in ("wq_a", "wq_b", "wo_b") else (1, 8, 64)):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             shape = f"{name} M={m} N={n} K={k}"
             t_bf16 = cbench(lambda: F.linear(x, dense))
@@ -664,14 +664,16 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes (fp8: fewer configs)")
     ap.add_argument("--attn-rows", default="16,32,64", help="attn: the tile kernel's rows per block to sweep")
     ap.add_argument("--attn-stages", default="1,2,3", help="attn: the tile kernel's pipelining depths to sweep")
+    ap.add_argument("--fp8-rows", default="", help="fp8: the token counts (default 1,8,64 and 4096 for three shapes)")
     ap.add_argument("--fp8-sweep", default=",".join(FP8_SWEEP_KERNELS),
-                    help="fp8: the kernels whose tile tables are swept (skinny,tiles; empty: none)")
+                    help="fp8: the kernels whose tile tables are swept (blocks,skinny,tiles; empty: none)")
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="how cold-L2 timings evict L2 (see _flush_l2); write: every run before the 16th session")
     ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2,fp8,mxfp4 "
                          "(quant = fp8,mxfp4)")
     args = ap.parse_args()
     FP8_SWEEP_KERNELS = tuple(filter(None, args.fp8_sweep.split(",")))
+    FP8_ROWS = tuple(int(r) for r in args.fp8_rows.split(",") if r)
     FLUSH = args.flush
     os.makedirs(args.out, exist_ok=True)
     LOG = open(os.path.join(args.out, "bench.log"), "w")
@@ -703,7 +705,7 @@ def main():
                 ("indexer", lambda: bench_indexer(indexer, d2d, args.quick)),
                 ("topk", lambda: bench_topk(indexer, args.quick)),
                 ("ratio2", lambda: bench_ratio2(compressor, d2d, args.quick)),
-                ("fp8", lambda: bench_fp8_linear(d2d, args.quick)),
+                ("fp8", lambda: bench_fp8_linear(d2d, args.quick, FP8_ROWS)),
                 ("mxfp4", lambda: bench_mxfp4_moe(d2d, args.quick))]
     for name, fn in sections:
         if only and name not in only:

@@ -92,7 +92,8 @@ def test_fp8_linear_every_split_and_tile_config():
 
 
 def test_fp8_linear_skinny_every_config_and_deterministic_split():
-    """The skinny kernel at the tile shapes and splits its sweep tries (3 pipeline stages), on a
+    """The skinny kernel at the tile shapes and splits its sweep tries (3 pipeline stages; the
+    weight through pointers and through TMA), on a
     shape that fills no tile (N = 200 rows: a partial 64- and 128-row tile; 24 and 70 tokens: a
     partial token tile, two token tiles), quantized and unquantized x, agrees with the
     reference; the split-K reduction by the last program of a tile repeats bit for bit."""
@@ -103,9 +104,10 @@ def test_fp8_linear_skinny_every_config_and_deterministic_split():
         want = ref.fp8_linear(x, w, s, torch.float32)
         bt = quant_gemm.skinny_token_tile(m)
         assert bt == (16 if m <= 16 else 32 if m <= 32 else 64)
-        for bn, bk, warps in [(64, 128, 4), (128, 256, 4), (128, 128, 8), (64, 256, 4)]:
+        for bn, bk, warps, tma in [(64, 128, 4, False), (128, 256, 4, True), (128, 128, 8, False),
+                                   (64, 256, 4, False), (128, 128, 4, True)]:
             for split in (1, 2, 4, 8, 16, 32):
-                config = (bt, bn, bk, split, warps, 3)
+                config = (bt, bn, bk, split, warps, 3, tma)
                 got = quant_gemm.fp8_linear(x, w, s, torch.float32, config=config, kernel="skinny")
                 err = rel_err(got, want)
                 assert err < FP32_OUT_REL, (m, config, err)

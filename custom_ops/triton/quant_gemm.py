@@ -86,16 +86,17 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
 
 
 @triton.jit
-def _fp8_linear_skinny_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_PER_SPLIT,
+def _fp8_linear_skinny_kernel(x_ptr, w_src, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_PER_SPLIT,
                               n_split, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              QUANTIZED: tl.constexpr, SPLIT: tl.constexpr):
+                              QUANTIZED: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
     """Few activation rows (decode): the weight rows are the MMA's M side and the tokens its N
     side, out^T [BN, BT] = W [BN, K] . x [BT, K]^T, so a 64/128-row weight tile fills a wgmma
     whatever the token count and every weight byte is read once per call (the tile kernel
     above reads it once per BM rows of x). The weight is read as int16 words (two E4M3 codes)
     and decoded by PTX with its 32x32 block's scale (common._e4m3_pairs_to_bf16: the values of
     _fp8_weight_tile); the even and odd columns go through two dots, x split the same way.
-    SPLIT: see _store_or_reduce_split."""
+    TMA: w_src is a descriptor of the int16 weight as [N, K/32, 16] (see the blocks kernel);
+    else the int16 weight's pointer. SPLIT: see _store_or_reduce_split."""
     pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     t = pid_t * BT + tl.arange(0, BT)
@@ -107,8 +108,11 @@ def _fp8_linear_skinny_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     for k0 in range(k_lo, k_hi, BK):
         kb = k0 // 32 + kb_i
-        words = tl.load(w_ptr + n[:, None, None] * (K // 2) + kb[None, :, None] * 16 + j16[None, None, :],
-                        mask=n_mask[:, None, None], other=0)
+        if TMA:
+            words = w_src.load([pid_n * BN, k0 // 32, 0])
+        else:
+            words = tl.load(w_src + n[:, None, None] * (K // 2) + kb[None, :, None] * 16 + j16[None, None, :],
+                            mask=n_mask[:, None, None], other=0)
         u = tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
         we, wo = _e4m3_pairs_to_bf16(words, _e8m0_to_bf16(u)[:, :, None])
         if QUANTIZED:   # bf16 x from quantize_rows, read as int32 words (columns 2i, 2i+1)
@@ -373,13 +377,16 @@ def _swapped_launch(m: int, n: int, k: int, bt: int, bn: int, bk: int, split: in
 def _fp8_linear_skinny(x2, weight, scale, out_dtype, config):
     m, k = x2.shape
     n = weight.shape[0]
-    bt, bn, bk, split, warps, stages = config or _skinny_config(m, n, k, x2.device)
+    bt, bn, bk, split, warps, stages, *tma = config or _skinny_config(m, n, k, x2.device)
+    tma = bool(tma and tma[0])
     grid, k_per_split, out, ws, count = _swapped_launch(m, n, k, bt, bn, bk, split, x2.device, out_dtype)
     quantized = m >= QUANTIZE_FIRST_ROWS
     xq = quantize_rows(x2).view(torch.int32) if quantized else x2
-    _fp8_linear_skinny_kernel[grid](xq, weight.view(torch.int16), scale, out, ws, count, m, n, k,
+    words = weight.view(torch.int16)
+    w_src = TensorDescriptor(words, [n, k // 32, 16], [k // 2, 16, 1], [bn, bk // 32, 16]) if tma else words
+    _fp8_linear_skinny_kernel[grid](xq, w_src, scale, out, ws, count, m, n, k,
                                     k_per_split, grid[2], BT=bt, BN=bn, BK=bk, QUANTIZED=quantized,
-                                    SPLIT=grid[2] > 1, num_warps=warps, num_stages=stages)
+                                    SPLIT=grid[2] > 1, TMA=tma, num_warps=warps, num_stages=stages)
     return out
 
 
