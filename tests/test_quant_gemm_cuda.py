@@ -148,11 +148,13 @@ def test_fp8_linear_blocks_every_config_and_deterministic_split():
 def test_fp8_kernel_switch_picks_the_kernel_and_refuses_a_bad_value(monkeypatch):
     """V41GRAPH_FP8_KERNEL forces a decode kernel (bench.py's fp8 A/B variants); unset, the
     measured rule: wq_b's 32768 rows take the skinny kernel even at 64 tokens, wo_b's K = 8192
-    the tiles kernel even at one."""
+    the blocks kernel up to 8 tokens."""
     dev = torch.device(DEV)
     monkeypatch.delenv("V41GRAPH_FP8_KERNEL", raising=False)
     assert quant_gemm.decode_kernel(64, 32768, 1280, dev) == "skinny"
-    assert quant_gemm.decode_kernel(1, 5120, 8192, dev) == "tiles"
+    assert quant_gemm.decode_kernel(1, 5120, 8192, dev) == "blocks"
+    assert quant_gemm.decode_kernel(8, 5120, 8192, dev) == "blocks"
+    assert quant_gemm.decode_kernel(9, 5120, 8192, dev) == "tiles"
     assert quant_gemm.decode_kernel(1, 1280, 5120, dev) == "skinny"
     assert quant_gemm.decode_kernel(64, 1280, 5120, dev) == "tiles"
     g = torch.Generator().manual_seed(3)

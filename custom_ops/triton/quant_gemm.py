@@ -298,15 +298,19 @@ def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return torch.nn.functional.linear(quantize_rows(x2), dense)
 
 
-# Which decode kernel, from the H200 sweep of the sixteenth session (scripts/bench_ops.py --only
-# fp8 --flush read, docs/BENCHMARKS.md): the skinny kernel won at every model shape with M <= 16
-# rows except K = 8192 (wo_b: 29.2 vs 27.5 us at M = 1), and at any M where the 128-row weight
-# tiles alone cover the SMs (wq_b, N = 32768: M = 64 31.2 vs 52.8 us); the tile kernel won the
-# other M = 64 shapes (by 6-20 %).
+# Which decode kernel: the sixteenth session's H200 sweep (scripts/bench_ops.py --only fp8
+# --flush read, docs/BENCHMARKS.md) picked the skinny kernel at M <= 16 rows except K = 8192
+# (wo_b), and at any M where the 128-row weight tiles alone cover the SMs (wq_b, N = 32768:
+# M = 64 31.2 vs 52.8 us); the tiles kernel won the other M = 64 shapes (by 6-20 %). The
+# twentieth session's H100 sweep (--fp8-rows 1,8) added the blocks kernel for K = 8192 at M <= 8
+# (wo_b 24.8 / 26.9 us at M = 1 / 8 against the tiles kernel's 29.2 / 30.0), the weight through
+# TMA in both swapped kernels (0-8 % faster) and 64-row skinny tiles from 2 tokens on (wq_a,
+# wkv at M = 8: 11.7 / 9.6 us against 15.7 / 13.0).
 SKINNY_MAX_ROWS = 16
 SKINNY_MAX_K = 4096 + 2048
 SKINNY_MAX_TOKEN_TILE = 64   # tokens per program (the MMA's N side): more rows, more token tiles
 DECODE_KERNELS = ("blocks", "skinny", "tiles")
+BLOCKS_MAX_ROWS = 8          # the blocks kernel's 8-token tile (mma.sync); its scale product grows with BT
 
 
 def skinny_token_tile(m: int) -> int:
@@ -325,30 +329,36 @@ def decode_kernel(m: int, n: int, k: int, device: torch.device) -> str:
         return forced
     if triton.cdiv(n, 128) >= _num_sms(device):
         return "skinny" if m <= SKINNY_MAX_TOKEN_TILE else "tiles"
-    return "skinny" if m <= SKINNY_MAX_ROWS and k <= SKINNY_MAX_K else "tiles"
+    if k > SKINNY_MAX_K:
+        return "blocks" if m <= BLOCKS_MAX_ROWS else "tiles"
+    return "skinny" if m <= SKINNY_MAX_ROWS else "tiles"
 
 
 def _skinny_config(m: int, n: int, k: int, device: torch.device):
-    """(BT, BN, BK, split, num_warps, num_stages) of the skinny kernel: 128 weight rows x BK 128
-    per step (the sweep's best at most shapes), split-K until the grid covers the SMs 1.5 times
-    (wq_b: no split; wkv: 32; the sweep's best splits)."""
+    """(BT, BN, BK, split, num_warps, num_stages, tma) of the skinny kernel: 128 weight rows x
+    BK 128 per step, 64 rows from 2 tokens on where the 128-row tiles leave SMs idle (more
+    programs: the H100 sweep's best at M = 8), split-K until the grid covers the SMs 1.5 times
+    (wq_b: no split; wkv: 32; the sweeps' best splits), the weight through TMA on sm90+."""
     bt = skinny_token_tile(m)
-    bn, bk, warps, stages = 128, _block_k(k, 128), 4, 3
+    few_tiles = triton.cdiv(n, 128) < _num_sms(device)
+    bn = 64 if m > 1 and m <= SKINNY_MAX_ROWS and few_tiles else 128
+    bk, warps, stages = _block_k(k, 128), 4, 3
     tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
     steps = k // bk
     split = 1
     while tiles * split < 3 * _num_sms(device) // 2 and split * 2 <= steps and split < 64:
         split *= 2
-    return bt, bn, bk, split, warps, stages
+    return bt, bn, bk, split, warps, stages, _capability_at_least(device, 9, 0)
 
 
 def _blocks_config(m: int, n: int, k: int, device: torch.device):
     """(BT, BN, BK, split, num_warps, num_stages, tma) of the blocks kernel: 8 or 16 tokens (its
     scale product grows with BT; 8 makes Triton use mma.sync, which reads the weight tile from
-    shared memory in 8-byte words), 128 weight rows x BK 128 per step, split-K until the grid
-    covers the SMs 1.5 times, the weight through TMA where the GPU has it (sm90+)."""
-    bt = 8 if m <= 8 else 16
-    bn, bk, warps, stages = 128, _block_k(k, 128), 4, 4
+    shared memory in 8-byte words), 64 weight rows x BK 128 per step (the H100 sweep's best at
+    every shape), split-K until the grid covers the SMs 1.5 times, the weight through TMA where
+    the GPU has it (sm90+)."""
+    bt = 8 if m <= BLOCKS_MAX_ROWS else 16
+    bn, bk, warps, stages = 64, _block_k(k, 128), 4, 4
     tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
     steps = k // bk
     split = 1
