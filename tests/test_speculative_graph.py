@@ -139,17 +139,33 @@ def test_static_reference_drafts_acceptance(tiny_model, head, reference, rate):
     assert _all_free(eng)
 
 
+# A greedy run may part from the plain engine's at an argmax whose top two log-probabilities lie
+# this close: the verify step's GEMMs have other shapes than a one-token decode, so fp32 sums
+# round differently, and the tiny model's FP8/FP4 cache quantization can turn that into a flip
+# of a near-tied argmax (on one CI CPU: token 38 of 200, gap 0.0029, where the plain engine
+# itself picks the runner-up when batched with other requests).
+NEAR_TIE = 0.01
+
+
 def test_static_greedy_200_steps(tiny_model, head):
     """One request, 200 tokens past a window of 8 and the ring sizes, drafts right 70 % of the
-    time (reference drafts): rollbacks and full acceptances throughout."""
+    time (reference drafts): rollbacks and full acceptances throughout; identical to the plain
+    engine, or parting from it only at a near tie (NEAR_TIE) after 20 tokens."""
     prompt = PROMPTS[2]
-    ref = _engine(tiny_model, max_seq=256, max_batch_size=1).generate(
-        [prompt], SamplingParams(max_tokens=200))[0].token_ids
+    plain = _engine(tiny_model, max_seq=256, max_batch_size=1).generate(
+        [prompt], SamplingParams(max_tokens=200, logprobs=2))[0]
+    ref = plain.token_ids
     eng = _with_reference_drafts(_static(tiny_model, head, max_seq=256, max_batch_size=1), [prompt], [ref], 0.7)
-    assert eng.generate([prompt], SamplingParams(max_tokens=200))[0].token_ids == ref
+    got = eng.generate([prompt], SamplingParams(max_tokens=200))[0].token_ids
+    first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    if first is not None:   # only a near-tied argmax may part them (NEAR_TIE), and not early
+        top = plain.logprobs[first]
+        assert first >= 20 and got[first] in top and top[ref[first]] - top[got[first]] < NEAR_TIE, \
+            (first, ref[first], got[first], top)
     s = eng.stats
     assert s["spec_static_steps"] >= 40 and s["spec_rejections"] > 20
-    assert s["spec_rejections"] < s["spec_verifies"] and eng.spec.acceptance_length > 2.0
+    # past a parting point the reference drafts no longer fit the output: most are rejected
+    assert s["spec_rejections"] < s["spec_verifies"] and eng.spec.acceptance_length > (2.0 if first is None else 1.0)
 
 
 # =============================================================================== sampling
