@@ -143,6 +143,12 @@ def test_fp8_linear_blocks_every_config_and_deterministic_split():
                     assert err < FP32_OUT_REL, (m, config, err)
                     again = quant_gemm.fp8_linear(x, w, s, torch.float32, config=config, kernel="blocks")
                     assert torch.equal(got, again), (m, config)
+    # a weight at an address TMA refuses (not 16-byte aligned) takes the pointer loads
+    odd = torch.empty(w.numel() + 1, dtype=torch.uint8, device=DEV)[1:].view(w.shape)
+    odd.copy_(w)
+    assert odd.data_ptr() % 16 and not quant_gemm._tma_aligned(odd)
+    for kernel in ("blocks", "skinny"):
+        assert rel_err(quant_gemm.fp8_linear(x, odd, s, torch.float32, kernel=kernel), want) < FP32_OUT_REL, kernel
 
 
 def test_fp8_kernel_switch_picks_the_kernel_and_refuses_a_bad_value(monkeypatch):
