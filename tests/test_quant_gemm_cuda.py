@@ -149,6 +149,8 @@ def test_fp8_linear_blocks_every_config_and_deterministic_split():
     assert odd.data_ptr() % 16 and not quant_gemm._tma_aligned(odd)
     for kernel in ("blocks", "skinny"):
         assert rel_err(quant_gemm.fp8_linear(x, odd, s, torch.float32, kernel=kernel), want) < FP32_OUT_REL, kernel
+    with pytest.raises(ValueError, match="config must be"):
+        quant_gemm.fp8_linear(x, w, s, torch.float32, config=(8, 64, 128), kernel="blocks")
 
 
 def test_fp8_kernel_switch_picks_the_kernel_and_refuses_a_bad_value(monkeypatch):

@@ -221,12 +221,17 @@ def _config(m: int, n: int, k: int, device: torch.device):
         bm, bn, bk, warps, stages = 64, 128, _block_k(k, 128), 4, 3
     else:
         bm, bn, bk, warps, stages = 128, 256, _block_k(k, 64), 8, 3
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    steps = k // bk
-    split = 1
-    while tiles * split < 2 * _num_sms(device) and split * 2 <= steps and split < 16:
-        split *= 2
+    split = _split_k(triton.cdiv(m, bm) * triton.cdiv(n, bn), k // bk, 2 * _num_sms(device), 16)
     return bm, bn, bk, split, warps, stages
+
+
+def _split_k(tiles: int, steps: int, cover: int, most: int) -> int:
+    """The split-K of a decode grid: doubled until tiles x split reaches `cover` programs, while
+    each share keeps at least one BK step and the split stays at most `most`."""
+    split = 1
+    while tiles * split < cover and split * 2 <= steps and split < most:
+        split *= 2
+    return split
 
 
 @triton.jit
@@ -342,11 +347,7 @@ def _skinny_config(m: int, n: int, k: int, device: torch.device):
     few_tiles = triton.cdiv(n, 128) < _num_sms(device)
     bn = 64 if m > 1 and m <= SKINNY_MAX_ROWS and few_tiles else 128
     bk, warps, stages = _block_k(k, 128), 4, 3
-    tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
-    steps = k // bk
-    split = 1
-    while tiles * split < 3 * _num_sms(device) // 2 and split * 2 <= steps and split < 64:
-        split *= 2
+    split = _split_k(triton.cdiv(m, bt) * triton.cdiv(n, bn), k // bk, 3 * _num_sms(device) // 2, 64)
     return bt, bn, bk, split, warps, stages, _capability_at_least(device, 9, 0)
 
 
@@ -358,11 +359,7 @@ def _blocks_config(m: int, n: int, k: int, device: torch.device):
     the GPU has it (sm90+)."""
     bt = 8 if m <= BLOCKS_MAX_ROWS else 16
     bn, bk, warps, stages = 64, _block_k(k, 128), 4, 4
-    tiles = triton.cdiv(m, bt) * triton.cdiv(n, bn)
-    steps = k // bk
-    split = 1
-    while tiles * split < 3 * _num_sms(device) // 2 and split * 2 <= steps and split < 64:
-        split *= 2
+    split = _split_k(triton.cdiv(m, bt) * triton.cdiv(n, bn), k // bk, 3 * _num_sms(device) // 2, 64)
     return bt, bn, bk, split, warps, stages, _capability_at_least(device, 9, 0)
 
 
@@ -389,11 +386,20 @@ def _tma_aligned(weight: torch.Tensor) -> bool:
     return weight.data_ptr() % 16 == 0
 
 
+def _swapped_config(config, weight: torch.Tensor) -> tuple:
+    """A swapped kernel's (BT, BN, BK, split, num_warps, num_stages, tma): the 6-field configs
+    of earlier sweeps mean no TMA, and TMA only where the weight allows it."""
+    if len(config) not in (6, 7):
+        raise ValueError(f"fp8_linear: config must be (BT, BN, BK, split, num_warps, num_stages[, tma]), "
+                         f"got {config!r}")
+    *fields, tma = (*config, False) if len(config) == 6 else config
+    return (*fields, bool(tma) and _tma_aligned(weight))
+
+
 def _fp8_linear_skinny(x2, weight, scale, out_dtype, config):
     m, k = x2.shape
     n = weight.shape[0]
-    bt, bn, bk, split, warps, stages, *tma = config or _skinny_config(m, n, k, x2.device)
-    tma = bool(tma and tma[0]) and _tma_aligned(weight)
+    bt, bn, bk, split, warps, stages, tma = _swapped_config(config or _skinny_config(m, n, k, x2.device), weight)
     grid, k_per_split, out, ws, count = _swapped_launch(m, n, k, bt, bn, bk, split, x2.device, out_dtype)
     quantized = m >= QUANTIZE_FIRST_ROWS
     xq = quantize_rows(x2).view(torch.int32) if quantized else x2
@@ -408,8 +414,7 @@ def _fp8_linear_skinny(x2, weight, scale, out_dtype, config):
 def _fp8_linear_blocks(x2, weight, scale, out_dtype, config):
     m, k = x2.shape
     n = weight.shape[0]
-    bt, bn, bk, split, warps, stages, tma = config or _blocks_config(m, n, k, x2.device)
-    tma = tma and _tma_aligned(weight)
+    bt, bn, bk, split, warps, stages, tma = _swapped_config(config or _blocks_config(m, n, k, x2.device), weight)
     grid, k_per_split, out, ws, count = _swapped_launch(m, n, k, bt, bn, bk, split, x2.device, out_dtype)
     codes, scales = quantize_rows_codes(x2)
     # the descriptor is encoded by Triton's launcher on the host at every launch and passed by
