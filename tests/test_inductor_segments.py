@@ -132,3 +132,54 @@ def test_triton_environment_is_pinned_as_inductor_sets_it(monkeypatch):
     finally:
         os.environ.pop("TRITON_LIBDEVICE_PATH", None)
     assert seen == [True] and inductor_config.emulate_precision_casts == setting_before   # restored
+
+
+class TwoSegments(torch.nn.Module):
+    """A state write between two chains: two distinct segments, with a symbolic row count."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x, state, rows):
+        h = torch.sigmoid(torch.relu(x @ self.w) * 2 + 1) - 0.5
+        ops.state_write(state, rows, h[:2])
+        return torch.tanh(h @ self.w) * 3 + h.exp() - 1
+
+
+def _lower_two_segments(store) -> tuple:
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = TwoSegments().eval().requires_grad_(False)
+    x, rows, state = torch.randn(6, 32), torch.tensor([0, 2]), torch.zeros(3, 32)
+    torch._dynamo.mark_dynamic(x, 0)
+    reports = []
+    harness = PassHarness(["cleanup", "defunctionalize"],
+                          lower=lambda gm: reports.append(lower_inductor_segments(gm, MIN_COMPUTE, store=store)))
+    out = harness.compile(model)(x, state, rows)
+    expected_state = torch.zeros(3, 32)
+    expected = model(x, expected_state, rows)
+    assert torch.allclose(out, expected, atol=ATOL, rtol=0) and torch.allclose(state, expected_state, atol=ATOL, rtol=0)
+    torch._dynamo.reset()
+    return out, reports[0]
+
+
+def test_distinct_segments_compile_in_the_workers_to_the_code_compiled_here(tmp_path, monkeypatch):
+    """Two distinct segments with a symbolic size compile in the compile workers (pickled with
+    their ShapeEnv); the code a worker generates is the code this process generates, and runs
+    to the same outputs."""
+    from v41graph.compiler import compile_cache as cc
+    from v41graph.compiler.compile_workers import ENV_VAR
+    env = {"env": "test"}
+    monkeypatch.setenv(ENV_VAR, "2")
+    in_workers, report = _lower_two_segments(cc.SegmentStore(tmp_path / "workers", env))
+    assert report["distinct_compiled"] == report["in_workers"] == report["stored"] == 2, report
+    monkeypatch.setenv(ENV_VAR, "0")
+    here, report_here = _lower_two_segments(cc.SegmentStore(tmp_path / "here", env))
+    assert report_here["distinct_compiled"] == report_here["stored"] == 2 and report_here["in_workers"] == 0
+    assert torch.equal(in_workers, here)
+    sources = {}
+    for where in ("workers", "here"):
+        files = sorted((tmp_path / where).rglob("*.pt"))
+        sources[where] = {f.name: torch.load(f, weights_only=True)["source"] for f in files}
+    assert len(sources["here"]) == 2 and sources["workers"] == sources["here"]

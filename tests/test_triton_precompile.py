@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 import v41graph
+from v41graph.compiler import compile_workers as cw
 from v41graph.compiler import triton_precompile as tp
 from v41graph.custom_ops.cuda_impls import CUDA_IMPLS
 from v41graph.model.config import V41Config
@@ -166,13 +167,13 @@ def test_a_call_reads_the_graphs_data_but_never_its_indices_or_what_it_writes():
 
 
 def test_worker_count_reads_the_environment(monkeypatch):
-    monkeypatch.setenv(tp.ENV_VAR, "3")
-    assert tp.worker_count() == 3
-    monkeypatch.setenv(tp.ENV_VAR, "0")
-    assert tp.worker_count() == 0 and tp.make_precompile("cuda") is None
-    monkeypatch.setenv(tp.ENV_VAR, "many")
+    monkeypatch.setenv(cw.ENV_VAR, "3")
+    assert cw.worker_count() == 3
+    monkeypatch.setenv(cw.ENV_VAR, "0")
+    assert cw.worker_count() == 0 and tp.make_precompile("cuda") is None
+    monkeypatch.setenv(cw.ENV_VAR, "many")
     with pytest.raises(ValueError, match="V41GRAPH_COMPILE_WORKERS must be a whole number"):
-        tp.worker_count()
+        cw.worker_count()
     assert tp.make_precompile("cpu") is None
 
 
@@ -195,14 +196,14 @@ def _specialization(block_n: int) -> dict:
     options = make_backend(target).parse_options({"num_warps": 4})
     spec = serialize_specialization_data(kernel.fn.__qualname__, signature, constants, attrs, options,
                                          f"test-{block_n}")
-    return {"module": kernel.fn.__module__, "name": kernel.fn.__qualname__, "spec": spec,
-            "target": [target.backend, target.arch, target.warp_size], "env": tp._compile_env()}
+    return {"call": tp.WORKER_CALL, "module": kernel.fn.__module__, "name": kernel.fn.__qualname__, "spec": spec,
+            "target": [target.backend, target.arch, target.warp_size], "env": cw.compile_env()}
 
 
 def test_a_workers_compile_is_found_by_the_same_compile_in_process(tmp_path, monkeypatch):
     pytest.importorskip("triton", reason="Triton is not installed: nothing to compile")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    pool = tp.CompileWorkers(2)
+    pool = cw.CompileWorkers(2)
     try:
         jobs = [_specialization(64), _specialization(128),
                 {**_specialization(64), "module": "v41graph.no_such_module"}]
@@ -307,7 +308,7 @@ def test_cuda_first_runs_compile_no_kernel_after_the_precompile(tmp_path):
     pytest.importorskip("triton", reason="Triton is not installed")
 
     def run(workers: str, name: str) -> tuple[dict, list]:
-        env = {**os.environ, tp.ENV_VAR: workers, "TRITON_CACHE_DIR": str(tmp_path / f"triton-{name}")}
+        env = {**os.environ, cw.ENV_VAR: workers, "TRITON_CACHE_DIR": str(tmp_path / f"triton-{name}")}
         proc = subprocess.run([sys.executable, "-c", _CUDA_RUN, str(tmp_path / f"{name}.pt")], env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -276,7 +276,7 @@ class SegmentStore:
 
     def load(self, digest: str):
         """The compiled segment for `digest`, or None when not stored or unreadable (logged)."""
-        from .inductor_segments import InductorSegment
+        from .inductor_segments import InductorSegment, load_generated_code
         call = self._callables.get(digest)
         if call is None:
             path = self.root / f"{digest}.pt"
@@ -284,7 +284,7 @@ class SegmentStore:
                 return None
             try:
                 data = torch.load(path, weights_only=True)
-                call = _load_inductor_module(data["source"], data["inputs_to_check"])
+                call = load_generated_code(data["source"], data["inputs_to_check"])
             except Exception as exc:   # a corrupt file: compile again
                 _log.warning("compile cache: Inductor segment %s unreadable (%s: %s); compiling it again",
                              path, type(exc).__name__, exc)
@@ -296,30 +296,17 @@ class SegmentStore:
         segment.artifact_digest = digest
         return segment
 
-    def store(self, digest: str, compiled, sub: fx.GraphModule) -> bool:
-        """Keep a segment Inductor just compiled; False (logged) when it cannot be kept."""
-        source = getattr(compiled, "source_code", None)
-        if not isinstance(source, str) or getattr(compiled, "constants", None):
+    def store(self, digest: str, generated) -> bool:
+        """Keep a segment Inductor just compiled, as inductor_segments.generated_code gives it
+        ((source, inputs_to_check), or None: not kept, logged). True when kept."""
+        if generated is None:
             _log.info("compile cache: segment %s not kept (no generated source, or constants)", digest)
             return False
-        data = {"source": source, "inputs_to_check": [int(i) for i in getattr(compiled, "inputs_to_check", ())]}
-        _atomic_save(data, self.root / f"{digest}.pt")
+        source, inputs_to_check = generated
+        _atomic_save({"source": source, "inputs_to_check": [int(i) for i in inputs_to_check]},
+                     self.root / f"{digest}.pt")
         self.stored += 1
         return True
-
-
-def _load_inductor_module(source: str, inputs_to_check):
-    from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.utils import copy_misaligned_inputs
-    module = PyCodeCache.load(source)
-    call = module.call
-    check = list(inputs_to_check)
-
-    def run(args):
-        if check:   # what Inductor's wrapper does: copy inputs that are not aligned as compiled for
-            copy_misaligned_inputs(args, check)
-        return call(args)
-    return run
 
 
 def _atomic_save(data, path: Path) -> None:

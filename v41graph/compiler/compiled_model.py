@@ -32,7 +32,8 @@ from .backend import GraphCaptured, TracedGraph, make_backend, raise_dynamo_reco
 from .compile_cache import CompileCache, NotCacheable, cache_key, resolve_dir
 from .stamp import StampRefused, map_checks, plan_stamping, stamp_graph
 from .dump import graph_name
-from .triton_precompile import make_precompile, worker_count
+from .compile_workers import worker_count
+from .triton_precompile import make_precompile
 
 _log = logging.getLogger(__name__)
 

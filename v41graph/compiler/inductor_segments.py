@@ -29,7 +29,9 @@ getitem nodes unpack), in the place of its first node. Segments with fewer than
 compiled by Inductor (compile_fx_inner on the segment, decomposed with Inductor's table first,
 fake inputs from node.meta["val"]); a segment Inductor refuses stays a plain GraphModule run by
 the executor. Our functional custom ops (torch.ops.v41graph.*) inside a segment become Inductor
-fallback kernels.
+fallback kernels. Equal segments (the layers repeat a few) compile once; two or more distinct
+ones compile in parallel in the compile workers (compile_workers.py), each returning Inductor's
+generated module, which this process loads as a warm start loads a stored segment.
 
 CUDA graphs: the compiled code reads the current stream at each call (so a segment inside a
 side-stream region runs on that stream), allocates from the caching allocator and introduces no
@@ -327,6 +329,104 @@ def compile_segment(sub: fx.GraphModule):
     return compiled
 
 
+def _refusal(exc: Exception) -> str:
+    """Inductor's refusal of a segment, one line (the segment report lists them)."""
+    first_line = (str(exc).splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {first_line}"
+
+
+def generated_code(compiled):
+    """(source, inputs_to_check) of a compiled segment: Inductor's generated Python module (its
+    Triton / C++ kernels inside as source) and the inputs whose alignment its wrapper checks;
+    None when the output has no source or carries constants (it cannot be loaded from source)."""
+    source = getattr(compiled, "source_code", None)
+    if not isinstance(source, str) or getattr(compiled, "constants", None):
+        return None
+    return source, [int(i) for i in getattr(compiled, "inputs_to_check", ())]
+
+
+def load_generated_code(source: str, inputs_to_check):
+    """The callable of a segment from its generated code (a compile-cache load, a worker's
+    compile): Inductor's module loaded through its own code cache (kernels compiled at load,
+    from Triton's / Inductor's caches where they are there)."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.utils import copy_misaligned_inputs
+    call = PyCodeCache.load(source).call
+    check = list(inputs_to_check)
+
+    def run(args):
+        if check:   # what Inductor's wrapper does: copy inputs that are not aligned as compiled for
+            copy_misaligned_inputs(args, check)
+        return call(args)
+    return run
+
+
+# ---------------------------------------------------------------------------- in worker processes
+# A cold start's distinct segments compile in the compile workers (compile_workers.py), in
+# parallel: Inductor's lowering and code generation are Python, one segment after another took
+# 30-38 s of an H100 cold start. A job carries the segment and its fake inputs pickled by torch's
+# GraphPickler (which keeps symbolic sizes with the ShapeEnv they come from); the worker returns
+# the generated code, which this process loads as a warm start loads a stored segment.
+WORKER_CALL = f"{__name__}:compile_segment_job"
+WORKER_PRELOAD = (__name__, "torch._inductor.compile_fx")   # imported by the workers at start
+
+
+def segment_job(sub: fx.GraphModule) -> dict | None:
+    """The compile-worker job for a segment, or None (logged) where it cannot be pickled."""
+    import base64
+
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    from .compile_workers import compile_env
+    example_inputs = [n.meta["val"] for n in sub.graph.nodes if n.op == "placeholder"]
+    try:    # ops_filter None: our own ops too (a worker imports v41graph, which registers them)
+        data = GraphPickler.dumps((sub, example_inputs), Options(ops_filter=None))
+    except Exception as exc:
+        log.info("inductor segment not sent to a worker (%s: %s)", type(exc).__name__, str(exc)[:200])
+        return None
+    return {"call": WORKER_CALL, "segment": base64.b64encode(data).decode("ascii"), "env": compile_env()}
+
+
+def compile_segment_job(job: dict) -> dict:
+    """(In a worker.) Compile a segment_job: {"source", "inputs_to_check"} (generated_code), or
+    {"refused": why} where Inductor refused it. Raises where the output cannot travel."""
+    import base64
+
+    from torch._inductor import config as inductor_config
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    pickled, _ = GraphPickler.loads(base64.b64decode(job["segment"]), FakeTensorMode(shape_env=ShapeEnv()))
+    # unpickled as a bare GraphModule without forward (its class is made per instance): remake it
+    sub = fx.GraphModule(torch.nn.Module(), pickled.graph)
+    # one worker of many: its kernels compile in this process, not in a pool of its own
+    with inductor_config.patch(compile_threads=1):
+        try:
+            compiled = compile_segment(sub)
+        except Exception as exc:
+            return {"refused": _refusal(exc)}
+    generated = generated_code(compiled)
+    if generated is None:
+        raise ValueError("Inductor's output has no generated source, or has constants")
+    return {"source": generated[0], "inputs_to_check": generated[1]}
+
+
+def _compile_in_workers(subs: dict) -> dict:
+    """{segment key: a worker's reply} for the segments `subs` ({key: GraphModule}) that the
+    compile workers compiled or refused; the others (no workers, not picklable, a worker's
+    error) are left to this process."""
+    from .compile_workers import workers
+    pool = workers(preload=WORKER_PRELOAD)
+    if pool is None:
+        return {}
+    jobs = {key: job for key, job in ((key, segment_job(sub)) for key, sub in subs.items()) if job is not None}
+    replies = dict(zip(jobs, pool.compile(list(jobs.values()), priority=0)))
+    for key, reply in replies.items():
+        if not reply.get("ok"):
+            log.info("inductor segment: a worker failed (%s); compiling it here", reply.get("error"))
+    return {key: reply for key, reply in replies.items() if reply.get("ok")}
+
+
 def segment_key(sub: fx.GraphModule) -> tuple:
     """Segments with equal keys compute the same function of their inputs: the same code (node
     names are generated from the ops, see extract_segment) and inputs of the same size, stride,
@@ -341,10 +441,11 @@ def segment_key(sub: fx.GraphModule) -> tuple:
 
 def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COMPUTE_NODES,
                             compile_segments: bool = True, store=None) -> dict:
-    """Split gm (in place) into segments and, with `compile_segments`, compile each with Inductor.
-    Returns the summary also kept in gm.meta["inductor_segments"] and logged: segments found,
-    split out, compiled, left to the executor (too small / refused, with Inductor's reasons),
-    compute nodes compiled, seconds (splitting + compiling). compile_segments=False only
+    """Split gm (in place) into segments and, with `compile_segments`, compile each with Inductor
+    (two or more distinct ones in the compile workers, in parallel). Returns the summary also
+    kept in gm.meta["inductor_segments"] and logged: segments found, split out, compiled (how
+    many distinct, how many of those in workers), left to the executor (too small / refused,
+    with Inductor's reasons), compute nodes compiled, seconds (splitting + compiling). compile_segments=False only
     splits: the segments run as plain GraphModules (the same ops, for testing the split).
     `store` (compile_cache.SegmentStore): compiled segments are looked up there by their
     segment_key first ("loaded") and kept there once compiled ("stored"), across processes."""
@@ -355,7 +456,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
     large = [s for s in segments if s.compute_nodes() >= min_compute_nodes]
     report = {"found": len(segments), "split": len(large), "compiled": 0, "distinct_compiled": 0,
               "too_small": len(segments) - len(large), "refused": 0, "refusals": [],
-              "nodes_compiled": 0, "compile_s": 0.0, "loaded": 0, "stored": 0}
+              "nodes_compiled": 0, "compile_s": 0.0, "loaded": 0, "stored": 0, "in_workers": 0}
     subs = []
     for i, segment in enumerate(large):
         subs.append((f"segment_{i}", segment.compute_nodes(), extract_segment(gm, segment, f"segment_{i}")))
@@ -364,30 +465,46 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
         # The 40 layers repeat a few segment shapes; compile each distinct one once. (Inductor's
         # own FX graph cache would do this, but on torch 2.11 with symbolic sizes it could not
         # pickle the cache key on the H200 and compiled every segment again, ~2 s each.)
+        distinct: dict = {}    # segment key -> (name, compute nodes, sub) of its first segment
+        for name, n_compute, sub in subs:
+            distinct.setdefault(segment_key(sub), (name, n_compute, sub))
         done: dict = {}        # segment key -> compiled callable, or the refusal text
-        digests: dict = {}     # segment key -> its digest in `store`, when kept there
-        seconds: list = []     # (seconds, name, compute nodes) of each compile here
+        digests: dict = {}     # segment key -> its digest in `store`
+        for key in distinct:
+            digests[key] = store.digest(key) if store is not None else None
+            kept = store.load(digests[key]) if store is not None else None
+            if kept is not None:
+                done[key] = kept.compiled
+                report["loaded"] += 1
+        todo = [key for key in distinct if key not in done]
+        # two or more to compile: in the compile workers, in parallel (what they leave: here)
+        replies = _compile_in_workers({key: distinct[key][2] for key in todo}) if len(todo) >= 2 else {}
+        seconds: list = []     # (seconds, name, compute nodes) of each compile, here or in a worker
+        for key in todo:
+            name, n_compute, sub = distinct[key]
+            t_compile = time.perf_counter()
+            reply = replies.get(key)
+            if reply is not None and "refused" in reply:
+                done[key] = reply["refused"]
+            elif reply is not None:
+                generated = (reply["source"], reply["inputs_to_check"])
+                done[key] = load_generated_code(*generated)
+                report["in_workers"] += 1
+            else:
+                try:
+                    done[key] = compile_segment(sub)
+                    generated = generated_code(done[key])
+                except Exception as exc:   # Inductor refused: the executor runs the segment
+                    done[key] = _refusal(exc)
+            if not isinstance(done[key], str):
+                report["distinct_compiled"] += 1
+                if store is not None and store.store(digests[key], generated):
+                    report["stored"] += 1
+            refused = " refused" if isinstance(done[key], str) else ""
+            took = reply["s"] if reply is not None else time.perf_counter() - t_compile
+            seconds.append((round(took, 2), name + refused, n_compute))
         for name, n_compute, sub in subs:
             key = segment_key(sub)
-            if key not in done:
-                digest = store.digest(key) if store is not None else None
-                kept = store.load(digest) if store is not None else None
-                if kept is not None:
-                    done[key], digests[key] = kept.compiled, digest
-                    report["loaded"] += 1
-                else:
-                    t_compile = time.perf_counter()
-                    try:
-                        done[key] = compile_segment(sub)
-                        report["distinct_compiled"] += 1
-                        if store is not None and store.store(digest, done[key], sub):
-                            digests[key] = digest
-                            report["stored"] += 1
-                    except Exception as exc:   # Inductor refused: the executor runs the segment
-                        first_line = (str(exc).splitlines() or [""])[0][:200]
-                        done[key] = f"{type(exc).__name__}: {first_line}"
-                    refused = " refused" if isinstance(done[key], str) else ""
-                    seconds.append((round(time.perf_counter() - t_compile, 2), name + refused, n_compute))
             compiled = done[key]
             if isinstance(compiled, str):
                 report["refused"] += 1
@@ -395,7 +512,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
                 log.info("inductor segment %s refused: %s", name, compiled)
                 continue
             segment = InductorSegment(compiled, sub)
-            if key in digests:      # the compile cache names it by this when storing the graph
+            if store is not None and store.has(digests[key]):   # the compile cache names it by this
                 segment.artifact_digest = digests[key]
             setattr(gm, name, segment)
             report["compiled"] += 1
@@ -403,13 +520,15 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
         # where the lowering's time goes: the slowest compiles (refused ones too), with their sizes
         report["slowest"] = [f"{name} ({nodes} nodes): {s} s"
                              for s, name, nodes in sorted(seconds, reverse=True)[:5]]
-        report["compiling_here_s"] = round(sum(s for s, _, _ in seconds), 2)
+        # compile seconds summed (in workers these overlap: compile_s is the wall time)
+        report["compiling_s"] = round(sum(s for s, _, _ in seconds), 2)
     gm.recompile()
     report["left"] = report["found"] - report["compiled"]
     report["compile_s"] = round(time.perf_counter() - t0, 3)
     gm.meta["inductor_segments"] = report
-    log.info("inductor segments: %d found, %d compiled (%d distinct, %d compute nodes; %d loaded from "
-             "the compile cache), %d left (%d below %d compute nodes, %d refused), %.1f s", report["found"],
-             report["compiled"], report["distinct_compiled"], report["nodes_compiled"], report["loaded"],
-             report["left"], report["too_small"], min_compute_nodes, report["refused"], report["compile_s"])
+    log.info("inductor segments: %d found, %d compiled (%d distinct, %d of them in compile workers, %d "
+             "compute nodes; %d loaded from the compile cache), %d left (%d below %d compute nodes, %d "
+             "refused), %.1f s", report["found"], report["compiled"], report["distinct_compiled"],
+             report["in_workers"], report["nodes_compiled"], report["loaded"], report["left"],
+             report["too_small"], min_compute_nodes, report["refused"], report["compile_s"])
     return report

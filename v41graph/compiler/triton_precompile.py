@@ -19,23 +19,15 @@ compile the workers did not produce (a stand-in that missed a real call's specia
 an unaligned view, or a worker error) is compiled there as before. Only the stand-ins run
 (never the graph's tensors), so a skipped kernel cannot corrupt any state.
 
-Workers are `python -m v41graph.compiler.triton_precompile` subprocesses talking JSON lines on
-their stdin/stdout (not multiprocessing: its spawn re-imports the user's __main__, which may be
-a script that compiles the model). They start when a CompiledModel is made on CUDA, so their
-imports (torch, Triton) overlap the trace, and stop after IDLE_S without work.
-$V41GRAPH_COMPILE_WORKERS sets their number (0: off; default min(16, CPUs)). Triton's
-environment (TRITON_* variables: cache directory, ptxas, libdevice) is sent with every job, so
-a worker's cache key is the first run's even when the model changed it after the start.
+The workers are the compile workers (compile_workers.py): they start when a CompiledModel is
+made on CUDA, so their imports overlap the trace. Triton's environment (TRITON_* variables:
+cache directory, ptxas, libdevice) is sent with every job, so a worker's cache key is the first
+run's even when the model changed it after the start.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import logging
-import os
-import queue
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -45,154 +37,16 @@ import torch.fx as fx
 
 from v41graph.passes.base import written_args
 
+from .compile_workers import CompileWorkers, compile_env, workers
+
 _log = logging.getLogger(__name__)
 
-ENV_VAR = "V41GRAPH_COMPILE_WORKERS"
-IDLE_S = 60.0           # workers stop after this long without a job (restarted when needed)
-JOB_TIMEOUT_S = 300.0   # a batch of compiles waits at most this long; what is left compiles at the first run
 # An op call whose stand-ins would take more is not made: its kernels compile at the first run.
 # (A written tensor over the limit, a cache, gets a shrunk stand-in: _stand_in.) Stand-ins are
 # freed after each call.
 STAND_IN_LIMIT_BYTES = 1 << 30
-
-
-def worker_count() -> int:
-    """$V41GRAPH_COMPILE_WORKERS, else min(16, CPUs of this process)."""
-    value = os.environ.get(ENV_VAR, "").strip()
-    if value:
-        try:
-            n = int(value)
-        except ValueError:
-            raise ValueError(f"${ENV_VAR} must be a whole number of worker processes (0: off), got {value!r}")
-        if n < 0:
-            raise ValueError(f"${ENV_VAR} must be >= 0, got {n}")
-        return n
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(16, cpus)
-
-
-# the environment variables a compile or a cache key reads (Triton's and its compilers')
-_ENV_PREFIXES = ("TRITON_", "MLIR_", "LLVM_")
-
-
-def _compile_env() -> dict:
-    """Those variables as this process has them now (sent with every job)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-
-
-# ============================================================================ worker processes
-# A worker lowers its priority before importing anything: the workers start while this process
-# traces (single-threaded Python), and sixteen imports of torch at normal priority slowed that
-# trace by 8 s on an H100 host (26.4 s instead of 18.7 s).
-_WORKER_START = (f"import os; getattr(os, 'nice', abs)(19); import runpy; "
-                 f"runpy.run_module({__name__!r}, run_name='__main__')")
-
-
-class CompileWorkers:
-    """A few worker processes compiling Triton specializations (see the module docstring)."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self._procs: list[subprocess.Popen] = []
-        self._lock = threading.Lock()
-        self._batch = threading.Lock()     # one batch at a time owns the workers' pipes
-        self._timer: threading.Timer | None = None
-
-    def start(self) -> None:
-        with self._lock:
-            self._cancel_timer()
-            self._procs = [p for p in self._procs if p.poll() is None]
-            env = dict(os.environ)
-            # the package as this process imports it, installed or not
-            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-            while len(self._procs) < self.n:
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-c", _WORKER_START, "--worker"], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1))
-
-    def stop(self, kill: bool = False) -> None:
-        """Close the workers' input (they exit when done), or with `kill` end them now."""
-        with self._lock:
-            self._cancel_timer()
-            procs, self._procs = self._procs, []
-        for p in procs:
-            try:
-                p.kill() if kill else p.stdin.close()
-            except OSError:
-                pass
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def compile(self, jobs: list[dict], timeout: float = JOB_TIMEOUT_S) -> list[dict]:
-        """Each job's result ({"ok": bool, "s": seconds, "error": text}), in order; a job not
-        done within `timeout` (or whose worker died) reports ok False."""
-        if not jobs:
-            return []
-        with self._batch:
-            return self._compile(jobs, timeout)
-
-    def _compile(self, jobs: list[dict], timeout: float) -> list[dict]:
-        self.start()
-        todo: queue.Queue = queue.Queue()
-        for i, job in enumerate(jobs):
-            todo.put(i)
-        results: list = [None] * len(jobs)
-
-        def serve(proc: subprocess.Popen) -> None:
-            while True:
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
-                    return
-                line = ""
-                try:
-                    proc.stdin.write(json.dumps(jobs[i]) + "\n")
-                    line = proc.stdout.readline()
-                    results[i] = json.loads(line) if line else {"ok": False, "error": "worker exited"}
-                except (OSError, ValueError) as exc:
-                    results[i] = {"ok": False, "error": f"worker: {type(exc).__name__}: {exc}"}
-                if not line:
-                    return
-
-        threads = [threading.Thread(target=serve, args=(p,), daemon=True) for p in list(self._procs)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in threads):   # stuck: kill them; the first run compiles the rest
-            _log.warning("Triton precompile: workers still busy after %.0f s; stopping them", timeout)
-            self.stop(kill=True)
-        with self._lock:
-            self._cancel_timer()
-            self._timer = threading.Timer(IDLE_S, self.stop)
-            self._timer.daemon = True
-            self._timer.start()
-        return [r if r is not None else {"ok": False, "error": "not done in time"} for r in results]
-
-
-_WORKERS: CompileWorkers | None = None
-
-
-def workers() -> CompileWorkers | None:
-    """The process's workers (started, or None when $V41GRAPH_COMPILE_WORKERS is 0)."""
-    global _WORKERS
-    if _WORKERS is None:
-        n = worker_count()
-        if n == 0:
-            return None
-        _WORKERS = CompileWorkers(n)
-        atexit.register(_WORKERS.stop)
-    _WORKERS.start()
-    return _WORKERS
+# what a worker calls for a job (compile_workers.py)
+WORKER_CALL = f"{__name__}:compile_specialization"
 
 
 def compile_specialization(job: dict) -> None:
@@ -228,29 +82,6 @@ def compile_specialization(job: dict) -> None:
     target = GPUTarget(*job["target"])
     options = make_backend(target).parse_options({k: as_tuple(v) for k, v in spec["options"].items()})
     triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
-
-
-def _worker_main() -> None:
-    # the protocol owns stdout: anything else printed (C libraries too) goes to stderr
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    try:     # imported before the first job: part of the start-up
-        import triton  # noqa: F401
-    except ImportError:     # (every job then reports the ImportError)
-        pass
-    for line in sys.stdin:
-        job = json.loads(line)
-        for key in [k for k in os.environ if k.startswith(_ENV_PREFIXES)]:
-            del os.environ[key]
-        os.environ.update(job["env"])
-        t0 = time.perf_counter()
-        try:
-            compile_specialization(job)
-            reply = {"ok": True}
-        except Exception as exc:   # reported; the first run compiles this kernel itself
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        reply["s"] = round(time.perf_counter() - t0, 3)
-        out.write(json.dumps(reply) + "\n")
 
 
 # ============================================================================ noting kernels
@@ -578,9 +409,9 @@ class TritonPrecompile:
         except Exception as exc:     # never fail the run for this: the first run compiles
             _log.warning("Triton precompile skipped (%s: %s)", type(exc).__name__, exc)
             return None
-        env = _compile_env()
+        env = compile_env()
         for job in jobs:
-            job["target"], job["env"] = target, env
+            job["call"], job["target"], job["env"] = WORKER_CALL, target, env
         return jobs, counts, t0, time.perf_counter()
 
     def _compile(self, jobs: list[dict], counts: dict, t0: float, t1: float) -> None:
@@ -622,6 +453,3 @@ def make_precompile(platform: str, timings: dict | None = None) -> TritonPrecomp
     pool = workers()
     return TritonPrecompile(pool, timings) if pool is not None else None
 
-
-if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
-    _worker_main()

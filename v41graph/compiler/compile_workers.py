@@ -1,0 +1,236 @@
+"""Compile worker processes (issue 24): a cold start's compiles that do not depend on each other
+run in a few worker processes instead of one after another in this one.
+
+Two kinds of job use them:
+  - Triton kernel specializations noted before a graph's first run (triton_precompile.py),
+  - Inductor segments, each compiled to Inductor's generated Python module (inductor_segments.py).
+
+Workers are `python -m v41graph.compiler.compile_workers` subprocesses talking JSON lines on their
+stdin/stdout (not multiprocessing: its spawn re-imports the user's __main__, which may be a script
+that compiles the model). A job names the function that does it (`"call": "module:function"`,
+given the job dict, returning a dict of results or raising); the reply is that dict with
+`"ok": True`, or `"ok": False` and the error. The environment variables a compile or a cache key
+reads (TRITON_*, TORCHINDUCTOR_*, ...) are sent with every job, so a worker compiles into the
+caches, and with the settings, that this process has now, even when they changed after the start.
+
+One queue feeds all workers, ordered by priority then submission: a batch submitted while
+another runs (segments while Triton kernels compile in the background) shares the workers instead
+of waiting for the whole other batch. Workers start when a CompiledModel is made on CUDA, so
+their imports overlap the trace, and stop after IDLE_S without work. $V41GRAPH_COMPILE_WORKERS
+sets their number (0: off; default min(16, CPUs)).
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import itertools
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, wait
+
+_log = logging.getLogger(__name__)
+
+ENV_VAR = "V41GRAPH_COMPILE_WORKERS"
+IDLE_S = 60.0           # workers stop after this long without a job (restarted when needed)
+JOB_TIMEOUT_S = 300.0   # a batch waits at most this long; its callers do what is left themselves
+
+
+def worker_count() -> int:
+    """$V41GRAPH_COMPILE_WORKERS, else min(16, CPUs of this process)."""
+    value = os.environ.get(ENV_VAR, "").strip()
+    if value:
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"${ENV_VAR} must be a whole number of worker processes (0: off), got {value!r}")
+        if n < 0:
+            raise ValueError(f"${ENV_VAR} must be >= 0, got {n}")
+        return n
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(16, cpus)
+
+
+# the environment variables a compile or a cache key reads (Triton's, its compilers', Inductor's)
+_ENV_PREFIXES = ("TRITON_", "MLIR_", "LLVM_", "TORCHINDUCTOR_")
+
+
+def compile_env() -> dict:
+    """Those variables as this process has them now (sent with every job)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+
+
+# A worker lowers its priority before importing anything: the workers start while this process
+# traces (single-threaded Python), and sixteen imports of torch at normal priority slowed that
+# trace by 8 s on an H100 host (26.4 s instead of 18.7 s).
+_WORKER_START = (f"import os; getattr(os, 'nice', abs)(19); import runpy; "
+                 f"runpy.run_module({__name__!r}, run_name='__main__')")
+
+
+class _Worker:
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.stopping = threading.Event()
+
+
+class CompileWorkers:
+    """A few worker processes serving one queue of compile jobs (see the module docstring).
+    `preload`: modules each worker imports when it starts (before its first job)."""
+
+    def __init__(self, n: int, preload: tuple = ()):
+        self.n = n
+        self.preload = tuple(preload)
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()     # submission order within a priority
+        self._in_flight = 0                 # jobs submitted and not answered
+        self._timer: threading.Timer | None = None
+
+    def add_preload(self, modules) -> None:
+        """Workers started from now on also import `modules` first."""
+        self.preload = tuple(dict.fromkeys(self.preload + tuple(modules)))
+
+    def start(self) -> None:
+        with self._lock:
+            self._cancel_timer()
+            self._workers = [w for w in self._workers if w.proc.poll() is None and not w.stopping.is_set()]
+            env = dict(os.environ)
+            # the package as this process imports it, installed or not
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+            while len(self._workers) < self.n:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_START, "--worker", *self.preload], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+                worker = _Worker(proc)
+                self._workers.append(worker)
+                threading.Thread(target=self._serve, args=(worker,), daemon=True,
+                                 name="v41graph-compile-worker").start()
+
+    def stop(self, kill: bool = False) -> None:
+        """Close the workers' input (they exit when done), or with `kill` end them now (the jobs
+        they were running report an error)."""
+        with self._lock:
+            self._cancel_timer()
+            workers, self._workers = self._workers, []
+        for w in workers:
+            w.stopping.set()
+            try:
+                w.proc.kill() if kill else w.proc.stdin.close()
+            except OSError:
+                pass
+        for w in workers:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _serve(self, worker: _Worker) -> None:
+        """A worker's thread: take the next job, send it, wait for the reply."""
+        while not worker.stopping.is_set():
+            try:
+                _, _, job, future = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            line = ""
+            try:
+                worker.proc.stdin.write(json.dumps(job) + "\n")
+                line = worker.proc.stdout.readline()
+                reply = json.loads(line) if line else {"ok": False, "error": "worker exited"}
+            except (OSError, ValueError) as exc:
+                reply = {"ok": False, "error": f"worker: {type(exc).__name__}: {exc}"}
+            self._answer(future, reply)
+            if not line:
+                worker.stopping.set()
+                return
+
+    def _answer(self, future: Future, reply: dict) -> None:
+        if not future.done():
+            future.set_result(reply)
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:      # idle: stop after IDLE_S unless more work comes
+                self._cancel_timer()
+                self._timer = threading.Timer(IDLE_S, self.stop)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def compile(self, jobs: list[dict], timeout: float = JOB_TIMEOUT_S, priority: int = 1) -> list[dict]:
+        """Each job's reply ({"ok": bool, "s": seconds, "error": text, ...}), in order; a job not
+        done within `timeout` (or whose worker died) reports ok False. Lower `priority` first."""
+        if not jobs:
+            return []
+        self.start()
+        futures = []
+        with self._lock:
+            self._cancel_timer()
+            self._in_flight += len(jobs)
+        for job in jobs:
+            future: Future = Future()
+            self._queue.put((priority, next(self._order), job, future))
+            futures.append(future)
+        _, pending = wait(futures, timeout=timeout)
+        if pending:    # stuck: kill the workers (their jobs fail; callers do them themselves)
+            _log.warning("compile workers: %d jobs not done after %.0f s; stopping the workers",
+                         len(pending), timeout)
+            self.stop(kill=True)
+            for future in pending:
+                if not future.done():
+                    future.set_result({"ok": False, "error": "not done in time"})
+        return [f.result() for f in futures]
+
+
+_WORKERS: CompileWorkers | None = None
+
+
+def workers(preload: tuple = ()) -> CompileWorkers | None:
+    """The process's workers, started (None when $V41GRAPH_COMPILE_WORKERS is 0); `preload`
+    adds modules that workers started from now on import first."""
+    global _WORKERS
+    n = worker_count()
+    if n == 0:
+        return None
+    if _WORKERS is None:
+        _WORKERS = CompileWorkers(n)
+        atexit.register(_WORKERS.stop)
+    _WORKERS.add_preload(preload)
+    _WORKERS.start()
+    return _WORKERS
+
+
+def _worker_main(preload: list) -> None:
+    # the protocol owns stdout: anything else printed (C libraries too) goes to stderr
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    for module in ["triton", *preload]:     # imported before the first job: part of the start-up
+        try:
+            importlib.import_module(module)
+        except ImportError:     # (the jobs that need it then report the ImportError)
+            pass
+    for line in sys.stdin:
+        job = json.loads(line)
+        for key in [k for k in os.environ if k.startswith(_ENV_PREFIXES)]:
+            del os.environ[key]
+        os.environ.update(job["env"])
+        t0 = time.perf_counter()
+        try:
+            module, name = job["call"].split(":")
+            reply = {"ok": True, **(getattr(importlib.import_module(module), name)(job) or {})}
+        except Exception as exc:   # reported; the caller does this job itself
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        reply["s"] = round(time.perf_counter() - t0, 3)
+        out.write(json.dumps(reply) + "\n")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker_main(sys.argv[2:])
