@@ -9,7 +9,8 @@
 
 For each variant (executor: our executor only; inductor: Inductor segments on; either with
 "-unstamped": every layer traced, without layer stamping, compiler/stamp.py, or with
-"-serialjit": no compile workers, compiler/triton_precompile.py), ONE invocation
+"-serialjit": no compile workers, compiler/triton_precompile.py, or with "-segshere": Inductor
+segments compiled in the process, not in the compile workers), ONE invocation
 runs two child processes one after the other on one cache directory: cold (the directory
 emptied first) then warm (the directory as the cold run left it). Each child builds the model
 (the config's random weights, as scripts/bench.py builds it), then times from
@@ -53,10 +54,12 @@ from pathlib import Path  # noqa: E402
 # "-serialjit": V41GRAPH_COMPILE_WORKERS=0, each Triton kernel compiled at its first launch, one
 # after another, and Inductor's compile workers started by Inductor itself (the route before the
 # eighteenth session's parallel precompile)
+# "-segshere": V41GRAPH_SEGMENT_WORKERS=0, Inductor segments compiled in the process one after
+# another (the route before the twenty-first session's segment compiles in the workers)
 # "-latepre": the Triton precompile of a graph's first sizes at its first run, after the lowering
 # (the route before the nineteenth session, which starts it before the lowering)
 VARIANTS = ("executor", "inductor", "executor-unstamped", "inductor-unstamped", "executor-serialjit",
-            "inductor-serialjit", "inductor-latepre")
+            "inductor-serialjit", "inductor-latepre", "inductor-segshere")
 PHASES = ("cold", "cold2", "warm", "warm2", "warm3")     # cold2: the --control run; warm2+: --warm-runs
 
 
@@ -120,6 +123,8 @@ def run_child(args) -> dict:
     device = args.device
     if args.variant.endswith("-serialjit"):
         os.environ["V41GRAPH_COMPILE_WORKERS"] = "0"
+    if args.variant.endswith("-segshere"):
+        os.environ["V41GRAPH_SEGMENT_WORKERS"] = "0"
     if args.variant.endswith("-latepre"):
         from v41graph.compiler.triton_precompile import TritonPrecompile
         TritonPrecompile.start = lambda self, gm, args: None    # the first run notes and compiles
@@ -381,7 +386,8 @@ def main(argv=None) -> int:
     colds = {r["variant"]: r for r in results["runs"] if r["phase"] == "cold"}
     for variant in colds:
         for suffix, what in (("-unstamped", "stamped"), ("-serialjit", "precompiled"),
-                             ("-latepre", "precompiled before the lowering")):
+                             ("-latepre", "precompiled before the lowering"),
+                             ("-segshere", "segments from workers")):
             if variant + suffix in colds:
                 results["compare"][f"{variant} {what}"] = compare(colds[variant + suffix], colds[variant])
     (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
@@ -410,6 +416,7 @@ def print_table(results: dict) -> None:
                 "stamped cold == unstamped cold" if variant.endswith(" stamped") else
                 "precompiled cold == serial-JIT cold" if variant.endswith(" precompiled") else
                 "cold == cold precompiled at the first run" if variant.endswith(" before the lowering") else
+                "cold with segments from workers == segments compiled here" if variant.endswith(" from workers") else
                 f"{variant.split()[-1]} == cold" if " warm" in variant else "warm == cold")
         print(f"{variant}: {what} bit for bit: {c.get('equal')} (prefill {c.get('prefill_equal')}, "
               f"first differing step {c.get('first_differing_step')}, {c.get('differing_steps')} differ)")

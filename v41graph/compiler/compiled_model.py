@@ -32,7 +32,7 @@ from .backend import GraphCaptured, TracedGraph, make_backend, raise_dynamo_reco
 from .compile_cache import CompileCache, NotCacheable, cache_key, resolve_dir
 from .stamp import StampRefused, map_checks, plan_stamping, stamp_graph
 from .dump import graph_name
-from .compile_workers import worker_count
+from .compile_workers import worker_count, workers
 from .triton_precompile import make_precompile
 
 _log = logging.getLogger(__name__)
@@ -107,10 +107,13 @@ class CompiledModel:
             inductor_segments, self.platform, self.compile_cache is not None,
             parallel=getattr(self.model, "parallel", None) is not None)
         if self.inductor_segments:   # Triton's environment as Inductor will set it, before any JIT
-            from .inductor_segments import pin_inductor_triton_env, start_inductor_compile_workers
+            from .inductor_segments import (WORKER_PRELOAD, pin_inductor_triton_env, segment_workers_on,
+                                            start_inductor_compile_workers)
             pin_inductor_triton_env()
             if worker_count() > 0:
                 start_inductor_compile_workers()
+                if segment_workers_on():    # the compile workers import Inductor while this traces
+                    workers(preload=WORKER_PRELOAD)
         # On CUDA, each graph's Triton kernels are compiled by worker processes before its first
         # run with new sizes (triton_precompile.py); the workers start now, during the trace.
         self.precompile = make_precompile(self.platform, self.timings)

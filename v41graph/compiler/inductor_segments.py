@@ -369,6 +369,16 @@ def load_generated_code(source: str, inputs_to_check):
 # the generated code, which this process loads as a warm start loads a stored segment.
 WORKER_CALL = f"{__name__}:compile_segment_job"
 WORKER_PRELOAD = (__name__, "torch._inductor.compile_fx")   # imported by the workers at start
+# "0": every segment compiles in this process, one after another (the route before; for comparing)
+SEGMENT_WORKERS_VAR = "V41GRAPH_SEGMENT_WORKERS"
+
+
+def segment_workers_on() -> bool:
+    """Whether distinct segments go to the compile workers ($V41GRAPH_SEGMENT_WORKERS, default 1)."""
+    value = os.environ.get(SEGMENT_WORKERS_VAR, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"${SEGMENT_WORKERS_VAR} must be 0 (segments compile in this process) or 1, got {value!r}")
+    return value == "1"
 
 
 def segment_job(sub: fx.GraphModule) -> dict | None:
@@ -387,6 +397,28 @@ def segment_job(sub: fx.GraphModule) -> dict | None:
     return {"call": WORKER_CALL, "segment": base64.b64encode(data).decode("ascii"), "env": compile_env()}
 
 
+@contextlib.contextmanager
+def _kernels_to_cache_only():
+    """Inside: Inductor's Triton kernels compile into Triton's cache without being loaded onto
+    the GPU (CachingAutotuner.precompile(warm_cache_only=True), as in Inductor's own compile
+    workers). Loading them would give each worker a CUDA context: sixteen next to a model that
+    fills the GPU ran out of memory (nineteenth session). A torch without that method: no change."""
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        original = CachingAutotuner.precompile
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def cache_only(self, *args, **kwargs):
+        return original(self, warm_cache_only=True)
+    CachingAutotuner.precompile = cache_only
+    try:
+        yield
+    finally:
+        CachingAutotuner.precompile = original
+
+
 def compile_segment_job(job: dict) -> dict:
     """(In a worker.) Compile a segment_job: {"source", "inputs_to_check"} (generated_code), or
     {"refused": why} where Inductor refused it. Raises where the output cannot travel."""
@@ -399,8 +431,9 @@ def compile_segment_job(job: dict) -> dict:
     pickled, _ = GraphPickler.loads(base64.b64decode(job["segment"]), FakeTensorMode(shape_env=ShapeEnv()))
     # unpickled as a bare GraphModule without forward (its class is made per instance): remake it
     sub = fx.GraphModule(torch.nn.Module(), pickled.graph)
-    # one worker of many: its kernels compile in this process, not in a pool of its own
-    with inductor_config.patch(compile_threads=1):
+    # one worker of many: its kernels compile in this process, not in a pool of its own, and only
+    # into Triton's on-disk cache (the process that runs the segment loads them from there)
+    with inductor_config.patch(compile_threads=1), _kernels_to_cache_only():
         try:
             compiled = compile_segment(sub)
         except Exception as exc:
@@ -478,7 +511,8 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
                 report["loaded"] += 1
         todo = [key for key in distinct if key not in done]
         # two or more to compile: in the compile workers, in parallel (what they leave: here)
-        replies = _compile_in_workers({key: distinct[key][2] for key in todo}) if len(todo) >= 2 else {}
+        replies = (_compile_in_workers({key: distinct[key][2] for key in todo})
+                   if len(todo) >= 2 and segment_workers_on() else {})
         seconds: list = []     # (seconds, name, compute nodes) of each compile, here or in a worker
         for key in todo:
             name, n_compute, sub = distinct[key]
