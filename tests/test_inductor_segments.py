@@ -135,7 +135,7 @@ def test_triton_environment_is_pinned_as_inductor_sets_it(monkeypatch):
 
 
 class TwoSegments(torch.nn.Module):
-    """A state write between two chains: two distinct segments, with a symbolic row count."""
+    """A state write between two chains: two distinct segments, with an unbacked row count."""
 
     def __init__(self):
         super().__init__()
@@ -152,7 +152,7 @@ def _lower_two_segments(store) -> tuple:
     torch._dynamo.reset()
     model = TwoSegments().eval().requires_grad_(False)
     x, rows, state = torch.randn(6, 32), torch.tensor([0, 2]), torch.zeros(3, 32)
-    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.decorators.mark_unbacked(x, 0)     # as the decode graph's batch (its hardest case)
     reports = []
     harness = PassHarness(["cleanup", "defunctionalize"],
                           lower=lambda gm: reports.append(lower_inductor_segments(gm, MIN_COMPUTE, store=store)))
@@ -165,9 +165,9 @@ def _lower_two_segments(store) -> tuple:
 
 
 def test_distinct_segments_compile_in_the_workers_to_the_code_compiled_here(tmp_path, monkeypatch):
-    """Two distinct segments with a symbolic size compile in the compile workers (pickled with
-    their ShapeEnv); the code a worker generates is the code this process generates, and runs
-    to the same outputs."""
+    """Two distinct segments with an unbacked size compile in the compile workers (pickled with
+    their ShapeEnv: its facts about the size too); the code a worker generates is the code this
+    process generates, and runs to the same outputs."""
     from v41graph.compiler import compile_cache as cc
     from v41graph.compiler.compile_workers import ENV_VAR
     env = {"env": "test"}

@@ -387,10 +387,16 @@ def segment_job(sub: fx.GraphModule) -> dict | None:
 
     from torch.fx._graph_pickler import GraphPickler, Options
 
+    from torch._inductor import config as inductor_config
+
     from .compile_workers import compile_env
     example_inputs = [n.meta["val"] for n in sub.graph.nodes if n.op == "placeholder"]
+    # what else the generated code depends on: Inductor's settings as this process has them, and
+    # its thread count (the CPU code parallelizes a loop only for more than one thread)
+    settings = inductor_config.save_config_portable() if hasattr(inductor_config, "save_config_portable") else {}
     try:    # ops_filter None: our own ops too (a worker imports v41graph, which registers them)
-        data = GraphPickler.dumps((sub, example_inputs), Options(ops_filter=None))
+        data = GraphPickler.dumps((sub, example_inputs, settings, torch.get_num_threads()),
+                                  Options(ops_filter=None))
     except Exception as exc:
         log.info("inductor segment not sent to a worker (%s: %s)", type(exc).__name__, str(exc)[:200])
         return None
@@ -428,12 +434,14 @@ def compile_segment_job(job: dict) -> dict:
     from torch._subclasses import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    pickled, _ = GraphPickler.loads(base64.b64decode(job["segment"]), FakeTensorMode(shape_env=ShapeEnv()))
+    pickled, _, settings, threads = GraphPickler.loads(base64.b64decode(job["segment"]),
+                                                       FakeTensorMode(shape_env=ShapeEnv()))
     # unpickled as a bare GraphModule without forward (its class is made per instance): remake it
     sub = fx.GraphModule(torch.nn.Module(), pickled.graph)
+    torch.set_num_threads(threads)
     # one worker of many: its kernels compile in this process, not in a pool of its own, and only
     # into Triton's on-disk cache (the process that runs the segment loads them from there)
-    with inductor_config.patch(compile_threads=1), _kernels_to_cache_only():
+    with inductor_config.patch(settings), inductor_config.patch(compile_threads=1), _kernels_to_cache_only():
         try:
             compiled = compile_segment(sub)
         except Exception as exc:
