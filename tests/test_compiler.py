@@ -161,6 +161,7 @@ def test_inductor_segments_compile_each_distinct_segment_once(tiny, traced, monk
         compiled_subs.append(sub)
         return lambda args: sub(*args)
     monkeypatch.setattr(seg_mod, "compile_segment", stub)
+    monkeypatch.setenv(seg_mod.SEGMENT_WORKERS_VAR, "0")     # the stub runs here, not in the workers
     vb, *_ = traced
     g = copy_graph_module(vb.passed(1))
     report = seg_mod.lower_inductor_segments(g)
