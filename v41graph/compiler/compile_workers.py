@@ -130,6 +130,12 @@ class CompileWorkers:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
 
+    def restart(self) -> None:
+        """Replace the workers by fresh ones (each finishes its current job first; queued jobs
+        wait for the new ones): what a job left in a worker (a CUDA context) goes with it."""
+        self.stop()
+        self.start()
+
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -139,9 +145,13 @@ class CompileWorkers:
         """A worker's thread: take the next job, send it, wait for the reply."""
         while not worker.stopping.is_set():
             try:
-                _, _, job, future = self._queue.get(timeout=0.5)
+                item = self._queue.get(timeout=0.5)
             except queue.Empty:
                 continue
+            if worker.stopping.is_set():    # stopped meanwhile: the job waits for another worker
+                self._queue.put(item)
+                return
+            _, _, job, future = item
             line = ""
             try:
                 worker.proc.stdin.write(json.dumps(job) + "\n")

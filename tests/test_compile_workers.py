@@ -1,0 +1,59 @@
+"""The compile workers' pool (v41graph/compiler/compile_workers.py): jobs name the function a
+worker calls; replies come back in order, errors as replies; a restart replaces the processes
+and the queued jobs still run; two batches at once share the workers."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from v41graph.compiler.compile_workers import CompileWorkers, compile_env
+
+CALL = f"{__name__}:job_in_worker"
+
+
+def job_in_worker(job: dict) -> dict:
+    """(In a worker.) Sleep a little, say who ran the job, fail where asked."""
+    time.sleep(job.get("sleep", 0.0))
+    if job.get("fail"):
+        raise RuntimeError(f"asked to fail: {job['fail']}")
+    return {"pid": os.getpid(), "tag": job["tag"], "env_seen": os.environ.get("TRITON_TEST_MARK")}
+
+
+def _job(tag, **kw) -> dict:
+    return {"call": CALL, "tag": tag, "env": compile_env(), **kw}
+
+
+def test_replies_in_order_errors_as_replies_and_the_environment_sent(monkeypatch):
+    monkeypatch.setenv("TRITON_TEST_MARK", "sent-with-the-job")   # set after nothing started
+    pool = CompileWorkers(2)
+    try:
+        replies = pool.compile([_job(i, sleep=0.05 * (3 - i)) for i in range(3)] + [_job(3, fail="x")],
+                               timeout=120)
+    finally:
+        pool.stop()
+    assert [r["ok"] for r in replies] == [True, True, True, False]
+    assert [r.get("tag") for r in replies[:3]] == [0, 1, 2]
+    assert len({r["pid"] for r in replies[:3]}) == 2             # both workers served
+    assert all(r["env_seen"] == "sent-with-the-job" for r in replies[:3])
+    assert "RuntimeError: asked to fail: x" in replies[3]["error"]
+
+
+def test_restart_replaces_the_processes_and_two_batches_share_them():
+    pool = CompileWorkers(2)
+    try:
+        first = pool.compile([_job(0), _job(1, sleep=0.2)], timeout=120)
+        slow: list = []
+        background = threading.Thread(target=lambda: slow.extend(
+            pool.compile([_job(f"slow{i}", sleep=0.3) for i in range(4)], timeout=120)))
+        background.start()
+        time.sleep(0.1)
+        pool.restart()      # the slow batch's queued jobs wait for the new workers
+        urgent = pool.compile([_job("urgent")], timeout=120, priority=0)
+        background.join(120)
+    finally:
+        pool.stop()
+    assert all(r["ok"] for r in first + slow + urgent) and len(slow) == 4
+    old = {r["pid"] for r in first}
+    assert urgent[0]["pid"] not in old          # run by a fresh worker
+    assert {r["pid"] for r in slow[2:]}.isdisjoint(old)    # queued before the restart, run after it
