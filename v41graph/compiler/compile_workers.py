@@ -175,11 +175,9 @@ class CompileWorkers:
                 self._timer.daemon = True
                 self._timer.start()
 
-    def compile(self, jobs: list[dict], timeout: float = JOB_TIMEOUT_S, priority: int = 1) -> list[dict]:
-        """Each job's reply ({"ok": bool, "s": seconds, "error": text, ...}), in order; a job not
-        done within `timeout` (or whose worker died) reports ok False. Lower `priority` first."""
-        if not jobs:
-            return []
+    def submit(self, jobs: list[dict], priority: int = 1) -> list[Future]:
+        """One future per job, resolved with its reply ({"ok": bool, "s": seconds, "error": text,
+        ...}); a job whose worker died resolves with ok False. Lower `priority` first."""
         self.start()
         futures = []
         with self._lock:
@@ -189,14 +187,25 @@ class CompileWorkers:
             future: Future = Future()
             self._queue.put((priority, next(self._order), job, future))
             futures.append(future)
-        _, pending = wait(futures, timeout=timeout)
-        if pending:    # stuck: kill the workers (their jobs fail; callers do them themselves)
-            _log.warning("compile workers: %d jobs not done after %.0f s; stopping the workers",
-                         len(pending), timeout)
-            self.stop(kill=True)
-            for future in pending:
-                if not future.done():
-                    future.set_result({"ok": False, "error": "not done in time"})
+        return futures
+
+    def give_up(self, futures: list[Future], timeout: float) -> None:
+        """`futures` not done after `timeout`: the workers are stuck; kill them (their jobs fail,
+        callers do them themselves) and resolve what is left with ok False."""
+        _log.warning("compile workers: %d jobs not done after %.0f s; stopping the workers",
+                     sum(not f.done() for f in futures), timeout)
+        self.stop(kill=True)
+        for future in futures:
+            if not future.done():
+                future.set_result({"ok": False, "error": "not done in time"})
+
+    def compile(self, jobs: list[dict], timeout: float = JOB_TIMEOUT_S, priority: int = 1) -> list[dict]:
+        """Each job's reply, in order (submit); a job not done within `timeout` reports ok False."""
+        if not jobs:
+            return []
+        futures = self.submit(jobs, priority)
+        if wait(futures, timeout=timeout).not_done:
+            self.give_up(futures, timeout)
         return [f.result() for f in futures]
 
 

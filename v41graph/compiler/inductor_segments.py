@@ -453,24 +453,36 @@ def compile_segment_job(job: dict) -> dict:
             "cuda": torch.cuda.is_available() and torch.cuda.is_initialized()}
 
 
-def _compile_in_workers(subs: dict) -> dict:
-    """{segment key: a worker's reply} for the segments `subs` ({key: GraphModule}) that the
-    compile workers compiled or refused; the others (no workers, not picklable, a worker's
-    error) are left to this process."""
-    from .compile_workers import workers
+def _compile_in_workers(segments: dict):
+    """Yield (segment key, a worker's reply) as the compile workers finish them, for the
+    `segments` ({key: (name, compute nodes, GraphModule)}) they compiled or refused; the others
+    (no workers, not picklable, a worker's error) are left to this process."""
+    from concurrent.futures import TimeoutError as NotDone
+    from concurrent.futures import as_completed
+
+    from .compile_workers import JOB_TIMEOUT_S, workers
     pool = workers(preload=WORKER_PRELOAD)
     if pool is None:
-        return {}
-    jobs = {key: job for key, job in ((key, segment_job(sub)) for key, sub in subs.items()) if job is not None}
-    replies = dict(zip(jobs, pool.compile(list(jobs.values()), priority=0)))
-    if any(reply.get("cuda") for reply in replies.values()):
+        return
+    # the largest first: the lowering waits for the slowest job, which should not start last
+    order = sorted(segments, key=lambda key: -segments[key][1])
+    jobs = {key: job for key, job in ((key, segment_job(segments[key][2])) for key in order) if job is not None}
+    futures = dict(zip(pool.submit(list(jobs.values()), priority=0), jobs))
+    initialized_cuda = False
+    try:
+        for future in as_completed(futures, timeout=JOB_TIMEOUT_S):
+            reply = future.result()
+            initialized_cuda |= bool(reply.get("cuda"))
+            if reply.get("ok"):
+                yield futures[future], reply
+            else:
+                log.info("inductor segment: a worker failed (%s); compiling it here", reply.get("error"))
+    except NotDone:
+        pool.give_up(list(futures), JOB_TIMEOUT_S)
+    if initialized_cuda:
         # Inductor's code generation for CUDA left a CUDA context in each worker (520 MiB on an
         # H100, sixteen workers 8.3 GB next to the model, measured): fresh workers replace them
         pool.restart()
-    for key, reply in replies.items():
-        if not reply.get("ok"):
-            log.info("inductor segment: a worker failed (%s); compiling it here", reply.get("error"))
-    return {key: reply for key, reply in replies.items() if reply.get("ok")}
 
 
 def segment_key(sub: fx.GraphModule) -> tuple:
@@ -522,22 +534,25 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
             if kept is not None:
                 done[key] = kept.compiled
                 report["loaded"] += 1
-        todo = [key for key in distinct if key not in done]
-        # two or more to compile: in the compile workers, in parallel (what they leave: here)
-        replies = (_compile_in_workers({key: distinct[key][2] for key in todo})
-                   if len(todo) >= 2 and segment_workers_on() else {})
         seconds: list = []     # (seconds, name, compute nodes) of each compile, here or in a worker
-        for key in todo:
+
+        def finish(key, reply: dict | None) -> None:
+            """Take a worker's reply for segment `key` (its code loaded here), or with none (or
+            one that does not load) compile it here; keep it in `store`."""
             name, n_compute, sub = distinct[key]
-            t_compile = time.perf_counter()
-            reply = replies.get(key)
+            t_compile, generated = time.perf_counter(), None
             if reply is not None and "refused" in reply:
                 done[key] = reply["refused"]
             elif reply is not None:
                 generated = (reply["source"], reply["inputs_to_check"])
-                done[key] = load_generated_code(*generated)
-                report["in_workers"] += 1
-            else:
+                try:
+                    done[key] = load_generated_code(*generated)
+                    report["in_workers"] += 1
+                except Exception as exc:
+                    log.info("inductor segment %s: a worker's code did not load (%s); compiling it here",
+                             name, _refusal(exc))
+                    reply = None
+            if reply is None:
                 try:
                     done[key] = compile_segment(sub)
                     generated = generated_code(done[key])
@@ -550,6 +565,15 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
             refused = " refused" if isinstance(done[key], str) else ""
             took = reply["s"] if reply is not None else time.perf_counter() - t_compile
             seconds.append((round(took, 2), name + refused, n_compute))
+
+        todo = [key for key in distinct if key not in done]
+        if len(todo) >= 2 and segment_workers_on():
+            # in the compile workers, in parallel, each loaded here as soon as it is back
+            for key, reply in _compile_in_workers({key: distinct[key] for key in todo}):
+                finish(key, reply)
+        for key in todo:        # one alone, or what the workers left
+            if key not in done:
+                finish(key, None)
         for name, n_compute, sub in subs:
             key = segment_key(sub)
             compiled = done[key]
