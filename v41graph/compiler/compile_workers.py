@@ -130,10 +130,13 @@ class CompileWorkers:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
 
-    def restart(self) -> None:
+    def restart(self, preload: tuple | None = None) -> None:
         """Replace the workers by fresh ones (each finishes its current job first; queued jobs
-        wait for the new ones): what a job left in a worker (a CUDA context) goes with it."""
+        wait for the new ones): what a job left in a worker (a CUDA context) goes with it.
+        `preload`, if given, replaces the modules the new workers import first."""
         self.stop()
+        if preload is not None:
+            self.preload = tuple(preload)
         self.start()
 
     def _cancel_timer(self) -> None:

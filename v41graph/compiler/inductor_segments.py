@@ -481,8 +481,10 @@ def _compile_in_workers(segments: dict):
         pool.give_up(list(futures), JOB_TIMEOUT_S)
     if initialized_cuda:
         # Inductor's code generation for CUDA left a CUDA context in each worker (520 MiB on an
-        # H100, sixteen workers 8.3 GB next to the model, measured): fresh workers replace them
-        pool.restart()
+        # H100, sixteen workers 8.3 GB next to the model, measured): fresh workers replace them.
+        # They do not import Inductor first (this graph's segments are done; the first run
+        # needs them for Triton kernels, and sixteen Inductor imports would compete with it).
+        pool.restart(preload=())
 
 
 def segment_key(sub: fx.GraphModule) -> tuple:
