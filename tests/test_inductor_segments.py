@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.fx as fx
 
@@ -183,3 +184,14 @@ def test_distinct_segments_compile_in_the_workers_to_the_code_compiled_here(tmp_
         files = sorted((tmp_path / where).rglob("*.pt"))
         sources[where] = {f.name: torch.load(f, weights_only=True)["source"] for f in files}
     assert len(sources["here"]) == 2 and sources["workers"] == sources["here"]
+
+
+def test_segment_workers_switch_reads_the_environment(monkeypatch):
+    from v41graph.compiler.inductor_segments import SEGMENT_WORKERS_VAR, segment_workers_on
+    monkeypatch.delenv(SEGMENT_WORKERS_VAR, raising=False)
+    assert segment_workers_on()
+    monkeypatch.setenv(SEGMENT_WORKERS_VAR, "0")
+    assert not segment_workers_on()
+    monkeypatch.setenv(SEGMENT_WORKERS_VAR, "yes")
+    with pytest.raises(ValueError, match="V41GRAPH_SEGMENT_WORKERS must be 0"):
+        segment_workers_on()

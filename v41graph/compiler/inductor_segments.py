@@ -385,9 +385,8 @@ def segment_job(sub: fx.GraphModule) -> dict | None:
     """The compile-worker job for a segment, or None (logged) where it cannot be pickled."""
     import base64
 
-    from torch.fx._graph_pickler import GraphPickler, Options
-
     from torch._inductor import config as inductor_config
+    from torch.fx._graph_pickler import GraphPickler, Options
 
     from .compile_workers import compile_env
     example_inputs = [n.meta["val"] for n in sub.graph.nodes if n.op == "placeholder"]
@@ -407,8 +406,9 @@ def segment_job(sub: fx.GraphModule) -> dict | None:
 def _kernels_to_cache_only():
     """Inside: Inductor's Triton kernels compile into Triton's cache without being loaded onto
     the GPU (CachingAutotuner.precompile(warm_cache_only=True), as in Inductor's own compile
-    workers). Loading them would give each worker a CUDA context: sixteen next to a model that
-    fills the GPU ran out of memory (nineteenth session). A torch without that method: no change."""
+    workers): a worker never runs them, the process that does loads them from the cache. (A
+    worker still gets a CUDA context from Inductor's code generation, 520 MiB on an H100,
+    measured: see _compile_in_workers.) A torch without that method: no change."""
     try:
         from torch._inductor.runtime.triton_heuristics import CachingAutotuner
         original = CachingAutotuner.precompile
@@ -505,8 +505,9 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
     (two or more distinct ones in the compile workers, in parallel). Returns the summary also
     kept in gm.meta["inductor_segments"] and logged: segments found, split out, compiled (how
     many distinct, how many of those in workers), left to the executor (too small / refused,
-    with Inductor's reasons), compute nodes compiled, seconds (splitting + compiling). compile_segments=False only
-    splits: the segments run as plain GraphModules (the same ops, for testing the split).
+    with Inductor's reasons), compute nodes compiled, seconds (splitting + compiling).
+    compile_segments=False only splits: the segments run as plain GraphModules (the same ops,
+    for testing the split).
     `store` (compile_cache.SegmentStore): compiled segments are looked up there by their
     segment_key first ("loaded") and kept there once compiled ("stored"), across processes."""
     t0 = time.perf_counter()
