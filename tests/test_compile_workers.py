@@ -10,11 +10,15 @@ import time
 from v41graph.compiler.compile_workers import CompileWorkers, compile_env
 
 CALL = f"{__name__}:job_in_worker"
+# generous: workers import torch at nice 19 and starve while a loaded machine runs other tests
+TIMEOUT = 600
 
 
 def job_in_worker(job: dict) -> dict:
     """(In a worker.) Sleep a little, say who ran the job, fail where asked."""
     time.sleep(job.get("sleep", 0.0))
+    if job.get("crash"):
+        os._exit(3)
     if job.get("fail"):
         raise RuntimeError(f"asked to fail: {job['fail']}")
     return {"pid": os.getpid(), "tag": job["tag"], "env_seen": os.environ.get("TRITON_TEST_MARK")}
@@ -29,7 +33,7 @@ def test_replies_in_order_errors_as_replies_and_the_environment_sent(monkeypatch
     pool = CompileWorkers(2)
     try:
         replies = pool.compile([_job(i, sleep=0.05 * (3 - i)) for i in range(3)] + [_job(3, fail="x")],
-                               timeout=120)
+                               timeout=TIMEOUT)
     finally:
         pool.stop()
     assert [r["ok"] for r in replies] == [True, True, True, False]
@@ -42,14 +46,14 @@ def test_replies_in_order_errors_as_replies_and_the_environment_sent(monkeypatch
 def test_restart_replaces_the_processes_and_two_batches_share_them():
     pool = CompileWorkers(2)
     try:
-        first = pool.compile([_job(0), _job(1, sleep=0.2)], timeout=120)
+        first = pool.compile([_job(0), _job(1, sleep=0.2)], timeout=TIMEOUT)
         slow: list = []
         background = threading.Thread(target=lambda: slow.extend(
-            pool.compile([_job(f"slow{i}", sleep=0.3) for i in range(4)], timeout=120)))
+            pool.compile([_job(f"slow{i}", sleep=0.3) for i in range(4)], timeout=TIMEOUT)))
         background.start()
         time.sleep(0.1)
         pool.restart()      # the slow batch's queued jobs wait for the new workers
-        urgent = pool.compile([_job("urgent")], timeout=120, priority=0)
+        urgent = pool.compile([_job("urgent")], timeout=TIMEOUT, priority=0)
         background.join(120)
     finally:
         pool.stop()
@@ -57,3 +61,18 @@ def test_restart_replaces_the_processes_and_two_batches_share_them():
     old = {r["pid"] for r in first}
     assert urgent[0]["pid"] not in old          # run by a fresh worker
     assert {r["pid"] for r in slow[2:]}.isdisjoint(old)    # queued before the restart, run after it
+
+
+def test_jobs_fail_fast_when_every_worker_died():
+    pool = CompileWorkers(1)
+    try:
+        t0 = time.perf_counter()
+        replies = pool.compile([_job("crash", crash=True), _job("after")], timeout=TIMEOUT)
+        took = time.perf_counter() - t0
+        again = pool.compile([_job("next batch")], timeout=TIMEOUT)      # new workers for a new batch
+    finally:
+        pool.stop()
+    assert [r["ok"] for r in replies] == [False, False] and "worker exited" in replies[0]["error"]
+    # failed when the worker died, not at the batch's timeout
+    assert "no compile worker left" in replies[1]["error"] and took < TIMEOUT / 2, (replies, took)
+    assert again[0]["ok"] and again[0]["tag"] == "next batch"

@@ -165,7 +165,21 @@ class CompileWorkers:
             self._answer(future, reply)
             if not line:
                 worker.stopping.set()
+                self._fail_queued_if_none_left()
                 return
+
+    def _fail_queued_if_none_left(self) -> None:
+        """Every worker gone (they crashed, or were killed): the queued jobs fail now instead of
+        waiting out their batch's timeout (the next batch starts new workers)."""
+        with self._lock:
+            if any(w.proc.poll() is None and not w.stopping.is_set() for w in self._workers):
+                return
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._answer(item[3], {"ok": False, "error": "no compile worker left (they exited)"})
 
     def _answer(self, future: Future, reply: dict) -> None:
         if not future.done():
