@@ -398,7 +398,7 @@ def main(argv=None) -> int:
 def print_table(results: dict) -> None:
     head = ("variant", "phase", "rc", "process s", "to 1st step s", "warmup s", "prefill s", "trace s",
             "first run s", "capture s", "lower s", "precompile s", "pre. wait s", "jit here", "hits", "misses", "segs loaded",
-            "triton new")
+            "segs in workers", "triton new")
     rows = []
     for r in results["runs"]:
         t = r.get("timings", {})
@@ -407,7 +407,8 @@ def print_table(results: dict) -> None:
                      t.get("capture_s"), t.get("lower_s"), t.get("precompile_s"), t.get("precompile_wait_s"),
                      "+".join(str(r.get("triton_jit", {}).get(k, {}).get("compiled")) for k in ("warmup", "prefill")),
                      t.get("cache_hits", 0), t.get("cache_misses", 0),
-                     r.get("segments_loaded"), r.get("tool_cache_growth", {}).get("triton_kernels_new")))
+                     r.get("segments_loaded"), sum(g.get("in_workers", 0) for g in r.get("lowering") or []),
+                     r.get("tool_cache_growth", {}).get("triton_kernels_new")))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for row in (head, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
