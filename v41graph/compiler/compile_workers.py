@@ -112,10 +112,12 @@ class CompileWorkers:
                 threading.Thread(target=self._serve, args=(worker,), daemon=True,
                                  name="v41graph-compile-worker").start()
 
-    def stop(self, kill: bool = False) -> None:
+    def stop(self, kill: bool = False, if_idle: bool = False) -> None:
         """Close the workers' input (they exit when done), or with `kill` end them now (the jobs
-        they were running report an error)."""
+        they were running report an error). `if_idle` (the idle timer): only with no job in flight."""
         with self._lock:
+            if if_idle and self._in_flight:
+                return
             self._cancel_timer()
             workers, self._workers = self._workers, []
         for w in workers:
@@ -188,22 +190,22 @@ class CompileWorkers:
             self._in_flight -= 1
             if self._in_flight == 0:      # idle: stop after IDLE_S unless more work comes
                 self._cancel_timer()
-                self._timer = threading.Timer(IDLE_S, self.stop)
+                self._timer = threading.Timer(IDLE_S, self.stop, kwargs={"if_idle": True})
                 self._timer.daemon = True
                 self._timer.start()
 
     def submit(self, jobs: list[dict], priority: int = 1) -> list[Future]:
         """One future per job, resolved with its reply ({"ok": bool, "s": seconds, "error": text,
         ...}); a job whose worker died resolves with ok False. Lower `priority` first."""
-        self.start()
         futures = []
-        with self._lock:
+        with self._lock:      # in flight before anything else: the idle timer no longer stops them
             self._cancel_timer()
             self._in_flight += len(jobs)
         for job in jobs:
             future: Future = Future()
             self._queue.put((priority, next(self._order), job, future))
             futures.append(future)
+        self.start()
         return futures
 
     def give_up(self, futures: list[Future], timeout: float) -> None:
