@@ -15,8 +15,8 @@ caches, and with the settings, that this process has now, even when they changed
 
 One queue feeds all workers, ordered by priority then submission: a batch submitted while
 another runs (segments while Triton kernels compile in the background) shares the workers instead
-of waiting for the whole other batch. Workers start when a CompiledModel is made on CUDA, so
-their imports overlap the trace, and stop after IDLE_S without work. $V41GRAPH_COMPILE_WORKERS
+of waiting for the whole other batch. Workers start when a CompiledModel is made on CUDA or
+with Inductor segments on, so their imports overlap the trace, and stop after IDLE_S without work. $V41GRAPH_COMPILE_WORKERS
 sets their number (0: off; default min(16, CPUs)).
 """
 from __future__ import annotations
