@@ -666,7 +666,9 @@ def compile(model, *, backend: str = "auto", passes=None, disable=(), capture: b
     traced, `timings["stamp_trace_s"]` / `["stamp_s"]` the trace and the stamping); a call the
     stamper cannot serve traces every layer, as stamp_layers=False always does.
     On CUDA, worker processes compile a graph's Triton kernels before its first run with new
-    sizes (compiler/triton_precompile.py; $V41GRAPH_COMPILE_WORKERS=0 turns them off)."""
+    sizes (compiler/triton_precompile.py), and with Inductor segments on they compile the
+    distinct segments in parallel (compiler/compile_workers.py; $V41GRAPH_COMPILE_WORKERS=0
+    turns the workers off, $V41GRAPH_SEGMENT_WORKERS=0 only the segments' part)."""
     return CompiledModel(model, backend=backend, passes=passes, disable=disable, capture=capture,
                          batch_sizes=batch_sizes, dump_dir=dump_dir,
                          share_decode_graph=share_decode_graph, inductor_segments=inductor_segments,
