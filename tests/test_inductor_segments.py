@@ -195,3 +195,10 @@ def test_segment_workers_switch_reads_the_environment(monkeypatch):
     monkeypatch.setenv(SEGMENT_WORKERS_VAR, "yes")
     with pytest.raises(ValueError, match="V41GRAPH_SEGMENT_WORKERS must be 0"):
         segment_workers_on()
+    # refused when the model is compiled, before anything is traced (with no workers too)
+    monkeypatch.setenv("V41GRAPH_COMPILE_WORKERS", "0")
+    from v41graph.model.config import V41Config
+    from v41graph.model.model import V41Model
+    with pytest.raises(ValueError, match="V41GRAPH_SEGMENT_WORKERS must be 0"):
+        v41graph.compile(V41Model(V41Config.tiny()).eval(), batch_sizes=(1,), compile_cache=False,
+                         inductor_segments=True)

@@ -225,6 +225,13 @@ def _config(m: int, n: int, k: int, device: torch.device):
     return bm, bn, bk, split, warps, stages
 
 
+def _whole_step_split(k: int, bk: int, split: int) -> tuple[int, int]:
+    """(K per split, split) of a launch: each share a whole number of BK steps, and the split
+    recounted from those shares (a share past K would be empty)."""
+    k_per_split = triton.cdiv(k // bk, split) * bk
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
 def _split_k(tiles: int, steps: int, cover: int, most: int) -> int:
     """The split-K of a decode grid: doubled until tiles x split reaches `cover` programs, while
     each share keeps at least one BK step and the split stays at most `most`."""
@@ -365,11 +372,10 @@ def _blocks_config(m: int, n: int, k: int, device: torch.device):
 
 def _swapped_launch(m: int, n: int, k: int, bt: int, bn: int, bk: int, split: int, device, out_dtype):
     """The grid and buffers of the swapped kernels (skinny, blocks): (grid, K per split, out,
-    fp32 workspace, per-tile counts); the split is recomputed from whole BK steps."""
+    fp32 workspace, per-tile counts), the split in whole BK steps (_whole_step_split)."""
     if bk % 32 or k % bk:
         raise ValueError(f"fp8_linear: the kernel's BK must be a multiple of 32 dividing K={k}, got {bk}")
-    k_per_split = triton.cdiv(k // bk, split) * bk
-    split = triton.cdiv(k, k_per_split)
+    k_per_split, split = _whole_step_split(k, bk, split)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bt), split)
     out = torch.empty((m, n), device=device, dtype=out_dtype)
     if split > 1:   # fp32 shares + one zeroed count per output tile (a memset node when captured)
@@ -447,8 +453,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     if kernel == "blocks":
         return _fp8_linear_blocks(x2, weight, scale, out_dtype, config).view(*x.shape[:-1], n)
     bm, bn, bk, split, warps, stages = config or _config(m, n, k, x.device)
-    k_per_split = triton.cdiv(k // bk, split) * bk
-    split = triton.cdiv(k, k_per_split)
+    k_per_split, split = _whole_step_split(k, bk, split)
     out = torch.empty((split, m, n) if split > 1 else (m, n), device=x.device,
                       dtype=torch.float32 if split > 1 else out_dtype)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)

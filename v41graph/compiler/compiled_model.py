@@ -110,9 +110,10 @@ class CompiledModel:
             from .inductor_segments import (WORKER_PRELOAD, pin_inductor_triton_env, segment_workers_on,
                                             start_inductor_compile_workers)
             pin_inductor_triton_env()
+            segments_in_workers = segment_workers_on()   # a bad $V41GRAPH_SEGMENT_WORKERS fails here
             if worker_count() > 0:
                 start_inductor_compile_workers()
-                if segment_workers_on():    # the compile workers import Inductor while this traces
+                if segments_in_workers:    # the compile workers import Inductor while this traces
                     workers(preload=WORKER_PRELOAD)
         # On CUDA, each graph's Triton kernels are compiled by worker processes before its first
         # run with new sizes (triton_precompile.py); the workers start now, during the trace.
