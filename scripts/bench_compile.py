@@ -10,7 +10,8 @@
 For each variant (executor: our executor only; inductor: Inductor segments on; either with
 "-unstamped": every layer traced, without layer stamping, compiler/stamp.py, or with
 "-serialjit": no compile workers, compiler/triton_precompile.py, or with "-segshere": Inductor
-segments compiled in the process, not in the compile workers), ONE invocation
+segments compiled in the process, not in the compile workers, or with "-segwhole": each worker
+compiles its segment's Triton kernels itself, not as jobs of their own), ONE invocation
 runs two child processes one after the other on one cache directory: cold (the directory
 emptied first) then warm (the directory as the cold run left it). Each child builds the model
 (the config's random weights, as scripts/bench.py builds it), then times from
@@ -56,10 +57,12 @@ from pathlib import Path  # noqa: E402
 # eighteenth session's parallel precompile)
 # "-segshere": V41GRAPH_SEGMENT_WORKERS=0, Inductor segments compiled in the process one after
 # another (the route before the twenty-first session's segment compiles in the workers)
+# "-segwhole": V41GRAPH_SEGMENT_WORKERS=whole, a worker compiles its segment's Triton kernels
+# itself (the twenty-first session's route, before the kernels became jobs of their own)
 # "-latepre": the Triton precompile of a graph's first sizes at its first run, after the lowering
 # (the route before the nineteenth session, which starts it before the lowering)
 VARIANTS = ("executor", "inductor", "executor-unstamped", "inductor-unstamped", "executor-serialjit",
-            "inductor-serialjit", "inductor-latepre", "inductor-segshere")
+            "inductor-serialjit", "inductor-latepre", "inductor-segshere", "inductor-segwhole")
 PHASES = ("cold", "cold2", "warm", "warm2", "warm3")     # cold2: the --control run; warm2+: --warm-runs
 
 
@@ -125,6 +128,8 @@ def run_child(args) -> dict:
         os.environ["V41GRAPH_COMPILE_WORKERS"] = "0"
     if args.variant.endswith("-segshere"):
         os.environ["V41GRAPH_SEGMENT_WORKERS"] = "0"
+    if args.variant.endswith("-segwhole"):
+        os.environ["V41GRAPH_SEGMENT_WORKERS"] = "whole"
     if args.variant.endswith("-latepre"):
         from v41graph.compiler.triton_precompile import TritonPrecompile
         TritonPrecompile.start = lambda self, gm, args: None    # the first run notes and compiles
@@ -387,7 +392,8 @@ def main(argv=None) -> int:
     for variant in colds:
         for suffix, what in (("-unstamped", "stamped"), ("-serialjit", "precompiled"),
                              ("-latepre", "precompiled before the lowering"),
-                             ("-segshere", "segments from workers")):
+                             ("-segshere", "segments from workers"),
+                             ("-segwhole", "kernels as jobs")):
             if variant + suffix in colds:
                 results["compare"][f"{variant} {what}"] = compare(colds[variant + suffix], colds[variant])
     (out / "bench_compile.json").write_text(json.dumps(results, indent=1))
@@ -398,7 +404,7 @@ def main(argv=None) -> int:
 def print_table(results: dict) -> None:
     head = ("variant", "phase", "rc", "process s", "to 1st step s", "warmup s", "prefill s", "trace s",
             "first run s", "capture s", "lower s", "precompile s", "pre. wait s", "jit here", "hits", "misses", "segs loaded",
-            "segs in workers", "triton new")
+            "segs in workers", "kernel jobs", "triton new")
     rows = []
     for r in results["runs"]:
         t = r.get("timings", {})
@@ -408,6 +414,7 @@ def print_table(results: dict) -> None:
                      "+".join(str(r.get("triton_jit", {}).get(k, {}).get("compiled")) for k in ("warmup", "prefill")),
                      t.get("cache_hits", 0), t.get("cache_misses", 0),
                      r.get("segments_loaded"), sum(g.get("in_workers", 0) for g in r.get("lowering") or []),
+                     sum(g.get("kernel_jobs", 0) for g in r.get("lowering") or []),
                      r.get("tool_cache_growth", {}).get("triton_kernels_new")))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for row in (head, *rows):
@@ -418,6 +425,7 @@ def print_table(results: dict) -> None:
                 "precompiled cold == serial-JIT cold" if variant.endswith(" precompiled") else
                 "cold == cold precompiled at the first run" if variant.endswith(" before the lowering") else
                 "cold with segments from workers == segments compiled here" if variant.endswith(" from workers") else
+                "cold with kernel jobs == kernels in the segment's job" if variant.endswith(" kernels as jobs") else
                 f"{variant.split()[-1]} == cold" if " warm" in variant else "warm == cold")
         print(f"{variant}: {what} bit for bit: {c.get('equal')} (prefill {c.get('prefill_equal')}, "
               f"first differing step {c.get('first_differing_step')}, {c.get('differing_steps')} differ)")

@@ -1,6 +1,7 @@
 """The compile workers' pool (v41graph/compiler/compile_workers.py): jobs name the function a
 worker calls; replies come back in order, errors as replies; a restart replaces the processes
-and the queued jobs still run; two batches at once share the workers."""
+and the queued jobs still run; two batches at once share the workers; follow-up jobs asked for
+by replies run before the batch's queued jobs, once per name."""
 from __future__ import annotations
 
 import os
@@ -15,13 +16,15 @@ TIMEOUT = 600
 
 
 def job_in_worker(job: dict) -> dict:
-    """(In a worker.) Sleep a little, say who ran the job, fail where asked."""
+    """(In a worker.) Sleep a little, say who ran the job and when it started, fail where asked."""
+    started = time.time()
     time.sleep(job.get("sleep", 0.0))
     if job.get("crash"):
         os._exit(3)
     if job.get("fail"):
         raise RuntimeError(f"asked to fail: {job['fail']}")
-    return {"pid": os.getpid(), "tag": job["tag"], "env_seen": os.environ.get("TRITON_TEST_MARK")}
+    return {"pid": os.getpid(), "tag": job["tag"], "env_seen": os.environ.get("TRITON_TEST_MARK"),
+            "started": started, "follow": job.get("follow", [])}
 
 
 def _job(tag, **kw) -> dict:
@@ -76,3 +79,33 @@ def test_jobs_fail_fast_when_every_worker_died():
     # failed when the worker died, not at the batch's timeout
     assert "no compile worker left" in replies[1]["error"] and took < TIMEOUT / 2, (replies, took)
     assert again[0]["ok"] and again[0]["tag"] == "next batch"
+
+
+def test_follow_up_jobs_run_before_queued_jobs_once_per_name_and_gate_their_job():
+    pool = CompileWorkers(1)       # one worker: the order of the queue is the order of work
+    jobs = {"a": _job("a", follow=["x", "shared"]), "b": _job("b", follow=["shared"], sleep=0.3), "c": _job("c"),
+            "d": _job("d", fail="no follow-ups for a failed job")}
+    asked = []
+
+    def follow_ups(reply):
+        asked.append(reply["tag"])
+        return {name: _job(name, sleep=0.05) for name in reply["follow"]}
+    try:
+        results, yielded_at = [], {}
+        for key, reply, follow in pool.as_done_with_follow_ups(jobs, follow_ups, timeout=TIMEOUT):
+            results.append((key, reply, follow))
+            yielded_at[key] = time.time()
+    finally:
+        pool.stop()
+    by_key = {key: (reply, follow) for key, reply, follow in results}
+    assert sorted(by_key) == ["a", "b", "c", "d"] and sorted(asked) == ["a", "b", "c"]
+    assert [f["tag"] for f in by_key["a"][1]] == ["x", "shared"] and [f["tag"] for f in by_key["b"][1]] == ["shared"]
+    assert by_key["a"][1][1]["started"] == by_key["b"][1][0]["started"]      # "shared" ran once
+    assert not by_key["d"][0]["ok"] and by_key["d"][1] == []
+    started = {r["tag"]: r["started"] for r, follow in by_key.values() if r["ok"]}
+    started.update({f["tag"]: f["started"] for _, follow in by_key.values() for f in follow})
+    # a's follow-ups went before c, still queued when a answered (b may have been taken by the
+    # worker already: it asks for the next job as soon as it answers)
+    assert started["a"] < started["x"] < started["shared"] < started["c"], started
+    # a job is yielded only once its follow-ups are done (each sleeps 0.05 s)
+    assert yielded_at["a"] >= started["shared"] + 0.05 and yielded_at["b"] >= started["shared"] + 0.05

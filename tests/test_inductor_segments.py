@@ -148,35 +148,38 @@ class TwoSegments(torch.nn.Module):
         return torch.tanh(h @ self.w) * 3 + h.exp() - 1
 
 
-def _lower_two_segments(store) -> tuple:
+def _lower_two_segments(store, device: str = "cpu") -> tuple:
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = TwoSegments().eval().requires_grad_(False)
-    x, rows, state = torch.randn(6, 32), torch.tensor([0, 2]), torch.zeros(3, 32)
+    model = TwoSegments().eval().requires_grad_(False).to(device)
+    x, rows, state = (torch.randn(6, 32).to(device), torch.tensor([0, 2], device=device),
+                      torch.zeros(3, 32, device=device))
     torch._dynamo.decorators.mark_unbacked(x, 0)     # as the decode graph's batch (its hardest case)
     reports = []
     harness = PassHarness(["cleanup", "defunctionalize"],
                           lower=lambda gm: reports.append(lower_inductor_segments(gm, MIN_COMPUTE, store=store)))
     out = harness.compile(model)(x, state, rows)
-    expected_state = torch.zeros(3, 32)
+    expected_state = torch.zeros(3, 32, device=device)
     expected = model(x, expected_state, rows)
     assert torch.allclose(out, expected, atol=ATOL, rtol=0) and torch.allclose(state, expected_state, atol=ATOL, rtol=0)
     torch._dynamo.reset()
     return out, reports[0]
 
 
-def test_distinct_segments_compile_in_the_workers_to_the_code_compiled_here(tmp_path, monkeypatch):
-    """Two distinct segments with an unbacked size compile in the compile workers (pickled with
-    their ShapeEnv: its facts about the size too); the code a worker generates is the code this
-    process generates, and runs to the same outputs."""
+def _workers_against_here(tmp_path, monkeypatch, device: str, mode: str) -> dict:
+    """Lower TwoSegments with the segments in the compile workers ($V41GRAPH_SEGMENT_WORKERS
+    `mode`) and in this process: the same outputs, the same generated code. Returns the
+    workers' report."""
     from v41graph.compiler import compile_cache as cc
     from v41graph.compiler.compile_workers import ENV_VAR
+    from v41graph.compiler.inductor_segments import SEGMENT_WORKERS_VAR
     env = {"env": "test"}
     monkeypatch.setenv(ENV_VAR, "2")
-    in_workers, report = _lower_two_segments(cc.SegmentStore(tmp_path / "workers", env))
+    monkeypatch.setenv(SEGMENT_WORKERS_VAR, mode)
+    in_workers, report = _lower_two_segments(cc.SegmentStore(tmp_path / "workers", env), device)
     assert report["distinct_compiled"] == report["in_workers"] == report["stored"] == 2, report
     monkeypatch.setenv(ENV_VAR, "0")
-    here, report_here = _lower_two_segments(cc.SegmentStore(tmp_path / "here", env))
+    here, report_here = _lower_two_segments(cc.SegmentStore(tmp_path / "here", env), device)
     assert report_here["distinct_compiled"] == report_here["stored"] == 2 and report_here["in_workers"] == 0
     assert torch.equal(in_workers, here)
     sources = {}
@@ -184,6 +187,31 @@ def test_distinct_segments_compile_in_the_workers_to_the_code_compiled_here(tmp_
         files = sorted((tmp_path / where).rglob("*.pt"))
         sources[where] = {f.name: torch.load(f, weights_only=True)["source"] for f in files}
     assert len(sources["here"]) == 2 and sources["workers"] == sources["here"]
+    return report
+
+
+def test_distinct_segments_compile_in_the_workers_to_the_code_compiled_here(tmp_path, monkeypatch):
+    """Two distinct segments with an unbacked size compile in the compile workers (pickled with
+    their ShapeEnv: its facts about the size too); the code a worker generates is the code this
+    process generates, and runs to the same outputs. (C++ kernels on the CPU: no kernel jobs.)"""
+    report = _workers_against_here(tmp_path, monkeypatch, "cpu", "1")
+    assert report["kernel_jobs"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["1", "whole"])
+def test_segment_kernels_compile_as_jobs_of_their_own_on_cuda(tmp_path, monkeypatch, mode):
+    """On CUDA the segments' Triton kernels are jobs of their own (mode 1), or compiled by the
+    segment's worker (whole): either way the code and outputs are those of an in-process compile."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))       # kernels really compiled
+    report = _workers_against_here(tmp_path, monkeypatch, "cuda", mode)
+    if mode == "1":
+        # at least one fused kernel per segment, each compiled by its job
+        assert report["kernel_jobs"] >= 2 and report["kernel_jobs_failed"] == 0, report
+    else:
+        assert report["kernel_jobs"] == 0, report
 
 
 def test_segment_workers_switch_reads_the_environment(monkeypatch):
@@ -192,6 +220,8 @@ def test_segment_workers_switch_reads_the_environment(monkeypatch):
     assert segment_workers_on()
     monkeypatch.setenv(SEGMENT_WORKERS_VAR, "0")
     assert not segment_workers_on()
+    monkeypatch.setenv(SEGMENT_WORKERS_VAR, "whole")
+    assert segment_workers_on()
     monkeypatch.setenv(SEGMENT_WORKERS_VAR, "yes")
     with pytest.raises(ValueError, match="V41GRAPH_SEGMENT_WORKERS must be 0"):
         segment_workers_on()

@@ -321,3 +321,34 @@ def test_cuda_first_runs_compile_no_kernel_after_the_precompile(tmp_path):
     assert serial["reports"] is None and serial["compiled_here"] > 0, serial
     for a, b in zip(out, serial_out):
         assert torch.equal(a, b)
+
+
+def test_warmup_precompiles_every_buckets_sizes_when_the_first_one_traces():
+    """warmup(): the graph that bucket 1 traces (stamped) is shared by buckets 2 and 4; their
+    sizes are noted and compiled right then, before the lowering (start), not at their own first
+    runs, and each bucket's first run finds its sizes among those started (so it only waits)."""
+    class Recording:
+        def __init__(self):
+            self.events = []
+
+        @staticmethod
+        def sizes(args):
+            return tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+
+        def start(self, gm, args):
+            self.events.append(("start", self.sizes(args)))
+
+        def __call__(self, gm, args):
+            self.events.append(("run", self.sizes(args)))
+    model = init_random_(V41Model(V41Config.tiny()), seed=0).eval()
+    compiled = v41graph.compile(model, backend="cpu", batch_sizes=(1, 2, 4), compile_cache=False)
+    compiled.precompile = hook = Recording()
+    session = Session(compiled, 3, 48, block_size=16)
+    compiled.warmup(session.caches, session.max_blocks)
+    assert len(compiled.traced) == 1 and "stamp" in compiled.notes
+    kinds = [kind for kind, _ in hook.events]
+    started = [sizes for kind, sizes in hook.events if kind == "start"]
+    runs = [sizes for kind, sizes in hook.events if kind == "run"]
+    assert kinds[:3] == ["start"] * 3 and "start" not in kinds[3:], kinds     # all before any run
+    assert len(set(started)) == 3                # three buckets' sizes, each once
+    assert set(runs) == set(started), (runs, started)

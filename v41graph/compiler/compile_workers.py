@@ -1,9 +1,10 @@
 """Compile worker processes (issue 24): a cold start's compiles that do not depend on each other
 run in a few worker processes instead of one after another in this one.
 
-Two kinds of job use them:
+Three kinds of job use them:
   - Triton kernel specializations noted before a graph's first run (triton_precompile.py),
-  - Inductor segments, each compiled to Inductor's generated Python module (inductor_segments.py).
+  - Inductor segments, each compiled to Inductor's generated Python module (inductor_segments.py),
+  - and that module's Triton kernels, follow-up jobs of the segment's (as_done_with_follow_ups).
 
 Workers are `python -m v41graph.compiler.compile_workers` subprocesses talking JSON lines on their
 stdin/stdout (not multiprocessing: its spawn re-imports the user's __main__, which may be a script
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 _log = logging.getLogger(__name__)
 
@@ -217,6 +218,36 @@ class CompileWorkers:
         for future in futures:
             if not future.done():
                 future.set_result({"ok": False, "error": "not done in time"})
+
+    def as_done_with_follow_ups(self, jobs: dict, follow_ups, priority: int = 0, follow_priority: int = -1,
+                                timeout: float = JOB_TIMEOUT_S):
+        """Submit `jobs` ({key: job}) at `priority`; each reply that is ok may ask for more jobs:
+        `follow_ups(reply)` gives them as {name: job}, submitted at `follow_priority` (lower:
+        before the batch's jobs still queued), a name already submitted by another reply of
+        the batch not again. Yields (key, reply, [its follow-ups' replies]) as soon as a job and
+        all its follow-ups are answered. Past `timeout` the workers are given up (give_up:
+        what is left answers ok False)."""
+        first = dict(zip(self.submit(list(jobs.values()), priority), jobs))
+        named: dict = {}          # follow-up name -> its future
+        waiting: dict = {}        # job key -> (its reply, its follow-ups' futures)
+        pending, deadline = set(first), time.monotonic() + timeout
+        while pending or waiting:
+            done, pending = wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                 return_when=FIRST_COMPLETED)
+            if not done and pending:
+                self.give_up(list(pending), timeout)
+                continue
+            for future in (f for f in done if f in first):
+                reply = future.result()
+                asked = follow_ups(reply) if reply.get("ok") else {}
+                new = [name for name in asked if name not in named]
+                for name, follow_up in zip(new, self.submit([asked[name] for name in new], follow_priority)):
+                    named[name] = follow_up
+                    pending.add(follow_up)
+                waiting[first[future]] = (reply, [named[name] for name in asked])
+            for key in [key for key, (_, futures) in waiting.items() if all(f.done() for f in futures)]:
+                reply, futures = waiting.pop(key)
+                yield key, reply, [f.result() for f in futures]
 
     def compile(self, jobs: list[dict], timeout: float = JOB_TIMEOUT_S, priority: int = 1) -> list[dict]:
         """Each job's reply, in order (submit); a job not done within `timeout` reports ok False."""

@@ -158,6 +158,7 @@ class CompiledModel:
         # D's decoder-replay graph, traced at their first call (most models never make one).
         self._encode_fn = self._decode_replay_fn = None
         self._decode: dict[tuple, DecodeGraph] = {}
+        self._coming: list[DecodeGraph] = []    # buckets warmup() prepares next (_coming_scopes)
         # Captured buckets share one memory pool (they never run at the same time); it lives
         # as long as this object, so a later model never captures into a released pool.
         self.graph_pool = None
@@ -243,8 +244,12 @@ class CompiledModel:
         t2 = time.perf_counter()
         self.pass_manager(gm)
         t3 = time.perf_counter()
-        if self.precompile is not None:   # the workers compile this call's Triton kernels meanwhile
+        if self.precompile is not None:   # the workers compile this call's Triton kernels meanwhile,
             self.precompile.start(gm, [resolve(s) for s in sources])
+            # and those of the decode buckets warmup() will run on this graph next (their first
+            # runs waited for their own compiles: 4-6 s of an H200 cold start)
+            for coming in self._coming_scopes(kind, signature, scope):
+                self.precompile.start(gm, [eval(s, {"__builtins__": builtins}, {"L": coming}) for s in sources])
         self._lower(gm)
         t4 = time.perf_counter()
         try:
@@ -427,10 +432,29 @@ class CompiledModel:
         captures = self.platform == "cuda" and self.capture
         what = "Capturing CUDA graphs" if captures else "Compiling decode buckets"
         t0 = time.perf_counter()
-        for b in bar(self.batch_sizes, desc=what, unit="bucket", show=show_progress):
-            _log.info("decode bucket %d: %s", b, "compile + capture" if captures else "compile")
-            self._graph_for(b, caches, max_blocks, prepare=True)
+        fresh = {b: (b, id(caches), max_blocks) not in self._decode for b in self.batch_sizes}
+        graphs = {b: self._graph_for(b, caches, max_blocks) for b in self.batch_sizes}
+        # the buckets' first steps, known before the first one traces (_coming_scopes)
+        self._coming = [graphs[b] for b in self.batch_sizes if fresh[b]]
+        try:
+            for b in bar(self.batch_sizes, desc=what, unit="bucket", show=show_progress):
+                _log.info("decode bucket %d: %s", b, "compile + capture" if captures else "compile")
+                if fresh[b]:
+                    graphs[b].prepare()
+        finally:
+            self._coming = []
         _log.info("%s: %d buckets in %.1f s", what, len(self.batch_sizes), time.perf_counter() - t0)
+
+    def _coming_scopes(self, kind: str, signature: str, current: dict):
+        """The calls (Dynamo's scope: argument name -> value) that warmup's buckets still to be
+        prepared will make to the compiled function `kind` with the same constant arguments
+        (`signature`), other than the `current` one: a graph traced now sees them before they run."""
+        for graph in self._coming:
+            fn = graph.compiled_function()
+            if fn.kind == kind and not graph.stepped:
+                scope = fn.scope(graph.input_ids, graph.positions, graph.caches, graph.meta)
+                if fn.signature_of(scope) == signature and any(scope[k] is not current.get(k) for k in scope):
+                    yield scope
 
     def capture_graph(self, step, keep=(), warm_up=None):
         """(CUDA graph, its output) of `step()`: warmed up on a side stream (compiles, allocates
@@ -504,15 +528,23 @@ class CachedFunction:
         self._seen: set = set()     # entries that ran here (timings["cache_hits"] counts each once)
         self.last_entry_kind = None   # the kind of the stored graph the last call ran, if any
 
+    def scope(self, *args, **kwargs) -> dict:
+        """The call's arguments by name (the model's forward's; what Dynamo's sources name)."""
+        bound = self._signature.bind(self.compiled.model, *args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def signature_of(self, scope: dict) -> str:
+        """The call's constant (non-tensor) arguments: calls with equal ones may share a graph."""
+        return repr(sorted((k, v) for k, v in scope.items() if k not in self.TENSOR_ARGS))
+
     def __call__(self, *args, **kwargs):
         compiled = self.compiled
         cache = compiled._graphs
         if cache is None:
             return self.fn(*args, **kwargs)
-        bound = self._signature.bind(compiled.model, *args, **kwargs)
-        bound.apply_defaults()
-        scope = dict(bound.arguments)
-        signature = repr(sorted((k, v) for k, v in scope.items() if k not in self.TENSOR_ARGS))
+        scope = self.scope(*args, **kwargs)
+        signature = self.signature_of(scope)
         entry, found = cache.lookup(self.kind, signature, scope)
         compiled.timings["cache_load_s"] = cache.load_s
         if entry is not None:
@@ -583,8 +615,12 @@ class DecodeGraph:
         self.meta.load_decode_rows_(meta, self.scratch_slot, static=static is None or static != self._static)
         self._static = static
 
+    def compiled_function(self):
+        """The CompiledModel function this bucket's steps call."""
+        return self.compiled._shared_decode_fn if self.shared else self.compiled._fn
+
     def _step(self):
-        fn = self.compiled._shared_decode_fn if self.shared else self.compiled._fn
+        fn = self.compiled_function()
         # no_grad here too, not only in CompiledModel.__call__: warm-up (warmup(), prepare())
         # calls this directly, and a graph traced with grad mode on fails Dynamo's grad-mode
         # guard at every later no_grad step, which then traces the model again.

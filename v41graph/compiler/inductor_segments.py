@@ -367,22 +367,38 @@ def load_generated_code(source: str, inputs_to_check):
 # 30-38 s of an H100 cold start. A job carries the segment and its fake inputs pickled by torch's
 # GraphPickler (which keeps symbolic sizes with the ShapeEnv they come from); the worker returns
 # the generated code, which this process loads as a warm start loads a stored segment.
+# The generated code's Triton kernels are compiled as jobs of their own: a worker compiling its
+# segment's kernels one after another made the largest segments (80-153 nodes, 11-12 s each on
+# an H200) the lowering's critical path while other workers had nothing left to do.
 WORKER_CALL = f"{__name__}:compile_segment_job"
+KERNEL_CALL = f"{__name__}:compile_triton_kernel_job"
 WORKER_PRELOAD = (__name__, "torch._inductor.compile_fx")   # imported by the workers at start
-# "0": every segment compiles in this process, one after another (the route before; for comparing)
+# "1" (default): segments in the workers, their Triton kernels as jobs of their own; "whole": a
+# worker compiles its segment's kernels itself (the route before, for comparing); "0": every
+# segment compiles in this process, one after another
 SEGMENT_WORKERS_VAR = "V41GRAPH_SEGMENT_WORKERS"
+SEGMENT_WORKER_MODES = ("0", "1", "whole")
+
+
+def segment_workers_mode() -> str:
+    """$V41GRAPH_SEGMENT_WORKERS (default "1"), checked: one of SEGMENT_WORKER_MODES."""
+    value = os.environ.get(SEGMENT_WORKERS_VAR, "1").strip()
+    if value not in SEGMENT_WORKER_MODES:
+        raise ValueError(f"${SEGMENT_WORKERS_VAR} must be 0 (segments compile in this process), 1 (in the "
+                         f"compile workers, their Triton kernels as jobs of their own) or whole (a worker "
+                         f"compiles its segment's kernels itself), got {value!r}")
+    return value
 
 
 def segment_workers_on() -> bool:
-    """Whether distinct segments go to the compile workers ($V41GRAPH_SEGMENT_WORKERS, default 1)."""
-    value = os.environ.get(SEGMENT_WORKERS_VAR, "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"${SEGMENT_WORKERS_VAR} must be 0 (segments compile in this process) or 1, got {value!r}")
-    return value == "1"
+    """Whether distinct segments go to the compile workers ($V41GRAPH_SEGMENT_WORKERS not 0)."""
+    return segment_workers_mode() != "0"
 
 
-def segment_job(sub: fx.GraphModule) -> dict | None:
-    """The compile-worker job for a segment, or None (logged) where it cannot be pickled."""
+def segment_job(sub: fx.GraphModule, kernels_apart: bool = False) -> dict | None:
+    """The compile-worker job for a segment, or None (logged) where it cannot be pickled.
+    `kernels_apart`: the worker returns the generated code's Triton kernels uncompiled, for
+    jobs of their own (triton_kernel_job)."""
     import base64
 
     from torch._inductor import config as inductor_config
@@ -399,7 +415,15 @@ def segment_job(sub: fx.GraphModule) -> dict | None:
     except Exception as exc:
         log.info("inductor segment not sent to a worker (%s: %s)", type(exc).__name__, str(exc)[:200])
         return None
-    return {"call": WORKER_CALL, "segment": base64.b64encode(data).decode("ascii"), "env": compile_env()}
+    return {"call": WORKER_CALL, "segment": base64.b64encode(data).decode("ascii"), "env": compile_env(),
+            "kernels_apart": kernels_apart}
+
+
+def triton_kernel_job(kernel: dict) -> dict:
+    """The compile-worker job for one of a generated module's Triton kernels ({"name", "source"}
+    as compile_segment_job noted it)."""
+    from .compile_workers import compile_env
+    return {"call": KERNEL_CALL, "name": kernel["name"], "source": kernel["source"], "env": compile_env()}
 
 
 @contextlib.contextmanager
@@ -425,9 +449,43 @@ def _kernels_to_cache_only():
         CachingAutotuner.precompile = original
 
 
+class _CompiledElsewhere:
+    """Stands for a Triton kernel in a worker's generated module whose compile is a job of its
+    own: the worker never runs the module, it only returns its source."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attr):     # AttributeError: hasattr() answers False
+        raise AttributeError(f"Triton kernel {self.name} is compiled by a job of its own, not in this worker")
+
+
+@contextlib.contextmanager
+def _kernels_noted(kernels: list):
+    """Inside: Inductor's Triton kernels are not compiled but noted in `kernels` ({"name",
+    "source"}, what AsyncCompile.triton was given). Private Inductor API, looked up by name: a
+    torch without it compiles them as before (nothing noted)."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+        original = AsyncCompile.triton
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def note(self, kernel_name, source_code, *args, **kwargs):
+        kernels.append({"name": kernel_name, "source": source_code})
+        return _CompiledElsewhere(kernel_name)
+    AsyncCompile.triton = note
+    try:
+        yield
+    finally:
+        AsyncCompile.triton = original
+
+
 def compile_segment_job(job: dict) -> dict:
-    """(In a worker.) Compile a segment_job: {"source", "inputs_to_check"} (generated_code), or
-    {"refused": why} where Inductor refused it. Raises where the output cannot travel."""
+    """(In a worker.) Compile a segment_job: {"source", "inputs_to_check", "kernels"}
+    (generated_code; "kernels" the Triton kernels left uncompiled, with job["kernels_apart"]),
+    or {"refused": why} where Inductor refused it. Raises where the output cannot travel."""
     import base64
 
     from torch._inductor import config as inductor_config
@@ -440,8 +498,11 @@ def compile_segment_job(job: dict) -> dict:
     sub = fx.GraphModule(torch.nn.Module(), pickled.graph)
     torch.set_num_threads(threads)
     # one worker of many: its kernels compile in this process, not in a pool of its own, and only
-    # into Triton's on-disk cache (the process that runs the segment loads them from there)
-    with inductor_config.patch(settings), inductor_config.patch(compile_threads=1), _kernels_to_cache_only():
+    # into Triton's on-disk cache (the process that runs the segment loads them from there); or,
+    # kernels apart, not here at all
+    kernels: list = []
+    kernel_route = _kernels_noted(kernels) if job.get("kernels_apart") else _kernels_to_cache_only()
+    with inductor_config.patch(settings), inductor_config.patch(compile_threads=1), kernel_route:
         try:
             compiled = compile_segment(sub)
         except Exception as exc:
@@ -449,36 +510,58 @@ def compile_segment_job(job: dict) -> dict:
     generated = generated_code(compiled)
     if generated is None:
         raise ValueError("Inductor's output has no generated source, or has constants")
-    return {"source": generated[0], "inputs_to_check": generated[1],
+    return {"source": generated[0], "inputs_to_check": generated[1], "kernels": kernels,
             "cuda": torch.cuda.is_available() and torch.cuda.is_initialized()}
 
 
-def _compile_in_workers(segments: dict):
-    """Yield (segment key, a worker's reply) as the compile workers finish them, for the
-    `segments` ({key: (name, compute nodes, GraphModule)}) they compiled or refused; the others
-    (no workers, not picklable, a worker's error) are left to this process."""
-    from concurrent.futures import TimeoutError as NotDone
-    from concurrent.futures import as_completed
+def compile_triton_kernel_job(job: dict) -> dict:
+    """(In a worker.) Compile a triton_kernel_job into Triton's on-disk cache, as Inductor's own
+    compile workers do (every config of the kernel; the process that runs it loads it from there)."""
+    from torch._inductor.codecache import PyCodeCache
+    kernel = getattr(PyCodeCache.load(job["source"]), job["name"])
+    kernel.precompile(warm_cache_only=True)
+    return {}
 
-    from .compile_workers import JOB_TIMEOUT_S, workers
+
+def _compile_in_workers(segments: dict, report: dict):
+    """Yield (segment key, a worker's reply) as the compile workers finish them (with their
+    Triton kernels, see above), for the `segments` ({key: (name, compute nodes, GraphModule)})
+    they compiled or refused; the others (no workers, not picklable, a worker's error) are left
+    to this process. A kernel job that fails is only logged: loading the code compiles it here.
+    Counts the distinct kernel jobs in report["kernel_jobs"], failed ones in "kernel_jobs_failed"
+    (per segment)."""
+    from .compile_workers import workers
     pool = workers(preload=WORKER_PRELOAD)
     if pool is None:
         return
+    kernels_apart = segment_workers_mode() == "1"
     # the largest first: the lowering waits for the slowest job, which should not start last
     order = sorted(segments, key=lambda key: -segments[key][1])
-    jobs = {key: job for key, job in ((key, segment_job(segments[key][2])) for key in order) if job is not None}
-    futures = dict(zip(pool.submit(list(jobs.values()), priority=0), jobs))
+    jobs = {key: job for key, job in ((key, segment_job(segments[key][2], kernels_apart)) for key in order)
+            if job is not None}
+    kernels_seen: set = set()
+
+    def kernel_jobs(reply: dict) -> dict:
+        """A segment's kernels, by source (equal kernels of two segments compile once); submitted
+        before the segments still queued, so that a segment loads here while the workers go on."""
+        asked = {k["source"]: triton_kernel_job(k) for k in reply.get("kernels", ())}
+        kernels_seen.update(asked)
+        report["kernel_jobs"] = len(kernels_seen)
+        return asked
+
     initialized_cuda = False
-    try:
-        for future in as_completed(futures, timeout=JOB_TIMEOUT_S):
-            reply = future.result()
-            initialized_cuda |= bool(reply.get("cuda"))
-            if reply.get("ok"):
-                yield futures[future], reply
-            else:
-                log.info("inductor segment: a worker failed (%s); compiling it here", reply.get("error"))
-    except NotDone:
-        pool.give_up(list(futures), JOB_TIMEOUT_S)
+    for key, reply, kernel_replies in pool.as_done_with_follow_ups(jobs, kernel_jobs):
+        initialized_cuda |= bool(reply.get("cuda"))
+        if not reply.get("ok"):
+            log.info("inductor segment: a worker failed (%s); compiling it here", reply.get("error"))
+            continue
+        for failed in (r for r in kernel_replies if not r.get("ok")):
+            report["kernel_jobs_failed"] += 1
+            log.info("inductor segment kernel: a worker failed (%s); it compiles here", failed.get("error"))
+        # the segment's compile time: its code generation and its kernels (one shared by two
+        # segments counts in both)
+        reply["s"] = reply.get("s", 0.0) + sum(r.get("s", 0.0) for r in kernel_replies)
+        yield key, reply
     if initialized_cuda:
         # Inductor's code generation for CUDA left a CUDA context in each worker (520 MiB on an
         # H100, sixteen workers 8.3 GB next to the model, measured): fresh workers replace them.
@@ -504,8 +587,9 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
     """Split gm (in place) into segments and, with `compile_segments`, compile each with Inductor
     (two or more distinct ones in the compile workers, in parallel). Returns the summary also
     kept in gm.meta["inductor_segments"] and logged: segments found, split out, compiled (how
-    many distinct, how many of those in workers), left to the executor (too small / refused,
-    with Inductor's reasons), compute nodes compiled, seconds (splitting + compiling).
+    many distinct, how many of those in workers, with how many Triton kernel jobs), left to the
+    executor (too small / refused, with Inductor's reasons), compute nodes compiled, seconds
+    (splitting + compiling).
     compile_segments=False only splits: the segments run as plain GraphModules (the same ops,
     for testing the split).
     `store` (compile_cache.SegmentStore): compiled segments are looked up there by their
@@ -517,7 +601,8 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
     large = [s for s in segments if s.compute_nodes() >= min_compute_nodes]
     report = {"found": len(segments), "split": len(large), "compiled": 0, "distinct_compiled": 0,
               "too_small": len(segments) - len(large), "refused": 0, "refusals": [],
-              "nodes_compiled": 0, "compile_s": 0.0, "loaded": 0, "stored": 0, "in_workers": 0}
+              "nodes_compiled": 0, "compile_s": 0.0, "loaded": 0, "stored": 0, "in_workers": 0,
+              "kernel_jobs": 0, "kernel_jobs_failed": 0}
     subs = []
     for i, segment in enumerate(large):
         subs.append((f"segment_{i}", segment.compute_nodes(), extract_segment(gm, segment, f"segment_{i}")))
@@ -572,7 +657,7 @@ def lower_inductor_segments(gm: fx.GraphModule, min_compute_nodes: int = MIN_COM
         todo = [key for key in distinct if key not in done]
         if len(todo) >= 2 and segment_workers_on():
             # in the compile workers, in parallel, each loaded here as soon as it is back
-            for key, reply in _compile_in_workers({key: distinct[key] for key in todo}):
+            for key, reply in _compile_in_workers({key: distinct[key] for key in todo}, report):
                 finish(key, reply)
         for key in todo:        # one alone, or what the workers left
             if key not in done:
