@@ -100,6 +100,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True)
     # internal: one child run
     p.add_argument("--child", choices=PHASES, help=argparse.SUPPRESS)
+    p.add_argument("--profile-first-run", default="",
+                   help="comma list of phases whose decode buckets' first runs (alone, without the trace) "
+                        "are profiled into <out>/<variant>-<phase>-first-run-profile.txt")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -148,6 +151,7 @@ def run_child(args) -> dict:
     max_context = args.context + args.steps + 1
     caches, blocks = bench.allocate_caches(model, biggest, max(max_context, args.prefill), device)
 
+    first_runs = record_first_runs(args.child in args.profile_first_run.split(","))
     profiler = None
     if args.child in args.profile.split(","):
         import cProfile
@@ -164,6 +168,8 @@ def run_child(args) -> dict:
     if profiler is not None:
         profiler.disable()
         write_profile(profiler, Path(args.out, f"{args.variant}-{args.child}-profile.txt"))
+    if first_runs["profiles"]:
+        write_profile(first_runs["profiles"], Path(args.out, f"{args.variant}-{args.child}-first-run-profile.txt"))
     jit_warmup = {k: (list(v) if isinstance(v, list) else v) for k, v in jit.items()}
     # one prefill chunk of sequence 0 (slot 0, its own blocks)
     table0 = list(range(blocks))
@@ -201,6 +207,8 @@ def run_child(args) -> dict:
             "to_first_step_s": round(first_step_s, 2), "warmup_s": round(t_warm - t_start, 2),
             "prefill_s": round(t_prefill - t_warm, 2),
             "timings": {k: round(v, 3) for k, v in compiled.timings.items()},
+            # each bucket's first run (after its graph was ready), in warmup's order
+            "first_runs_s": first_runs["s"],
             # Triton kernels compiled in this process (a worker's compile is a load here)
             "triton_jit": {"warmup": jit_warmup, "prefill": jit_prefill},
             "precompile": compiled.precompile.reports if compiled.precompile is not None else None,
@@ -220,12 +228,55 @@ def run_child(args) -> dict:
             "step_hashes": hashes, "hash": digest.hexdigest()}
 
 
+def record_first_runs(profile: bool) -> dict:
+    """Each decode bucket's first-run seconds ({"s": {bucket: s}}), and with `profile` cProfiles
+    of the first runs alone ({"profiles": [...]}): from the moment a traced graph is ready (the
+    tracing bucket: what it profiled of the trace is dropped) or from the step's start (the
+    others) to its end."""
+    import cProfile
+
+    from v41graph.compiler.compiled_model import CompiledModel, DecodeGraph
+    got = {"s": {}, "profiles": []}
+    first_step, graph_compiled = DecodeGraph._first_step, CompiledModel._graph_compiled
+
+    def begin():
+        if profile:
+            got["profiles"].append(cProfile.Profile())
+            got["profiles"][-1].enable()
+
+    def end():
+        if profile and got["profiles"]:
+            got["profiles"][-1].disable()
+
+    def timed_first_step(self):
+        before = self.compiled.timings["first_run_s"]
+        begin()
+        try:
+            return first_step(self)
+        finally:
+            end()
+            got["s"][self.bucket] = round(self.compiled.timings["first_run_s"] - before, 3)
+
+    def graph_ready(self, *a, **kw):   # the trace is done: what follows in the step is its first run
+        end()
+        if profile and got["profiles"]:
+            got["profiles"].pop()
+        out = graph_compiled(self, *a, **kw)
+        begin()
+        return out
+    DecodeGraph._first_step = timed_first_step
+    CompiledModel._graph_compiled = graph_ready
+    return got
+
+
 def write_profile(profiler, path: Path, top: int = 45) -> None:
-    """The `top` functions by cumulative and by own time, as pstats prints them."""
+    """The `top` functions by cumulative and by own time, as pstats prints them (`profiler`: one
+    cProfile.Profile, or a list whose stats are summed)."""
     import io
     import pstats
     text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    profiles = profiler if isinstance(profiler, list) else [profiler]
+    stats = pstats.Stats(*profiles, stream=text).strip_dirs()
     for order in ("cumulative", "tottime"):
         stats.sort_stats(order).print_stats(top)
     path.write_text(text.getvalue())
@@ -330,7 +381,8 @@ def child_command(args, variant: str, phase: str, cache: Path, out: Path) -> lis
            "--prefill", str(args.prefill), "--context", str(args.context), "--steps", str(args.steps)]
     return (cmd + (["--bucket-1-static"] if args.bucket_1_static else [])
             + (["--nondeterministic"] if args.nondeterministic else [])
-            + (["--profile", args.profile] if args.profile else []))
+            + (["--profile", args.profile] if args.profile else [])
+            + (["--profile-first-run", args.profile_first_run] if args.profile_first_run else []))
 
 
 def compare(cold: dict, warm: dict) -> dict:

@@ -223,15 +223,20 @@ def test_a_workers_compile_is_found_by_the_same_compile_in_process(tmp_path, mon
     assert hits == [True] and sorted(os.listdir(tmp_path / "triton")) == entries, time.perf_counter() - t0
 
 
-def test_a_graph_is_noted_once_per_set_of_sizes(monkeypatch):
+def _graph_with_symbolic_rows() -> fx.GraphModule:
+    """x + 1 with x's dim 0 symbolic (its fake value in the placeholder's meta), dim 1 static."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     graph = fx.symbolic_trace(lambda x: x + 1)
     env = ShapeEnv()
-    with FakeTensorMode(shape_env=env):                 # dim 0 symbolic, dim 1 static
+    with FakeTensorMode(shape_env=env):
         fake = torch.empty(env.create_unbacked_symint(), 3)
     next(n for n in graph.graph.nodes if n.op == "placeholder").meta["val"] = fake
+    return graph
+
+
+def test_a_graph_is_noted_once_per_set_of_sizes(monkeypatch):
+    graph = _graph_with_symbolic_rows()
     noted = []
 
     def note(gm, args, impls):
@@ -352,3 +357,38 @@ def test_warmup_precompiles_every_buckets_sizes_when_the_first_one_traces():
     assert kinds[:3] == ["start"] * 3 and "start" not in kinds[3:], kinds     # all before any run
     assert len(set(started)) == 3                # three buckets' sizes, each once
     assert set(runs) == set(started), (runs, started)
+
+
+def test_batches_of_two_sizes_compile_a_shared_kernel_once_and_both_runs_wait_for_it(monkeypatch):
+    """start() for two sets of sizes before either runs (warmup's buckets): a specialization
+    both note goes to the workers once; the run of the second sizes still waits for it."""
+    import threading
+    graph = _graph_with_symbolic_rows()
+    release = threading.Event()
+    submitted = []
+
+    class SlowPool(FakePool):
+        def compile(self, jobs):
+            submitted.append(sorted(j["kernel"] for j in jobs))
+            if any(j["kernel"] == "shared" for j in jobs):
+                release.wait(10)
+            return super().compile(jobs)
+
+    def note(gm, args, impls):
+        own = f"rows{args[0].shape[0]}"
+        return [{"kernel": "shared"}, {"kernel": own}], {"op_calls": 2, "stand_in_calls": 2, "skipped": 0}
+    monkeypatch.setattr(tp, "note_specializations", note)
+    monkeypatch.setattr(tp.TritonPrecompile, "_target", staticmethod(lambda: ["cuda", 90, 32]))
+    hook = tp.TritonPrecompile(SlowPool(), impls={})
+    hook.start(graph, [torch.ones(4, 3)])
+    hook.start(graph, [torch.ones(8, 3)])
+    second_ran = threading.Event()
+    runner = threading.Thread(target=lambda: (hook(graph, [torch.ones(8, 3)]), second_ran.set()))
+    runner.start()
+    time.sleep(0.3)
+    assert not second_ran.is_set()       # its own batch is done, the shared kernel is not
+    release.set()
+    runner.join(10)
+    assert second_ran.is_set()
+    hook(graph, [torch.ones(4, 3)])
+    assert sorted(submitted) == [["rows4", "shared"], ["rows8"]], submitted

@@ -340,8 +340,9 @@ class TritonPrecompile:
         self.reports: list[dict] = []
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # gm -> size keys
         self._size_args: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # gm -> {key: thread}
+        self._pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # gm -> {key: [events]}
         self._lock = threading.Lock()
+        self._owners: dict = {}      # a job (kernel + specialization) -> the done event of its batch
 
     def _quick_key(self, gm: fx.GraphModule, args) -> tuple:
         """The sizes of the arguments that have symbolic ones (cheap: every run asks)."""
@@ -368,18 +369,41 @@ class TritonPrecompile:
         batch = self._note(gm, args) if key is not None else None
         if batch is None:
             return
-        thread = threading.Thread(target=self._compile, args=batch, daemon=True,
-                                  name="v41graph-triton-precompile")
-        thread.start()
-        self._pending.setdefault(gm, {})[key] = thread
+        done = threading.Event()
+        self._pending.setdefault(gm, {})[key] = [done, *self._take_jobs(batch[0], done)]
+
+        def compile_batch():
+            try:
+                self._compile(*batch)
+            finally:
+                done.set()
+        threading.Thread(target=compile_batch, daemon=True, name="v41graph-triton-precompile").start()
+
+    def _take_jobs(self, jobs: list[dict], done: threading.Event) -> set:
+        """Remove from `jobs` (in place) the specializations an earlier batch compiles or
+        compiled; the others are this batch's (`done` set when it is). Returns the `done`
+        events of the earlier batches still compiling some of them: a run needing them waits for
+        those too. Two buckets of one graph share most kernels: noted before either ran
+        (start), each batch would otherwise compile them again (88 jobs for 44 kernels, H100)."""
+        others, mine = set(), []
+        with self._lock:
+            for job in jobs:
+                owner = self._owners.setdefault(json.dumps(job, sort_keys=True, default=str), done)
+                if owner is done:
+                    mine.append(job)
+                elif not owner.is_set():
+                    others.add(owner)
+        jobs[:] = mine
+        return others
 
     def __call__(self, gm: fx.GraphModule, args) -> None:
         pending = self._pending.get(gm)
         if pending:                     # started before the lowering: wait for its compiles
-            thread = pending.pop(self._quick_key(gm, args), None)
-            if thread is not None:
+            events = pending.pop(self._quick_key(gm, args), None)
+            if events is not None:
                 t0 = time.perf_counter()
-                thread.join()
+                for event in events:
+                    event.wait()
                 self.timings["precompile_wait_s"] = (self.timings.get("precompile_wait_s", 0.0)
                                                      + time.perf_counter() - t0)
                 return
@@ -387,7 +411,13 @@ class TritonPrecompile:
             return
         batch = self._note(gm, args)
         if batch is not None:
-            self._compile(*batch)
+            done = threading.Event()
+            for event in self._take_jobs(batch[0], done):
+                event.wait()
+            try:
+                self._compile(*batch)
+            finally:
+                done.set()
 
     def _new_sizes(self, gm: fx.GraphModule, args):
         """The size key of `args` if `gm` has not seen it yet (now it has), else None."""
