@@ -289,6 +289,13 @@ from v41graph.model.model import V41Model, init_random_
 from v41graph.runtime.session import Session
 compiles = []
 knobs.compilation.listener = lambda **kw: compiles.append(bool(kw["cache_hit"]))
+import triton.runtime.build as build
+launchers_built, c_build = [], build._build
+def counting_build(name, *args, **kwargs):    # the host C compiler run for a module of Triton's
+    if name == "__triton_launcher":
+        launchers_built.append(name)
+    return c_build(name, *args, **kwargs)
+build._build = counting_build
 model = init_random_(V41Model(V41Config.tiny()), seed=0).cuda().eval()
 compiled = v41graph.compile(model, batch_sizes=(1, 4), compile_cache=False)
 session = Session(compiled, 3, 48, block_size=16)
@@ -297,16 +304,18 @@ for _ in range(3):
     out.append(session.decode(out[-1].argmax(-1)))
 torch.save([o.cpu() for o in out], sys.argv[1])
 print(json.dumps({"reports": compiled.precompile.reports if compiled.precompile else None,
-                  "compiled_here": compiles.count(False), "loaded": compiles.count(True)}))
+                  "compiled_here": compiles.count(False), "loaded": compiles.count(True),
+                  "launchers_built_here": len(launchers_built)}))
 """
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_first_runs_compile_no_kernel_after_the_precompile(tmp_path):
-    """In a fresh process on an empty Triton cache, the workers compile the graph's kernels; the
-    prefill's and the decode buckets' first runs then only load them (Triton's listener sees no
-    compile in the process), and the outputs equal a run without workers bit for bit."""
+    """In a fresh process on an empty Triton cache, the workers compile the graph's kernels and
+    their launchers; the prefill's and the decode buckets' first runs then only load them
+    (Triton's listener sees no compile in the process, the C compiler builds no launcher), and
+    the outputs equal a run without workers bit for bit."""
     import json
     import subprocess
     import sys
@@ -322,8 +331,10 @@ def test_cuda_first_runs_compile_no_kernel_after_the_precompile(tmp_path):
     assert got["reports"] and sum(r["kernels"] for r in got["reports"]) > 0, got
     assert all(r["failed"] == 0 for r in got["reports"]), got["reports"]
     assert got["compiled_here"] == 0 and got["loaded"] > 0, got
+    # the kernels' launchers (C stubs) were built by the workers too
+    assert sum(r["launchers"] for r in got["reports"]) > 0 and got["launchers_built_here"] == 0, got
     serial, serial_out = run("0", "serial")
-    assert serial["reports"] is None and serial["compiled_here"] > 0, serial
+    assert serial["reports"] is None and serial["compiled_here"] > 0 and serial["launchers_built_here"] > 0, serial
     for a, b in zip(out, serial_out):
         assert torch.equal(a, b)
 
