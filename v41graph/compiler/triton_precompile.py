@@ -45,8 +45,10 @@ _log = logging.getLogger(__name__)
 # (A written tensor over the limit, a cache, gets a shrunk stand-in: _stand_in.) Stand-ins are
 # freed after each call.
 STAND_IN_LIMIT_BYTES = 1 << 30
-# what a worker calls for a job (compile_workers.py)
+# what a worker calls for a job (compile_workers.py), and the modules it imports at its start
+# (those of our kernels: a job would otherwise import torch first, ~2-4 s)
 WORKER_CALL = f"{__name__}:compile_specialization"
+WORKER_PRELOAD = ("v41graph.custom_ops.cuda_impls",)
 
 
 def compile_specialization(job: dict) -> dict:
@@ -501,6 +503,6 @@ def make_precompile(platform: str, timings: dict | None = None) -> TritonPrecomp
         from triton import knobs  # noqa: F401  (the hook needs Triton >= 3.4's knobs)
     except ImportError:
         return None
-    pool = workers()
+    pool = workers(preload=WORKER_PRELOAD)
     return TritonPrecompile(pool, timings) if pool is not None else None
 
