@@ -247,7 +247,7 @@ class CompiledModel:
         if self.precompile is not None:   # the workers compile this call's Triton kernels meanwhile,
             self.precompile.start(gm, [resolve(s) for s in sources])
             # and those of the decode buckets warmup() will run on this graph next (their first
-            # runs waited for their own compiles: 4-6 s of an H200 cold start)
+            # runs waited for their own compiles: ~4 s of an H200 cold start)
             for coming in self._coming_scopes(kind, signature, scope):
                 self.precompile.start(gm, [eval(s, {"__builtins__": builtins}, {"L": coming}) for s in sources])
         self._lower(gm)

@@ -565,9 +565,8 @@ def _compile_in_workers(segments: dict, report: dict):
     if initialized_cuda:
         # Inductor's code generation for CUDA left a CUDA context in each worker (520 MiB on an
         # H100, sixteen workers 8.3 GB next to the model, measured): fresh workers replace them.
-        # They import our kernels' modules, not Inductor (this graph's segments are done; a
-        # later graph's or size's Triton kernels are what they compile next: the prefill's jobs
-        # on fresh workers that imported only Triton took 6.9 s for 4 kernels on an H100).
+        # They import our kernels' modules, not Inductor: this graph's segments are done, and
+        # a later size's or graph's Triton kernels are what they compile next.
         from .triton_precompile import WORKER_PRELOAD as KERNEL_MODULES
         pool.restart(preload=KERNEL_MODULES)
 

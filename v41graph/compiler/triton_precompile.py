@@ -46,7 +46,7 @@ _log = logging.getLogger(__name__)
 # freed after each call.
 STAND_IN_LIMIT_BYTES = 1 << 30
 # what a worker calls for a job (compile_workers.py), and the modules it imports at its start
-# (those of our kernels: a job would otherwise import torch first, ~2-4 s)
+# (those of our kernels: otherwise a worker's first job imports them, and torch, first)
 WORKER_CALL = f"{__name__}:compile_specialization"
 WORKER_PRELOAD = ("v41graph.custom_ops.cuda_impls",)
 
