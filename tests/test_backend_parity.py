@@ -98,7 +98,15 @@ def stubbed_buckets(monkeypatch):
     the log lines without a trace. Its own model: compiling changes a model (stacked experts)."""
     compiled = CompiledModel(v41graph.V41Model(v41graph.V41Config.tiny()), backend="cpu", batch_sizes=(1, 2, 4, 8))
     prepared = []
-    monkeypatch.setattr(compiled, "_graph_for", lambda b, caches, width, prepare=False: prepared.append((b, prepare)))
+
+    class Bucket:
+        def __init__(self, b):
+            self.b = b
+
+        def prepare(self):
+            prepared.append((self.b, True))
+    monkeypatch.setattr(compiled, "_graph_for", lambda b, caches, width, prepare=False: (
+        prepared.append((b, True)) if prepare else Bucket(b)))
     return compiled, prepared
 
 

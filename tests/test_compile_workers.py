@@ -78,7 +78,7 @@ def test_jobs_fail_fast_when_every_worker_died():
     assert [r["ok"] for r in replies] == [False, False] and "worker exited" in replies[0]["error"]
     # failed when the worker died, not at the batch's timeout
     assert "no compile worker left" in replies[1]["error"] and took < TIMEOUT / 2, (replies, took)
-    assert again[0]["ok"] and again[0]["tag"] == "next batch"
+    assert again[0]["ok"] and again[0]["tag"] == "next batch" and again[0]["nth"] == 1   # a fresh worker
 
 
 def test_follow_up_jobs_run_before_queued_jobs_once_per_name_and_gate_their_job():
@@ -102,6 +102,9 @@ def test_follow_up_jobs_run_before_queued_jobs_once_per_name_and_gate_their_job(
     assert [f["tag"] for f in by_key["a"][1]] == ["x", "shared"] and [f["tag"] for f in by_key["b"][1]] == ["shared"]
     assert by_key["a"][1][1]["started"] == by_key["b"][1][0]["started"]      # "shared" ran once
     assert not by_key["d"][0]["ok"] and by_key["d"][1] == []
+    # one worker served all six jobs, and each reply says which of its jobs it was
+    nths = [r["nth"] for r, _ in by_key.values()] + [f["nth"] for key in ("a", "b") for f in by_key[key][1]]
+    assert sorted(set(nths)) == [1, 2, 3, 4, 5, 6], nths
     started = {r["tag"]: r["started"] for r, follow in by_key.values() if r["ok"]}
     started.update({f["tag"]: f["started"] for _, follow in by_key.values() for f in follow})
     # a's follow-ups went before c, still queued when a answered (b may have been taken by the

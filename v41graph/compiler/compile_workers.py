@@ -10,7 +10,8 @@ Workers are `python -m v41graph.compiler.compile_workers` subprocesses talking J
 stdin/stdout (not multiprocessing: its spawn re-imports the user's __main__, which may be a script
 that compiles the model). A job names the function that does it (`"call": "module:function"`,
 given the job dict, returning a dict of results or raising); the reply is that dict with
-`"ok": True`, or `"ok": False` and the error. The environment variables a compile or a cache key
+`"ok": True`, or `"ok": False` and the error, with the seconds it took and which of the worker's
+jobs it was (`"s"`, `"nth"`). The environment variables a compile or a cache key
 reads (TRITON_*, TORCHINDUCTOR_*, ...) are sent with every job, so a worker compiles into the
 caches, and with the settings, that this process has now, even when they changed after the start.
 
@@ -286,7 +287,7 @@ def _worker_main(preload: list) -> None:
             importlib.import_module(module)
         except ImportError:     # (the jobs that need it then report the ImportError)
             pass
-    for line in sys.stdin:
+    for nth, line in enumerate(sys.stdin, start=1):
         job = json.loads(line)
         for key in [k for k in os.environ if k.startswith(_ENV_PREFIXES)]:
             del os.environ[key]
@@ -298,6 +299,7 @@ def _worker_main(preload: list) -> None:
         except Exception as exc:   # reported; the caller does this job itself
             reply = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         reply["s"] = round(time.perf_counter() - t0, 3)
+        reply["nth"] = nth      # this worker's how-manieth job (its first pays what its start left)
         out.write(json.dumps(reply) + "\n")
 
 

@@ -55,7 +55,7 @@ def compile_specialization(job: dict) -> dict:
     """Compile one noted specialization (the worker's job) into Triton's on-disk cache: the
     kernel from its module, its specialization as Triton serializes it for a hook
     (signature, constexprs, attributes, options), for the target the job names, and its
-    launcher. Uses no GPU. Returns {"launcher": whether it was built}."""
+    launcher. Uses no GPU. Returns {"launcher": whether it was built, "launcher_s": its seconds}."""
     import importlib
 
     import triton
@@ -86,7 +86,9 @@ def compile_specialization(job: dict) -> dict:
     options = make_backend(target).parse_options({k: as_tuple(v) for k, v in spec["options"].items()})
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                               options=options.__dict__)
-    return {"launcher": _build_launcher(compiled)}
+    t0 = time.perf_counter()
+    launcher = _build_launcher(compiled)
+    return {"launcher": launcher, "launcher_s": round(time.perf_counter() - t0, 3)}
 
 
 def _build_launcher(compiled) -> str:
@@ -469,8 +471,13 @@ class TritonPrecompile:
         report = {**counts, "kernels": len(jobs), "failed": len(failed), "note_s": round(t1 - t0, 3),
                   "compile_s": round(time.perf_counter() - t1, 3), "workers": self.pool.n,
                   "worker_s": round(sum(r.get("s", 0.0) for r in results), 3),
-                  # launchers the workers built, and the first reason one was not
+                  # the slowest job, and whether it was its worker's first (a fresh worker's
+                  # start-up costs fall on its first job)
+                  "slowest_job_s": max((r.get("s", 0.0) for r in results), default=0.0),
+                  "first_jobs_of_a_worker": sum(r.get("nth") == 1 for r in results),
+                  # launchers the workers built (their seconds), and the first reason one was not
                   "launchers": sum(r.get("launcher") == "built" for r in results),
+                  "launcher_s": round(sum(r.get("launcher_s", 0.0) for r in results), 3),
                   "launcher_note": next((r["launcher"] for r in results
                                          if r.get("ok") and r.get("launcher") not in (None, "built")), "")}
         with self._lock:     # a background batch (start) may finish while a run adds its own
