@@ -102,7 +102,9 @@ def parse_args(argv=None):
     p.add_argument("--child", choices=PHASES, help=argparse.SUPPRESS)
     p.add_argument("--profile-first-run", default="",
                    help="comma list of phases whose decode buckets' first runs (alone, without the trace) "
-                        "are profiled into <out>/<variant>-<phase>-first-run-profile.txt")
+                        "are profiled into <out>/<variant>-<phase>-first-run-profile.txt (the tracing "
+                        "bucket's trace runs under the profiler too, its data dropped: that phase's "
+                        "times are inflated)")
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
