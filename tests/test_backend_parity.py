@@ -100,6 +100,8 @@ def stubbed_buckets(monkeypatch):
     prepared = []
 
     class Bucket:
+        stepped = False
+
         def __init__(self, b):
             self.b = b
 

@@ -199,6 +199,19 @@ def test_distinct_segments_compile_in_the_workers_to_the_code_compiled_here(tmp_
     assert report["kernel_jobs"] == 0
 
 
+def test_a_segment_workers_triton_kernels_are_noted_not_compiled():
+    """In a segment job with kernels apart, Inductor's AsyncCompile.triton only notes the kernel
+    (name and source, for a job of its own) and hands back a stand-in; outside, nothing changed."""
+    from torch._inductor.async_compile import AsyncCompile
+    from v41graph.compiler.inductor_segments import _kernels_noted
+    original, kernels = AsyncCompile.triton, []
+    with _kernels_noted(kernels):
+        stand_in = AsyncCompile().triton("triton_poi_fused_0", "# the kernel's module source", device_str="cuda")
+    assert kernels == [{"name": "triton_poi_fused_0", "source": "# the kernel's module source"}]
+    assert not hasattr(stand_in, "run")         # never launched in the worker
+    assert AsyncCompile.triton is original
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["1", "whole"])
 def test_segment_kernels_compile_as_jobs_of_their_own_on_cuda(tmp_path, monkeypatch, mode):

@@ -233,8 +233,8 @@ class CompiledModel:
             return None
         t1 = time.perf_counter()
 
-        def resolve(source: str):      # a graph input's value in this call, by its Dynamo source
-            return eval(source, {"__builtins__": builtins}, {"L": scope})
+        def resolve(source: str, call: dict = scope):   # a graph input's value in a call, by its Dynamo source
+            return eval(source, {"__builtins__": builtins}, {"L": call})
         try:
             gm, sources = stamp_graph(record.gm, record.sources, self.stamp, resolve, streams_of)
         except StampRefused as exc:
@@ -249,7 +249,7 @@ class CompiledModel:
             # and those of the decode buckets warmup() will run on this graph next (their first
             # runs waited for their own compiles: ~4 s of an H200 cold start)
             for coming in self._coming_scopes(kind, signature, scope):
-                self.precompile.start(gm, [eval(s, {"__builtins__": builtins}, {"L": coming}) for s in sources])
+                self.precompile.start(gm, [resolve(s, coming) for s in sources])
         self._lower(gm)
         t4 = time.perf_counter()
         try:
@@ -432,14 +432,13 @@ class CompiledModel:
         captures = self.platform == "cuda" and self.capture
         what = "Capturing CUDA graphs" if captures else "Compiling decode buckets"
         t0 = time.perf_counter()
-        fresh = {b: (b, id(caches), max_blocks) not in self._decode for b in self.batch_sizes}
         graphs = {b: self._graph_for(b, caches, max_blocks) for b in self.batch_sizes}
-        # the buckets' first steps, known before the first one traces (_coming_scopes)
-        self._coming = [graphs[b] for b in self.batch_sizes if fresh[b]]
+        # the buckets not prepared yet, known before the first one traces (_coming_scopes)
+        self._coming = [graphs[b] for b in self.batch_sizes if not graphs[b].stepped]
         try:
             for b in bar(self.batch_sizes, desc=what, unit="bucket", show=show_progress):
                 _log.info("decode bucket %d: %s", b, "compile + capture" if captures else "compile")
-                if fresh[b]:
+                if graphs[b] in self._coming:
                     graphs[b].prepare()
         finally:
             self._coming = []

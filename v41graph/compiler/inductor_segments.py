@@ -50,6 +50,7 @@ import operator
 import os
 import time
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -442,11 +443,8 @@ def _kernels_to_cache_only():
 
     def cache_only(self, *args, **kwargs):
         return original(self, warm_cache_only=True)
-    CachingAutotuner.precompile = cache_only
-    try:
+    with mock.patch.object(CachingAutotuner, "precompile", cache_only):
         yield
-    finally:
-        CachingAutotuner.precompile = original
 
 
 class _CompiledElsewhere:
@@ -467,19 +465,17 @@ def _kernels_noted(kernels: list):
     torch without it compiles them as before (nothing noted)."""
     try:
         from torch._inductor.async_compile import AsyncCompile
-        original = AsyncCompile.triton
-    except (ImportError, AttributeError):
+    except ImportError:
+        AsyncCompile = None
+    if getattr(AsyncCompile, "triton", None) is None:
         yield
         return
 
     def note(self, kernel_name, source_code, *args, **kwargs):
         kernels.append({"name": kernel_name, "source": source_code})
         return _CompiledElsewhere(kernel_name)
-    AsyncCompile.triton = note
-    try:
+    with mock.patch.object(AsyncCompile, "triton", note):
         yield
-    finally:
-        AsyncCompile.triton = original
 
 
 def compile_segment_job(job: dict) -> dict:

@@ -390,23 +390,19 @@ class TritonPrecompile:
         batch = self._note(gm, args) if key is not None else None
         if batch is None:
             return
-        done = threading.Event()
-        self._pending.setdefault(gm, {})[key] = [done, *self._take_jobs(batch[0], done)]
+        done, others = self._take_jobs(batch[0])
+        self._pending.setdefault(gm, {})[key] = [done, *others]
+        threading.Thread(target=self._compile, args=(*batch, done), daemon=True,
+                         name="v41graph-triton-precompile").start()
 
-        def compile_batch():
-            try:
-                self._compile(*batch)
-            finally:
-                done.set()
-        threading.Thread(target=compile_batch, daemon=True, name="v41graph-triton-precompile").start()
-
-    def _take_jobs(self, jobs: list[dict], done: threading.Event) -> set:
+    def _take_jobs(self, jobs: list[dict]) -> tuple[threading.Event, set]:
         """Remove from `jobs` (in place) the specializations an earlier batch compiles or
-        compiled; the others are this batch's (`done` set when it is). Returns the `done`
-        events of the earlier batches still compiling some of them: a run needing them waits for
-        those too. Two buckets of one graph share most kernels: noted before either ran
-        (start), each batch would otherwise compile them again (88 jobs for 44 kernels, H100)."""
-        others, mine = set(), []
+        compiled; the others are this batch's. Returns (this batch's event, set by _compile when
+        it is done; the events of the earlier batches still compiling some of the removed ones:
+        a run needing them waits for those too). Two buckets of one graph share most kernels:
+        noted before either ran (start), each batch would otherwise compile them again (88 jobs
+        for 44 kernels, H100)."""
+        done, others, mine = threading.Event(), set(), []
         with self._lock:
             for job in jobs:
                 owner = self._owners.setdefault(json.dumps(job, sort_keys=True, default=str), done)
@@ -415,7 +411,7 @@ class TritonPrecompile:
                 elif not owner.is_set():
                     others.add(owner)
         jobs[:] = mine
-        return others
+        return done, others
 
     def __call__(self, gm: fx.GraphModule, args) -> None:
         pending = self._pending.get(gm)
@@ -432,13 +428,10 @@ class TritonPrecompile:
             return
         batch = self._note(gm, args)
         if batch is not None:
-            done = threading.Event()
-            for event in self._take_jobs(batch[0], done):
+            done, others = self._take_jobs(batch[0])
+            for event in others:
                 event.wait()
-            try:
-                self._compile(*batch)
-            finally:
-                done.set()
+            self._compile(*batch, done)
 
     def _new_sizes(self, gm: fx.GraphModule, args):
         """The size key of `args` if `gm` has not seen it yet (now it has), else None."""
@@ -465,8 +458,11 @@ class TritonPrecompile:
             job["call"], job["target"], job["env"] = WORKER_CALL, target, env
         return jobs, counts, t0, time.perf_counter()
 
-    def _compile(self, jobs: list[dict], counts: dict, t0: float, t1: float) -> None:
-        results = self.pool.compile(jobs)
+    def _compile(self, jobs: list[dict], counts: dict, t0: float, t1: float, done: threading.Event) -> None:
+        try:
+            results = self.pool.compile(jobs)
+        finally:     # the batch's kernels are in Triton's cache (or compile at their first run)
+            done.set()
         failed = [r.get("error", "") for r in results if not r.get("ok")]
         report = {**counts, "kernels": len(jobs), "failed": len(failed), "note_s": round(t1 - t0, 3),
                   "compile_s": round(time.perf_counter() - t1, 3), "workers": self.pool.n,
