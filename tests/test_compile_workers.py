@@ -24,7 +24,19 @@ def job_in_worker(job: dict) -> dict:
     if job.get("fail"):
         raise RuntimeError(f"asked to fail: {job['fail']}")
     return {"pid": os.getpid(), "tag": job["tag"], "env_seen": os.environ.get("TRITON_TEST_MARK"),
-            "started": started, "follow": job.get("follow", [])}
+            "started": started, "follow": job.get("follow", []), "prepared": _PREPARED}
+
+
+_PREPARED: list = []
+
+
+def prepare_in_worker() -> None:
+    """(In a worker, at its start: a "module:function" preload entry.)"""
+    _PREPARED.append(os.getpid())
+
+
+def fail_to_prepare() -> None:
+    raise RuntimeError("a start-up step that fails must not stop the worker")
 
 
 def _job(tag, **kw) -> dict:
@@ -64,6 +76,19 @@ def test_restart_replaces_the_processes_and_two_batches_share_them():
     old = {r["pid"] for r in first}
     assert urgent[0]["pid"] not in old          # run by a fresh worker
     assert {r["pid"] for r in slow[2:]}.isdisjoint(old)    # queued before the restart, run after it
+
+
+def test_preload_imports_modules_and_calls_functions_before_the_first_job():
+    pool = CompileWorkers(1, preload=(f"{__name__}:fail_to_prepare", "json", f"{__name__}:prepare_in_worker",
+                                      "no_such_module_v41graph"))
+    try:
+        replies = pool.compile([_job(0), _job(1)], timeout=TIMEOUT)
+    finally:
+        pool.stop()
+    assert all(r["ok"] for r in replies)
+    # called once, at the start, in the worker that ran the jobs (not per job, not here)
+    assert [r["prepared"] for r in replies] == [[replies[0]["pid"]]] * 2
+    assert _PREPARED == []
 
 
 def test_jobs_fail_fast_when_every_worker_died():

@@ -82,7 +82,9 @@ class _Worker:
 
 class CompileWorkers:
     """A few worker processes serving one queue of compile jobs (see the module docstring).
-    `preload`: modules each worker imports when it starts (before its first job)."""
+    `preload`: what each worker does when it starts, before its first job: a "module" is
+    imported, a "module:function" imported and called (no arguments; a failure is ignored, the
+    jobs that need it then fail or pay for it themselves)."""
 
     def __init__(self, n: int, preload: tuple = ()):
         self.n = n
@@ -282,10 +284,13 @@ def _worker_main(preload: list) -> None:
     # the protocol owns stdout: anything else printed (C libraries too) goes to stderr
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    for module in ["triton", *preload]:     # imported before the first job: part of the start-up
+    for entry in ["triton", *preload]:     # done before the first job: part of the start-up
+        module, _, function = entry.partition(":")
         try:
-            importlib.import_module(module)
-        except ImportError:     # (the jobs that need it then report the ImportError)
+            imported = importlib.import_module(module)
+            if function:
+                getattr(imported, function)()
+        except Exception:     # (the jobs that need it then report the error or pay the cost)
             pass
     for nth, line in enumerate(sys.stdin, start=1):
         job = json.loads(line)

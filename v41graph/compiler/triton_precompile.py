@@ -45,10 +45,25 @@ _log = logging.getLogger(__name__)
 # (A written tensor over the limit, a cache, gets a shrunk stand-in: _stand_in.) Stand-ins are
 # freed after each call.
 STAND_IN_LIMIT_BYTES = 1 << 30
-# what a worker calls for a job (compile_workers.py), and the modules it imports at its start
-# (those of our kernels: otherwise a worker's first job imports them, and torch, first)
+# what a worker calls for a job (compile_workers.py), and what it does at its start: import our
+# kernels' modules and initialize Triton's driver (otherwise a worker's first job pays for both)
 WORKER_CALL = f"{__name__}:compile_specialization"
-WORKER_PRELOAD = ("v41graph.custom_ops.cuda_impls",)
+WORKER_PRELOAD = ("v41graph.custom_ops.cuda_impls", f"{__name__}:initialize_driver")
+
+
+def initialize_driver() -> None:
+    """Make Triton's active driver now (a worker's start-up): choosing it initializes CUDA's
+    driver library (cuInit, no context) and loads Triton's CUDA utilities, which a launcher build
+    (_build_launcher) needs. The prefill's kernels went to workers restarted after the Inductor
+    segments, and their precompile took 6.2-7.0 s instead of 2.4-4.1 s once launchers were built
+    there (twenty-second session)."""
+    from triton.runtime import driver
+    driver.active     # (made at its first use)
+    try:
+        from triton.backends.nvidia.driver import library_dirs
+        library_dirs()    # (a launcher build's; runs `ldconfig -p` once per process)
+    except ImportError:
+        pass
 
 
 def compile_specialization(job: dict) -> dict:
