@@ -616,10 +616,14 @@ def bench_mxfp4_moe(bw, quick):
         row("mxfp4_moe", shape, f"default: triton {moe_fp4._config(tokens * 6 / 48)}", t_fp4,
             touched * per_expert, base_us=t_bf16, err=err, bw=bw)
         sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),
-                 (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3)] if tokens <= 64 else \
+                 (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3),
+                 # the weight rows as the MMA's M side (wgmma), 16 tokens as its N side
+                 (16, 64, 128, 128, 4, 3, True), (16, 64, 256, 256, 4, 3, True), (16, 128, 128, 128, 4, 3, True),
+                 (16, 128, 128, 128, 8, 3, True), (16, 64, 128, 128, 4, 4, True), (32, 64, 128, 128, 4, 3, True),
+                 (16, 64, 64, 64, 4, 4, True)] if tokens <= 64 else \
                 [(64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (64, 128, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3)]
         if not quick:
-            best = None
+            best = {}       # the best config of each kernel pair: tokens-first, rows-first
             for cfg in sweep:
                 try:
                     t = cbench(lambda cfg=cfg: moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2,
@@ -627,12 +631,14 @@ def bench_mxfp4_moe(bw, quick):
                 except Exception as e:   # noqa: BLE001
                     say(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
-                if best is None or t < best[0]:
-                    best = (t, cfg)
-            if best is not None:
+                say(f"  config {cfg}: {t:.1f} us")
+                family = "rows" if cfg[6:] and cfg[6] else "tokens"
+                if family not in best or t < best[family][0]:
+                    best[family] = (t, cfg)
+            for family, (t, cfg) in sorted(best.items()):
                 got_b = moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2, fp4._s2, 10.0,
-                                          config=best[1])
-                row("mxfp4_moe", shape, f"BEST {best[1]}", best[0], touched * per_expert, base_us=t_bf16,
+                                          config=cfg)
+                row("mxfp4_moe", shape, f"BEST {family} {cfg}", t, touched * per_expert, base_us=t_bf16,
                     err=rel(got_b, want) if want is not None else None, bw=bw)
 
 

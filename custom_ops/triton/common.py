@@ -181,16 +181,36 @@ def _e8m0_to_bf16(u):
 
 
 @triton.jit
-def _fp4_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+def _fp4_weight_halves(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
     """Rows n [BN] (int64), columns k0..k0+BK of an MXFP4 weight: E2M1 packed [N, K/2] (even
-    column in the low nibble) with one E8M0 scale per 32 along K (s_ptr [N, K/32]), as bf16.
-    The bytes are loaded as [BN, BK/32, 16] so each 32-block's 16 bytes share one scale."""
+    column in the low nibble) with one E8M0 scale per 32 along K (s_ptr [N, K/32]), as bf16
+    (even columns, odd columns), each [BN, BK/32, 16]. The bytes are loaded as [BN, BK/32, 16]
+    so each 32-block's 16 bytes share one scale."""
     kb = k0 // 32 + tl.arange(0, BK // 32)
     byte = kb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     p = tl.load(w_ptr + n[:, None, None] * (K // 2) + byte, mask=n_mask[:, None, None], other=0)
     u = tl.load(s_ptr + n[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
-    even, odd = _e2m1_bytes_to_bf16(p, _e8m0_to_bf16(u)[:, :, None])
+    return _e2m1_bytes_to_bf16(p, _e8m0_to_bf16(u)[:, :, None])
+
+
+@triton.jit
+def _fp4_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    """_fp4_weight_halves interleaved: the weight tile as bf16 [BN, BK]."""
+    even, odd = _fp4_weight_halves(w_ptr, s_ptr, n, n_mask, k0, K, BN, BK)
     return tl.reshape(tl.join(even, odd), (BN, BK))
+
+
+@triton.jit
+def _bf16_column_halves(words_ptr, rows, row_mask, k0, K, BR: tl.constexpr, BK: tl.constexpr):
+    """Rows [BR] (int64), columns k0..k0+BK of a bf16 [*, K] tensor given as its int32 words
+    (two columns each): (even columns, odd columns), bf16 [BR, BK/2] each, the activation side
+    of dots with a weight's even / odd columns (_fp4_weight_halves, _e4m3_pairs_to_bf16), so
+    neither side is interleaved in registers."""
+    i = k0 // 2 + tl.arange(0, BK // 2)
+    words = tl.load(words_ptr + rows[:, None] * (K // 2) + i[None, :], mask=row_mask[:, None], other=0)
+    even = (words & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    odd = (words >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return even, odd
 
 
 def _e4m3_pairs_ptx() -> str:

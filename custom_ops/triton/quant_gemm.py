@@ -38,8 +38,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (_FLOAT_DTYPES, _capability_at_least, _e4m3_pairs_to_bf16, _e8m0_to_bf16, _e8m0_to_fp32,
-                     _exp2i, _fp8_weight_tile, _num_sms, _qdq_fp8_blocks, _quant_fp8_blocks, _rows)
+from .common import (_FLOAT_DTYPES, _bf16_column_halves, _capability_at_least, _e4m3_pairs_to_bf16,
+                     _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_weight_tile, _num_sms, _qdq_fp8_blocks,
+                     _quant_fp8_blocks, _rows)
 
 _WARNED: set = set()
 
@@ -116,10 +117,7 @@ def _fp8_linear_skinny_kernel(x_ptr, w_src, s_ptr, out_ptr, ws_ptr, count_ptr, M
         u = tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
         we, wo = _e4m3_pairs_to_bf16(words, _e8m0_to_bf16(u)[:, :, None])
         if QUANTIZED:   # bf16 x from quantize_rows, read as int32 words (columns 2i, 2i+1)
-            i = k0 // 2 + tl.arange(0, BK // 2)
-            xw = tl.load(x_ptr + t[:, None].to(tl.int64) * (K // 2) + i[None, :], mask=t_mask[:, None], other=0)
-            xe = (xw & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            xo = (xw >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            xe, xo = _bf16_column_halves(x_ptr, t.to(tl.int64), t_mask, k0, K, BT, BK)
         else:
             k = k0 + tl.arange(0, BK)
             a = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=t_mask[:, None], other=0.0)
