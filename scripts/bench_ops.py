@@ -620,7 +620,7 @@ def bench_mxfp4_moe(bw, quick):
                  # the weight rows as the MMA's M side (wgmma), 16 tokens as its N side
                  (16, 64, 128, 128, 4, 3, True), (16, 64, 256, 256, 4, 3, True), (16, 128, 128, 128, 4, 3, True),
                  (16, 128, 128, 128, 8, 3, True), (16, 64, 128, 128, 4, 4, True), (32, 64, 128, 128, 4, 3, True),
-                 (16, 64, 64, 64, 4, 4, True)] if tokens <= 64 else \
+                 (16, 64, 64, 64, 4, 4, True), (16, 128, 256, 256, 4, 3, True)] if tokens <= 64 else \
                 [(64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (64, 128, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3)]
         if not quick:
             best = {}       # the best config of each kernel pair: tokens-first, rows-first

@@ -108,10 +108,10 @@ def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
 
 @triton.jit
 def _dot_halves(w_ptr, s_ptr, rows, row_mask, k0, K, a_words_ptr, a_rows, a_mask, acc,
-                BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """acc [BN, BT] += W[rows, k0:k0+BK] . A[a_rows, k0:k0+BK]^T, the weight rows as the MMA's
     M side: its even and odd columns against A's (bf16, read as int32 words) in two dots."""
-    w_even, w_odd = _fp4_weight_halves(w_ptr, s_ptr, rows, row_mask, k0, K, BN, BK)
+    w_even, w_odd = _fp4_weight_halves(w_ptr, s_ptr, rows, row_mask, k0, K, BN, BK, SCALE_WORDS)
     a_even, a_odd = _bf16_column_halves(a_words_ptr, a_rows, a_mask, k0, K, BT, BK)
     acc = tl.dot(tl.reshape(w_even, (BN, BK // 2)), tl.trans(a_even), acc)
     return tl.dot(tl.reshape(w_odd, (BN, BK // 2)), tl.trans(a_odd), acc)
@@ -120,7 +120,7 @@ def _dot_halves(w_ptr, s_ptr, rows, row_mask, k0, K, a_words_ptr, a_rows, a_mask
 @triton.jit
 def _gate_up_rows_kernel(xw_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
                          HAS_LIMIT: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         X_DTYPE: tl.constexpr):
+                         X_DTYPE: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """_gate_up_kernel with the weight rows as the MMA's M side (h^T [BN, BT] = W . x^T), so
     a 64-row weight tile fills a wgmma whatever an expert's few tokens (decode); x as int32
     words of its quantized bf16 values."""
@@ -137,8 +137,10 @@ def _gate_up_rows_kernel(xw_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
         acc_g = tl.zeros([BN, BT], dtype=tl.float32)
         acc_u = tl.zeros([BN, BT], dtype=tl.float32)
         for k0 in range(0, D, BK):
-            acc_g = _dot_halves(w_ptr, s_ptr, gate_rows, n_mask, k0, D, xw_ptr, tok, r_mask, acc_g, BN, BT, BK)
-            acc_u = _dot_halves(w_ptr, s_ptr, up_rows, n_mask, k0, D, xw_ptr, tok, r_mask, acc_u, BN, BT, BK)
+            acc_g = _dot_halves(w_ptr, s_ptr, gate_rows, n_mask, k0, D, xw_ptr, tok, r_mask, acc_g,
+                                BN, BT, BK, SCALE_WORDS)
+            acc_u = _dot_halves(w_ptr, s_ptr, up_rows, n_mask, k0, D, xw_ptr, tok, r_mask, acc_u,
+                                BN, BT, BK, SCALE_WORDS)
         pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
         h = _swiglu_h(tl.trans(acc_g), tl.trans(acc_u), pw, limit, HAS_LIMIT, BT, BN, X_DTYPE)
         tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16),
@@ -147,7 +149,7 @@ def _gate_up_rows_kernel(xw_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
 
 @triton.jit
 def _down_rows_kernel(hw_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
-                      BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """_down_kernel with the weight rows as the MMA's M side (out^T [BN, BT] = W2 . h^T); h as
     int32 words of its bf16 values."""
     pid_n, e = tl.program_id(0), tl.program_id(1)
@@ -160,7 +162,8 @@ def _down_rows_kernel(hw_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
         r_mask = r < end
         acc = tl.zeros([BN, BT], dtype=tl.float32)
         for k0 in range(0, I, BK):
-            acc = _dot_halves(w_ptr, s_ptr, rows, n_mask, k0, I, hw_ptr, r.to(tl.int64), r_mask, acc, BN, BT, BK)
+            acc = _dot_halves(w_ptr, s_ptr, rows, n_mask, k0, I, hw_ptr, r.to(tl.int64), r_mask, acc,
+                              BN, BT, BK, SCALE_WORDS)
         dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
         tl.store(out_ptr + dest[None, :] * D + n[:, None], acc.to(out_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & r_mask[None, :])
@@ -192,6 +195,11 @@ def _config(pairs_per_expert: float):
     return 128, 64, 64, 64, 8, 3, False
 
 
+def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
+    """Whether a kernel may read these E8M0 scales as int32 words (common._fp4_weight_halves)."""
+    return bk % 128 == 0 and k % 128 == 0 and scales.data_ptr() % 4 == 0
+
+
 def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, rows_first]) overrides the
     table."""
@@ -212,9 +220,10 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     if rows_first:      # the bf16 activations as int32 words (two columns each)
         _gate_up_rows_kernel[(triton.cdiv(i, bn), e)](
             xq.view(torch.int32), tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
-            BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
+            BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], SCALE_WORDS=_scale_words(s13, d, bk1), **launch)
         _down_rows_kernel[(triton.cdiv(d, bn), e)](h.view(torch.int32), perm.to(torch.int32), offs, w2, s2,
-                                                   pairs, d, i, BT=bm, BN=bn, BK=bk2, **launch)
+                                                   pairs, d, i, BT=bm, BN=bn, BK=bk2,
+                                                   SCALE_WORDS=_scale_words(s2, i, bk2), **launch)
     else:
         _gate_up_kernel[(triton.cdiv(i, bn), e)](
             xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
