@@ -17,6 +17,12 @@
                    weights.
   down kernel      grid (d/BN, E): the quantized h times w2; each row is stored at its
                    (token, slot) position (x's dtype, as the reference's w2 returns)
+  rows-first       the same two kernels with the weight rows as the MMA's M side and an
+                   expert's few tokens as its N side (_gate_up_rows_kernel, _down_rows_kernel:
+                   a 64-row weight tile fills a Hopper wgmma, whose A operand comes from the
+                   registers the FP4 decode wrote; the tokens-first kernels' 16-token tiles
+                   run mma.sync). They read the even and odd columns as two halves (no
+                   interleave in registers) and the scales as int32 words.
   combine (torch)  the topk slots summed in fp32 in ascending expert order: the loop's order.
 
 Pairs routed to an expert held elsewhere (chosen == E) sort past the last group and stay 0.
