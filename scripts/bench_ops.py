@@ -618,12 +618,16 @@ def bench_mxfp4_moe(bw, quick):
         sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),
                  (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3),
                  # the weight rows as the MMA's M side (wgmma), 16 tokens as its N side
-                 (16, 64, 128, 128, 4, 3, True), (16, 64, 256, 256, 4, 3, True), (16, 128, 128, 128, 4, 3, True),
-                 (16, 128, 128, 128, 8, 3, True), (16, 64, 128, 128, 4, 4, True), (32, 64, 128, 128, 4, 3, True),
-                 (16, 64, 64, 64, 4, 4, True), (16, 128, 256, 256, 4, 3, True)] if tokens <= 64 else \
+                 (16, 64, 128, 128, 4, 3, "rows"), (16, 64, 256, 256, 4, 3, "rows"), (16, 128, 128, 128, 4, 3, "rows"),
+                 (16, 128, 128, 128, 8, 3, "rows"), (16, 64, 128, 128, 4, 4, "rows"), (32, 64, 128, 128, 4, 3, "rows"),
+                 (16, 64, 64, 64, 4, 4, "rows"), (16, 128, 256, 256, 4, 3, "rows"),
+                 # rows-first on FP8 dots, one per 32-wide K block (the reference's arithmetic)
+                 (16, 64, 128, 128, 4, 3, "blocks"), (16, 128, 128, 128, 4, 3, "blocks"),
+                 (16, 128, 128, 128, 8, 3, "blocks"), (16, 128, 128, 128, 4, 4, "blocks"),
+                 (16, 128, 128, 128, 4, 2, "blocks"), (32, 128, 128, 128, 8, 3, "blocks")] if tokens <= 64 else \
                 [(64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (64, 128, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3)]
         if not quick:
-            best = {}       # the best config of each kernel pair: tokens-first, rows-first
+            best = {}       # the best config of each kernel pair (moe_fp4.KERNELS)
             for cfg in sweep:
                 try:
                     t = cbench(lambda cfg=cfg: moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2,
@@ -632,7 +636,7 @@ def bench_mxfp4_moe(bw, quick):
                     say(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 say(f"  config {cfg}: {t:.1f} us")
-                family = "rows" if cfg[6:] and cfg[6] else "tokens"
+                family = cfg[6] if cfg[6:] else "tokens"
                 if family not in best or t < best[family][0]:
                     best[family] = (t, cfg)
             for family, (t, cfg) in sorted(best.items()):

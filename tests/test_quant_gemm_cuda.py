@@ -276,12 +276,21 @@ def test_mxfp4_moe_every_tile_config(n, dtype):
     want = ref.mxfp4_moe(*args)
     if n == 64:
         assert int(torch.bincount(chosen.flatten()).max()) > 32    # some group spans 3+ tiles of 16
+    # the blocks kernels' activation codes: E4M3 bytes, each 32-block's even columns first
+    codes, scales = quant_gemm.quantize_rows_codes(x)
+    split, split_scales = quant_gemm.quantize_rows_codes(x, torch.float8_e4m3fn, split_pairs=True)
+    assert torch.equal(split_scales, scales)
+    assert torch.equal(split.float().view(n, -1, 2, 16).transpose(-1, -2).reshape(n, -1), codes.float())
     for tile in [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 8, 3),
                  (64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (16, 32, 32, 32, 4, 4),
                  # the rows-first kernels (the sweep's, and one whose 16-token tile a group outgrows)
-                 (16, 64, 128, 128, 4, 3, True), (16, 64, 256, 256, 4, 3, True), (16, 128, 128, 128, 4, 3, True),
-                 (16, 128, 128, 128, 8, 3, True), (16, 64, 128, 128, 4, 4, True), (32, 64, 128, 128, 4, 3, True),
-                 (16, 64, 64, 64, 4, 4, True), (16, 32, 32, 32, 4, 3, True), (16, 128, 256, 256, 4, 3, True)]:
+                 (16, 64, 128, 128, 4, 3, "rows"), (16, 64, 256, 256, 4, 3, "rows"), (16, 128, 128, 128, 4, 3, "rows"),
+                 (16, 128, 128, 128, 8, 3, "rows"), (16, 64, 128, 128, 4, 4, "rows"), (32, 64, 128, 128, 4, 3, "rows"),
+                 (16, 64, 64, 64, 4, 4, "rows"), (16, 32, 32, 32, 4, 3, "rows"), (16, 128, 256, 256, 4, 3, "rows"),
+                 # rows-first on FP8 dots per 32-wide block (scales as words at BK 128, as bytes below)
+                 (16, 64, 128, 128, 4, 3, "blocks"), (16, 128, 128, 128, 4, 3, "blocks"),
+                 (16, 128, 128, 128, 8, 3, "blocks"), (32, 128, 128, 128, 4, 3, "blocks"),
+                 (16, 64, 64, 64, 4, 3, "blocks"), (16, 32, 32, 32, 4, 3, "blocks")]:
         err = rel_err(moe_fp4.mxfp4_moe(*args, config=tile), want)
         assert err < (2e-3 if dtype == torch.float32 else 1.5e-2), (tile, err)
 

@@ -204,6 +204,45 @@ def _fp4_weight_halves(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.
     return _e2m1_bytes_to_bf16(p, _e8m0_to_bf16(u)[:, :, None])
 
 
+def _e2m1_to_e4m3_ptx() -> str:
+    """PTX for one call over 4 packed bytes ($2: 8 E2M1 codes, each byte's even code in its low
+    nibble): the even codes as 4 E4M3 bytes in $0, the odd codes in $1. A code's magnitude bits
+    go to bits 4:2 (E4M3's low exponent bits and top mantissa bit) and its sign to bit 7, which
+    is the E2M1 value times 2^-6 (E2M1's subnormal 0.5 lands on E4M3's subnormal 2^-7): 7
+    instructions per 8 codes, no scale (the scale multiplies a block's fp32 partial instead)."""
+    return ("{\n.reg .b32 t, u;\n"
+            "shl.b32 t, $2, 2;\nand.b32 t, t, 0x1C1C1C1C;\nshl.b32 u, $2, 4;\nand.b32 u, u, 0x80808080;\n"
+            "or.b32 $0, t, u;\n"
+            "shr.b32 t, $2, 2;\nand.b32 t, t, 0x1C1C1C1C;\nand.b32 u, $2, 0x80808080;\nor.b32 $1, t, u;\n}")
+
+
+_E2M1_TO_E4M3_PTX = tl.constexpr(_e2m1_to_e4m3_ptx())
+
+
+@triton.jit
+def _fp4_block_e4m3(w_ptr, rows, row_mask, kb, K, BN: tl.constexpr):
+    """Rows [BN] (int64) of an MXFP4 weight's 32-wide K block kb (E2M1 packed [N, K/2], even
+    column in the low nibble) as FP8 E4M3 [BN, 32] in split-pairs order (_split_pairs: the
+    block's 16 even columns, then its 16 odd ones), each the E2M1 code times 2^-6 exactly: the
+    weight side of reference.blockwise_gemm's per-block partial on an FP8 tensor-core dot. In
+    that order a thread's 4 packed bytes decode straight into its two A-fragment registers of
+    Hopper's FP8 wgmma (K positions 4t..4t+3 and 16+4t..16+4t+3): no byte shuffles."""
+    p = tl.load(w_ptr + rows[:, None] * (K // 2) + kb * 16 + tl.arange(0, 16)[None, :],
+                mask=row_mask[:, None], other=0)
+    even, odd = tl.inline_asm_elementwise(_E2M1_TO_E4M3_PTX, "=r,=r,r", [p], dtype=(tl.uint8, tl.uint8),
+                                          is_pure=True, pack=4)
+    w = tl.reshape(tl.permute(tl.join(even, odd), (0, 2, 1)), (BN, 32))
+    return w.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _split_pairs(q, BM: tl.constexpr, BK: tl.constexpr):
+    """[BM, BK/32, 32] -> [BM, BK] with each 32-block's even columns first, then its odd ones:
+    the K order of _fp4_block_e4m3's weight tiles, which the activation codes must share."""
+    q = tl.reshape(q, (BM, BK // 32, 16, 2))
+    return tl.reshape(tl.permute(q, (0, 1, 3, 2)), (BM, BK))
+
+
 @triton.jit
 def _fp4_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
     """_fp4_weight_halves interleaved: the weight tile as bf16 [BN, BK]."""

@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 
 from ..reference import pairs_by_expert
-from .common import (_FLOAT_DTYPES, _TL_DTYPE, _bf16_column_halves, _fp4_weight_halves, _fp4_weight_tile,
-                     _qdq_fp8_blocks)
-from .quant_gemm import _block_k, fp8_capable, quantize_rows
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _bf16_column_halves, _e8m0_to_fp32, _exp2i, _fp4_block_e4m3,
+                     _fp4_weight_halves, _fp4_weight_tile, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs)
+from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes
 
 
 @triton.jit
@@ -47,20 +47,18 @@ def _group_bounds(offs_ptr, e):
 
 
 @triton.jit
-def _swiglu_h(gate, up, pw, limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              X_DTYPE: tl.constexpr):
+def _swiglu_h(gate, up, pw, limit, HAS_LIMIT: tl.constexpr, X_DTYPE: tl.constexpr):
     """The gate_up epilogue on [BM pairs, BN] fp32 sums: gate and up rounded to x's dtype as the
     reference's Linear returns them, the clamped SwiGLU, the routing weight pw [BM], h rounded to
-    x's dtype and quantized per 32 columns (w2's input quantization, done once here); fp32
-    values that bf16 holds exactly."""
+    x's dtype (as fp32); the callers quantize it per 32 columns (w2's input quantization, done
+    once here: BN is a multiple of 32 and so is I)."""
     gate = gate.to(X_DTYPE).to(tl.float32)
     up = up.to(X_DTYPE).to(tl.float32)
     if HAS_LIMIT:
         up = tl.minimum(tl.maximum(up, -limit), limit)
         gate = tl.minimum(gate, limit)
     h = gate / (1.0 + tl.exp(-gate)) * up
-    h = (pw[:, None] * h).to(X_DTYPE).to(tl.float32)
-    return _qdq_fp8_blocks(h, BM, BN)                # BN is a multiple of 32 and so is I
+    return (pw[:, None] * h).to(X_DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -85,7 +83,7 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I
             acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
             acc_u = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, up_rows, n_mask, k0, D, BN, BK)), acc_u)
         pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
-        h = _swiglu_h(acc_g, acc_u, pw, limit, HAS_LIMIT, BM, BN, X_DTYPE)
+        h = _qdq_fp8_blocks(_swiglu_h(acc_g, acc_u, pw, limit, HAS_LIMIT, X_DTYPE), BM, BN)
         tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16),
                  mask=r_mask[:, None] & n_mask[None, :])
 
@@ -148,7 +146,7 @@ def _gate_up_rows_kernel(xw_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
             acc_u = _dot_halves(w_ptr, s_ptr, up_rows, n_mask, k0, D, xw_ptr, tok, r_mask, acc_u,
                                 BN, BT, BK, SCALE_WORDS)
         pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
-        h = _swiglu_h(tl.trans(acc_g), tl.trans(acc_u), pw, limit, HAS_LIMIT, BT, BN, X_DTYPE)
+        h = _qdq_fp8_blocks(_swiglu_h(tl.trans(acc_g), tl.trans(acc_u), pw, limit, HAS_LIMIT, X_DTYPE), BT, BN)
         tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16),
                  mask=r_mask[:, None] & n_mask[None, :])
 
@@ -175,6 +173,110 @@ def _down_rows_kernel(hw_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
                  mask=n_mask[:, None] & r_mask[None, :])
 
 
+@triton.jit
+def _scale_words_at(s_ptr, rows, row_mask, k0, K, SCALE_WORDS: tl.constexpr):
+    """SCALE_WORDS (BK = 128, K % 128 == 0): rows' four E8M0 scales of k0..k0+128 as one int32
+    word each [BN] (_scale_byte takes them apart); else 0 (_scale_byte loads bytes)."""
+    if SCALE_WORDS:
+        return tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + rows * (K // 128) + k0 // 128, mask=row_mask,
+                       other=0x7F7F7F7F)
+    else:
+        return 0
+
+
+@triton.jit
+def _scale_byte(s_ptr, words, rows, row_mask, kb, K, j: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """Rows' E8M0 scale of K block kb, the j-th of its word (int32 [BN])."""
+    if SCALE_WORDS:
+        return (words >> (8 * j)) & 0xFF
+    else:
+        return tl.load(s_ptr + rows * (K // 32) + kb, mask=row_mask, other=127).to(tl.int32)
+
+
+@triton.jit
+def _codes_block(c_ptr, scale_ptr, rows, row_mask, kb, K):
+    """Rows' E4M3 codes of K block kb ([BT, 32], split-pairs order) and their scales times 2^6
+    ([BT] fp32; 2^6 undoes _fp4_block_e4m3's 2^-6, exactly): the activation side of a block
+    partial. Rows out of range read zeros."""
+    a = tl.load(c_ptr + rows[:, None] * K + kb * 32 + tl.arange(0, 32)[None, :], mask=row_mask[:, None], other=0.0)
+    return a, tl.load(scale_ptr + rows * (K // 32) + kb, mask=row_mask, other=0.0) * 64.0
+
+
+@triton.jit
+def _block_partial(w_ptr, rows, row_mask, kb, K, u, a, sa, acc, BN: tl.constexpr):
+    """acc [BN, BT] + reference.blockwise_gemm's term of K block kb: one fp32 partial of the
+    codes alone on an FP8 tensor-core dot, W's E2M1 codes as E4M3 (common._fp4_block_e4m3)
+    [BN, 32] . the activation's codes a [BT, 32]^T, times the two power-of-two scales (u: W's
+    E8M0 bytes [BN]; sa [BT]); exact unless the products underflow, as the reference's."""
+    w = _fp4_block_e4m3(w_ptr, rows, row_mask, kb, K, BN)
+    return acc + tl.dot(w, tl.trans(a)) * (_e8m0_to_fp32(u)[:, None] * sa[None, :])
+
+
+@triton.jit
+def _gate_up_blocks_kernel(xc_ptr, xs_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, hc_ptr, hs_ptr, D, I,
+                           limit, HAS_LIMIT: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, X_DTYPE: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """The rows-first gate_up in the reference's own arithmetic (_block_partial): x as E4M3
+    codes (split-pairs order) + scales, h stored the same way for the down kernel."""
+    pid_n, e = tl.program_id(0), tl.program_id(1)
+    start, end = _group_bounds(offs_ptr, e)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_mask = n < I
+    gate_rows = e.to(tl.int64) * 2 * I + n
+    up_rows = gate_rows + I
+    for m0 in range(start, end, BT):
+        r = m0 + tl.arange(0, BT)
+        r_mask = r < end
+        tok = tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        acc_g = tl.zeros([BN, BT], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BT], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            words_g = _scale_words_at(s_ptr, gate_rows, n_mask, k0, D, SCALE_WORDS)
+            words_u = _scale_words_at(s_ptr, up_rows, n_mask, k0, D, SCALE_WORDS)
+            for j in tl.static_range(BK // 32):
+                kb = k0 // 32 + j
+                a, sa = _codes_block(xc_ptr, xs_ptr, tok, r_mask, kb, D)
+                u = _scale_byte(s_ptr, words_g, gate_rows, n_mask, kb, D, j, SCALE_WORDS)
+                acc_g = _block_partial(w_ptr, gate_rows, n_mask, kb, D, u, a, sa, acc_g, BN)
+                u = _scale_byte(s_ptr, words_u, up_rows, n_mask, kb, D, j, SCALE_WORDS)
+                acc_u = _block_partial(w_ptr, up_rows, n_mask, kb, D, u, a, sa, acc_u, BN)
+        pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
+        h = _swiglu_h(tl.trans(acc_g), tl.trans(acc_u), pw, limit, HAS_LIMIT, X_DTYPE)
+        codes, ex = _quant_fp8_blocks(h, BT, BN)
+        r64 = r[:, None].to(tl.int64)
+        tl.store(hc_ptr + r64 * I + n[None, :], _split_pairs(codes, BT, BN).to(tl.float8e4nv),
+                 mask=r_mask[:, None] & n_mask[None, :])
+        kb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+        tl.store(hs_ptr + r64 * (I // 32) + kb[None, :], _exp2i(ex),
+                 mask=r_mask[:, None] & (kb < I // 32)[None, :])
+
+
+@triton.jit
+def _down_blocks_kernel(hc_ptr, hs_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
+                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """The rows-first down kernel in the reference's own arithmetic (_block_partial) over h's
+    codes and scales."""
+    pid_n, e = tl.program_id(0), tl.program_id(1)
+    start, end = _group_bounds(offs_ptr, e)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_mask = n < D
+    rows = e.to(tl.int64) * D + n
+    for m0 in range(start, end, BT):
+        r = m0 + tl.arange(0, BT)
+        r_mask = r < end
+        acc = tl.zeros([BN, BT], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            words = _scale_words_at(s_ptr, rows, n_mask, k0, I, SCALE_WORDS)
+            for j in tl.static_range(BK // 32):
+                kb = k0 // 32 + j
+                a, sa = _codes_block(hc_ptr, hs_ptr, r.to(tl.int64), r_mask, kb, I)
+                u = _scale_byte(s_ptr, words, rows, n_mask, kb, I, j, SCALE_WORDS)
+                acc = _block_partial(w_ptr, rows, n_mask, kb, I, u, a, sa, acc, BN)
+        dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        tl.store(out_ptr + dest[None, :] * D + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & r_mask[None, :])
+
+
 def mxfp4_moe_supported(x, weights, chosen, w13, s13, w2, s2) -> bool:
     tensors = (x, weights, chosen, w13, s13, w2, s2)
     if not (x.is_cuda and x.dtype in _FLOAT_DTYPES and x.dim() == 2 and all(t.device == x.device for t in tensors)
@@ -189,16 +291,20 @@ def mxfp4_moe_supported(x, weights, chosen, w13, s13, w2, s2) -> bool:
     return fp8_capable(x.device)
 
 
+KERNELS = ("tokens", "rows", "blocks")
+
+
 def _config(pairs_per_expert: float):
-    """(BM, BN, BK_gate_up, BK_down, num_warps, num_stages, rows_first) by the expected rows per
+    """(BM, BN, BK_gate_up, BK_down, num_warps, num_stages, kernel) by the expected rows per
     expert (decode: 4 warps; at 64 tokens on the H200 801 us against 8 warps' 1010 us in one
-    sweep, tenth session). rows_first: the _rows kernels (the weight rows as the MMA's M side,
-    BM tokens as its N side)."""
+    sweep, tenth session). kernel: "tokens" (_gate_up_kernel, _down_kernel: BM pairs as the
+    MMA's M side), "rows" (the _rows kernels: the weight rows as the M side, BM pairs as its N
+    side) or "blocks" (the _blocks kernels: rows-first on FP8 dots per 32-wide K block)."""
     if pairs_per_expert <= 16:
-        return 16, 64, 128, 128, 4, 3, False
+        return 16, 64, 128, 128, 4, 3, "tokens"
     if pairs_per_expert <= 64:
-        return 64, 64, 64, 64, 4, 3, False
-    return 128, 64, 64, 64, 8, 3, False
+        return 64, 64, 64, 64, 4, 3, "tokens"
+    return 128, 64, 64, 64, 8, 3, "tokens"
 
 
 def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
@@ -207,35 +313,47 @@ def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
 
 
 def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
-    """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, rows_first]) overrides the
-    table."""
+    """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, kernel]) overrides the
+    table; kernel is one of KERNELS ("tokens" when left out)."""
     n, k = chosen.shape
     e, two_i, _ = w13.shape
     i, d = two_i // 2, x.shape[1]
     _, pair_w, perm, offs = pairs_by_expert(weights, chosen, e)
     tok = (perm // k).to(torch.int32)
     bm, bn, bk1, bk2, warps, stages, *rest = config or _config(n * k / e)
-    rows_first = bool(rest and rest[0])
+    kernel = rest[0] if rest else "tokens"
+    if kernel not in KERNELS:
+        raise ValueError(f"mxfp4_moe: config kernel {kernel!r} is not one of {KERNELS}")
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
     assert bn % 32 == 0, "the gate_up epilogue quantizes h per 32 columns of its tile"
-    xq = quantize_rows(x.contiguous())
-    h = torch.empty((n * k, i), device=x.device, dtype=torch.bfloat16)   # quantized values
     pairs = torch.zeros((n * k, d), device=x.device, dtype=x.dtype)
     pw = pair_w[perm].contiguous()
+    dest = perm.to(torch.int32)
     launch = dict(num_warps=warps, num_stages=stages)
-    if rows_first:      # the bf16 activations as int32 words (two columns each)
-        _gate_up_rows_kernel[(triton.cdiv(i, bn), e)](
-            xq.view(torch.int32), tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
-            BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], SCALE_WORDS=_scale_words(s13, d, bk1), **launch)
-        _down_rows_kernel[(triton.cdiv(d, bn), e)](h.view(torch.int32), perm.to(torch.int32), offs, w2, s2,
-                                                   pairs, d, i, BT=bm, BN=bn, BK=bk2,
-                                                   SCALE_WORDS=_scale_words(s2, i, bk2), **launch)
+    grid_up, grid_down = (triton.cdiv(i, bn), e), (triton.cdiv(d, bn), e)
+    if kernel == "blocks":  # codes + scales in, codes + scales between the two kernels
+        xc, xs = quantize_rows_codes(x.contiguous(), torch.float8_e4m3fn, split_pairs=True)
+        bk1, bk2 = min(bk1, 128), min(bk2, 128)     # a scale word covers 128 columns
+        hc = torch.empty((n * k, i), device=x.device, dtype=torch.float8_e4m3fn)
+        hs = torch.empty((n * k, i // 32), device=x.device, dtype=torch.float32)
+        _gate_up_blocks_kernel[grid_up](xc, xs, tok, pw, offs, w13, s13, hc, hs, d, i, float(limit),
+                                        HAS_LIMIT=limit > 0, BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype],
+                                        SCALE_WORDS=bk1 == 128 and _scale_words(s13, d, bk1), **launch)
+        _down_blocks_kernel[grid_down](hc, hs, dest, offs, w2, s2, pairs, d, i, BT=bm, BN=bn, BK=bk2,
+                                       SCALE_WORDS=bk2 == 128 and _scale_words(s2, i, bk2), **launch)
     else:
-        _gate_up_kernel[(triton.cdiv(i, bn), e)](
-            xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
-            BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
-        _down_kernel[(triton.cdiv(d, bn), e)](h, perm.to(torch.int32), offs, w2, s2, pairs, d, i,
-                                              BM=bm, BN=bn, BK=bk2, **launch)
+        xq = quantize_rows(x.contiguous())
+        h = torch.empty((n * k, i), device=x.device, dtype=torch.bfloat16)   # quantized values
+        if kernel == "rows":    # the bf16 activations as int32 words (two columns each)
+            _gate_up_rows_kernel[grid_up](
+                xq.view(torch.int32), tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
+                BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], SCALE_WORDS=_scale_words(s13, d, bk1), **launch)
+            _down_rows_kernel[grid_down](h.view(torch.int32), dest, offs, w2, s2, pairs, d, i, BT=bm, BN=bn,
+                                         BK=bk2, SCALE_WORDS=_scale_words(s2, i, bk2), **launch)
+        else:
+            _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
+                                     BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
+            _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
     pairs = pairs.view(n, k, d)
     y = torch.zeros((n, d), device=x.device, dtype=torch.float32)
     for j in range(k):                                                 # fp32, ascending expert id

@@ -40,7 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (_FLOAT_DTYPES, _bf16_column_halves, _capability_at_least, _e4m3_pairs_to_bf16,
                      _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_weight_tile, _num_sms, _qdq_fp8_blocks,
-                     _quant_fp8_blocks, _rows)
+                     _quant_fp8_blocks, _rows, _split_pairs)
 
 _WARNED: set = set()
 
@@ -258,12 +258,14 @@ def _qdq_rows_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, codes_ptr, scale_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+def _quant_rows_kernel(x_ptr, codes_ptr, scale_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr,
+                       SPLIT_PAIRS: tl.constexpr):
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     x = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=(m < M)[:, None], other=0.0)
     q, ex = _quant_fp8_blocks(x.to(tl.float32), BM, BK)
-    tl.store(codes_ptr + m[:, None].to(tl.int64) * K + k[None, :], tl.reshape(q, (BM, BK)).to(tl.float16),
+    q = _split_pairs(q, BM, BK) if SPLIT_PAIRS else tl.reshape(q, (BM, BK))
+    tl.store(codes_ptr + m[:, None].to(tl.int64) * K + k[None, :], q.to(codes_ptr.dtype.element_ty),
              mask=(m < M)[:, None])
     kb = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)
     tl.store(scale_ptr + m[:, None].to(tl.int64) * (K // 32) + kb[None, :], _exp2i(ex), mask=(m < M)[:, None])
@@ -284,15 +286,18 @@ def quantize_rows(x2: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def quantize_rows_codes(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [M, K] (K % 32 == 0) FP8-quantized per 32 as (codes [M, K] fp16, which holds every
-    E4M3 value exactly; scales [M, K/32] fp32, powers of two): codecs.qdq_fp8_ue8m0's values
-    are codes * scales."""
+def quantize_rows_codes(x2: torch.Tensor, codes_dtype: torch.dtype = torch.float16, split_pairs: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] (K % 32 == 0) FP8-quantized per 32 as (codes [M, K] in codes_dtype: fp16,
+    which holds every E4M3 value exactly, or float8_e4m3fn; scales [M, K/32] fp32, powers of
+    two): codecs.qdq_fp8_ue8m0's values are codes * scales. split_pairs: each 32-block's codes
+    stored even columns first, then odd (common._split_pairs, the MXFP4 MoE's blocks kernels)."""
     m, k = x2.shape
     bk = _block_k(k, 128)
-    codes = torch.empty((m, k), device=x2.device, dtype=torch.float16)
+    codes = torch.empty((m, k), device=x2.device, dtype=codes_dtype)
     scales = torch.empty((m, k // 32), device=x2.device, dtype=torch.float32)
-    _quant_rows_kernel[(triton.cdiv(m, 16), k // bk)](x2, codes, scales, m, k, BM=16, BK=bk, num_warps=4)
+    _quant_rows_kernel[(triton.cdiv(m, 16), k // bk)](x2, codes, scales, m, k, BM=16, BK=bk, SPLIT_PAIRS=split_pairs,
+                                                      num_warps=4)
     return codes, scales
 
 
