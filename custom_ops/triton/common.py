@@ -105,8 +105,8 @@ def _qdq_fp8_blocks(x, BM: tl.constexpr, BK: tl.constexpr):
 def _e8m0_to_fp32(scale_bytes):
     """E8M0 scale bytes -> 2^(u-127) as fp32, from the bits: byte u is the fp32 exponent field,
     and u = 0 is the subnormal 2^-127 (bits 0x00400000; _exp2i would give 0.0)."""
-    u = scale_bytes.to(tl.int32)
-    return tl.where(u == 0, 0x00400000, u << 23).to(tl.float32, bitcast=True)
+    # 2^-127's bits are below every u >= 1's, so one max covers u = 0 (no compare and select)
+    return tl.maximum(scale_bytes.to(tl.int32) << 23, 0x00400000).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -194,12 +194,41 @@ def _scale_byte(s_ptr, words, rows, row_mask, kb, K, j: tl.constexpr, SCALE_WORD
 
 
 @triton.jit
-def _codes_block(c_ptr, scale_ptr, rows, row_mask, kb, K):
-    """Rows' E4M3 codes of K block kb ([BT, 32], split-pairs order) and their scales times 2^6
-    ([BT] fp32; 2^6 undoes _fp4_block_e4m3's 2^-6, exactly): the activation side of a block
-    partial. Rows out of range read zeros."""
-    a = tl.load(c_ptr + rows[:, None] * K + kb * 32 + tl.arange(0, 32)[None, :], mask=row_mask[:, None], other=0.0)
-    return a, tl.load(scale_ptr + rows * (K // 32) + kb, mask=row_mask, other=0.0) * 64.0
+def _codes_scales(scale_ptr, rows, row_mask, k0, K, BK: tl.constexpr):
+    """The activation rows' scales of the K blocks of k0..k0+BK times 2^6 ([BT, BK/32] fp32;
+    2^6 undoes _fp4_block_e4m3's 2^-6, exactly), loaded once per K step: per block they
+    were [BT]-wide loads, one per block."""
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    return tl.load(scale_ptr + rows[:, None] * (K // 32) + kb[None, :], mask=row_mask[:, None], other=0.0) * 64.0
+
+
+@triton.jit
+def _column(t, j: tl.constexpr, NC: tl.constexpr):
+    """Column j of t [R, NC] (NC = 1, 2 or 4) as [R]: register moves (tl.split), no loads."""
+    if NC == 1:
+        return tl.reshape(t, (t.shape[0],))
+    elif NC == 2:
+        c0, c1 = tl.split(t)
+        return c0 if j == 0 else c1
+    else:
+        even, odd = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))       # columns (0, 2), (1, 3)
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+        if j == 0:
+            return c0
+        elif j == 1:
+            return c1
+        elif j == 2:
+            return c2
+        else:
+            return c3
+
+
+@triton.jit
+def _codes_block(c_ptr, rows, row_mask, kb, K):
+    """Rows' E4M3 codes of K block kb ([BT, 32], split-pairs order): the activation side of a
+    block partial. Rows out of range read zeros."""
+    return tl.load(c_ptr + rows[:, None] * K + kb * 32 + tl.arange(0, 32)[None, :], mask=row_mask[:, None], other=0.0)
 
 
 @triton.jit
@@ -233,9 +262,10 @@ def _gate_up_blocks_kernel(xc_ptr, xs_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_p
         for k0 in range(0, D, BK):
             words_g = _scale_words_at(s_ptr, gate_rows, n_mask, k0, D, SCALE_WORDS)
             words_u = _scale_words_at(s_ptr, up_rows, n_mask, k0, D, SCALE_WORDS)
+            sa_k = _codes_scales(xs_ptr, tok, r_mask, k0, D, BK)
             for j in tl.static_range(BK // 32):
                 kb = k0 // 32 + j
-                a, sa = _codes_block(xc_ptr, xs_ptr, tok, r_mask, kb, D)
+                a, sa = _codes_block(xc_ptr, tok, r_mask, kb, D), _column(sa_k, j, BK // 32)
                 u = _scale_byte(s_ptr, words_g, gate_rows, n_mask, kb, D, j, SCALE_WORDS)
                 acc_g = _block_partial(w_ptr, gate_rows, n_mask, kb, D, u, a, sa, acc_g, BN)
                 u = _scale_byte(s_ptr, words_u, up_rows, n_mask, kb, D, j, SCALE_WORDS)
@@ -267,9 +297,10 @@ def _down_blocks_kernel(hc_ptr, hs_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_pt
         acc = tl.zeros([BN, BT], dtype=tl.float32)
         for k0 in range(0, I, BK):
             words = _scale_words_at(s_ptr, rows, n_mask, k0, I, SCALE_WORDS)
+            sa_k = _codes_scales(hs_ptr, r.to(tl.int64), r_mask, k0, I, BK)
             for j in tl.static_range(BK // 32):
                 kb = k0 // 32 + j
-                a, sa = _codes_block(hc_ptr, hs_ptr, r.to(tl.int64), r_mask, kb, I)
+                a, sa = _codes_block(hc_ptr, r.to(tl.int64), r_mask, kb, I), _column(sa_k, j, BK // 32)
                 u = _scale_byte(s_ptr, words, rows, n_mask, kb, I, j, SCALE_WORDS)
                 acc = _block_partial(w_ptr, rows, n_mask, kb, I, u, a, sa, acc, BN)
         dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
