@@ -577,10 +577,11 @@ def bench_fp8_linear(bw, quick, rows=None):
 
 
 
-def bench_mxfp4_moe(bw, quick):
+def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
     """The MXFP4 MoE (48 experts, top-6, 5120 x 2304: one EP8 rank's share) vs the model's bf16
     torch._grouped_mm path over the same experts, 1 / 8 / 64 tokens (+ 4096 and a tile sweep
-    without --quick). Both are the model's own MoE.routed. Cold L2 per call (cbench)."""
+    without --quick; token_counts and kernels, moe_fp4.KERNELS, narrow them). Both are the
+    model's own MoE.routed. Cold L2 per call (cbench)."""
     from v41graph import V41Config
     from v41graph.custom_ops import reference as ref
     from v41graph.model.layers import default_dtype
@@ -601,7 +602,7 @@ def bench_mxfp4_moe(bw, quick):
     per_expert = fp4_bytes / 48
     dense = moe({"weight_format": "dense"}, "fast")
     from v41graph.custom_ops.triton import moe_fp4
-    for tokens in ((1, 8, 64) if quick else (1, 8, 64, 4096)):
+    for tokens in token_counts or ((1, 8, 64) if quick else (1, 8, 64, 4096)):
         x = torch.randn(tokens, 5120, device="cuda", dtype=torch.bfloat16)
         weights, chosen = fp4.gate(x)
         touched = int(torch.unique(chosen).numel())
@@ -628,7 +629,7 @@ def bench_mxfp4_moe(bw, quick):
                 [(64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (64, 128, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3)]
         if not quick:
             best = {}       # the best config of each kernel pair (moe_fp4.KERNELS)
-            for cfg in sweep:
+            for cfg in (c for c in sweep if not kernels or (c[6] if c[6:] else "tokens") in kernels):
                 try:
                     t = cbench(lambda cfg=cfg: moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2,
                                                                  fp4._s2, 10.0, config=cfg), reps=4)
@@ -677,6 +678,8 @@ def main():
     ap.add_argument("--fp8-rows", default="", help="fp8: the token counts (default 1,8,64 and 4096 for three shapes)")
     ap.add_argument("--fp8-sweep", default=",".join(FP8_SWEEP_KERNELS),
                     help="fp8: the kernels whose tile tables are swept (blocks,skinny,tiles; empty: none)")
+    ap.add_argument("--moe-tokens", default="", help="mxfp4: the token counts (default 1,8,64 and 4096)")
+    ap.add_argument("--moe-kernels", default="", help="mxfp4: the kernel families swept (tokens,rows,blocks; default all)")
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="how cold-L2 timings evict L2 (see _flush_l2); write: every run before the 16th session")
     ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2,fp8,mxfp4 "
@@ -716,7 +719,8 @@ def main():
                 ("topk", lambda: bench_topk(indexer, args.quick)),
                 ("ratio2", lambda: bench_ratio2(compressor, d2d, args.quick)),
                 ("fp8", lambda: bench_fp8_linear(d2d, args.quick, FP8_ROWS)),
-                ("mxfp4", lambda: bench_mxfp4_moe(d2d, args.quick))]
+                ("mxfp4", lambda: bench_mxfp4_moe(d2d, args.quick, _ints(args.moe_tokens),
+                                                  tuple(filter(None, args.moe_kernels.split(",")))))]
     for name, fn in sections:
         if only and name not in only:
             continue
