@@ -643,8 +643,10 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
             for family, (t, cfg) in sorted(best.items()):
                 got_b = moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2, fp4._s2, 10.0,
                                           config=cfg)
+                equal = f"{100 * torch.eq(got_b, want).float().mean().item():.1f} % of outputs bit-equal to " \
+                    "the reference" if want is not None else ""
                 row("mxfp4_moe", shape, f"BEST {family} {cfg}", t, touched * per_expert, base_us=t_bf16,
-                    err=rel(got_b, want) if want is not None else None, bw=bw)
+                    err=rel(got_b, want) if want is not None else None, bw=bw, note=equal)
 
 
 # =============================================================================== indexer top-k
