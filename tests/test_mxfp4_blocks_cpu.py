@@ -8,11 +8,7 @@ The CUDA tests run both inside the kernels against the reference; these catch a 
 mask or permutation without a GPU."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -20,6 +16,7 @@ import torch
 pytest.importorskip("triton", reason="the PTX strings live in the Triton kernel modules")
 
 from v41graph.custom_ops import codecs  # noqa: E402
+from triton_interpreter import run_interpreted  # noqa: E402
 from v41graph.custom_ops.triton.common import _e2m1_to_e4m3_ptx  # noqa: E402
 
 _MASK = 0xFFFFFFFF
@@ -63,21 +60,8 @@ def test_e2m1_to_e4m3_ptx_places_every_code_in_every_lane():
     assert negative_zero.any() and torch.signbit(got[negative_zero]).all()
 
 
-_SPLIT_PAIRS_SCRIPT = textwrap.dedent("""
-    import os
-    os.environ["TRITON_INTERPRET"] = "1"
-    import numpy as np
+_SPLIT_PAIRS_SCRIPT = """
     import torch
-    import triton.language as tl
-    import triton.runtime.interpreter as ti
-    # triton 3.6's interpreter turns a runtime loop bound into an int with int(ndarray of one
-    # element), which numpy >= 2.4 refuses; take the element instead (as test_ratio2_kernel)
-    _patch = ti._patch_lang
-    def _patch_lang(fn):
-        scope = _patch(fn)
-        tl.core.tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
-        return scope
-    ti._patch_lang = _patch_lang
     from v41graph.custom_ops.triton import quant_gemm
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)) * 3
     for dtype in (torch.float16, torch.float8_e4m3fn):
@@ -87,15 +71,9 @@ _SPLIT_PAIRS_SCRIPT = textwrap.dedent("""
         moved = not torch.equal(split.float(), codes.float())
         ok = torch.equal(split_scales, scales) and torch.equal(unsplit, codes.float()) and moved
         print(dtype, "OK" if ok else "FAIL")
-""")
+"""
 
 
 def test_split_pairs_codes_in_triton_interpreter(tmp_path):
-    script = tmp_path / "run.py"
-    script.write_text(_SPLIT_PAIRS_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 2 and all(line.endswith("OK") for line in lines), proc.stdout
-
+    lines = run_interpreted(_SPLIT_PAIRS_SCRIPT, tmp_path)
+    assert len(lines) == 2 and all(line.endswith("OK") for line in lines), lines

@@ -16,13 +16,9 @@ rounding boundary may round the other way before the norm); the state ring bit-i
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 import v41graph.custom_ops  # noqa: F401  (registers the ops)
 from v41graph.custom_ops import reference as ref
@@ -141,26 +137,14 @@ def test_update_op_rejects_state_rows_of_the_wrong_length():
         ops.fused_ratio2_compressor_update(x, wkv, wgate, state, members, writes[:3], g, 1e-6, torch.float32)
 
 
-_INTERPRETER_SCRIPT = textwrap.dedent("""
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    import numpy as np
+_INTERPRETER_SCRIPT = """
+    import sys
     import torch
-    import triton.language as tl
     import triton.runtime.interpreter as ti
-    # triton 3.6's interpreter turns a runtime loop bound into an int with int(ndarray of one
-    # element), which numpy >= 2.4 refuses; take the element instead.
-    _patch = ti._patch_lang
-    def _patch_lang(fn):
-        scope = _patch(fn)
-        tl.core.tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
-        return scope
-    ti._patch_lang = _patch_lang
     if sys.argv[1] == "reversed":   # run the programs last to first
         _set = ti.interpreter_builder.set_grid_idx
         ti.interpreter_builder.set_grid_idx = (
             lambda x, y, z: _set(ti.interpreter_builder.grid_dim[0] - 1 - x, y, z))
-    sys.path.insert(0, sys.argv[2])
     from test_ratio2_kernel import LAYOUTS, ratio2_inputs, rel_err
     from v41graph.custom_ops import reference as ref
     from v41graph.custom_ops.triton import compressor as tk
@@ -174,23 +158,16 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
             err = rel_err(got, want)
             ok = err < (1e-5 if dtype == torch.float32 else 1e-2) and torch.equal(got_state, want_state)
             print(name, dtype, f"{err:.2e}", torch.equal(got_state, want_state), "OK" if ok else "FAIL")
-""")
+"""
 
 
 @pytest.mark.parametrize("order", ["forward", "reversed"])
 def test_kernel_in_triton_interpreter_any_program_order(order, tmp_path):
     """CPU: the kernel (Triton's interpreter) matches the reference whichever program runs first."""
     pytest.importorskip("triton")
-    script = tmp_path / "run.py"
-    script.write_text(_INTERPRETER_SCRIPT)
-    tests_dir = os.path.dirname(__file__)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir] + sys.path))
-    proc = subprocess.run([sys.executable, str(script), order, tests_dir], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 2 * len(LAYOUTS), proc.stdout
-    assert all(line.endswith("OK") for line in lines), proc.stdout
+    lines = run_interpreted(_INTERPRETER_SCRIPT, tmp_path, order)
+    assert len(lines) == 2 * len(LAYOUTS), lines
+    assert all(line.endswith("OK") for line in lines), lines
 
 
 # ------------------------------------------------------------------------------------ CUDA

@@ -51,9 +51,13 @@ from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_code
 
 
 @triton.jit
-def _group_bounds(offs_ptr, e):
+def _expert_tile(offs_ptr, N, BN: tl.constexpr):
+    """This program's weight tile: its expert e (program axis 1), the expert's pairs [start,
+    end) in the sorted pair list, and the tile's BN weight rows n of N (axis 0) with their mask."""
+    pid_n, e = tl.program_id(0), tl.program_id(1)
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-    return start, tl.load(offs_ptr + e)
+    n = pid_n * BN + tl.arange(0, BN)
+    return e, start, tl.load(offs_ptr + e), n, n < N
 
 
 @triton.jit
@@ -75,10 +79,7 @@ def _swiglu_h(gate, up, pw, limit, HAS_LIMIT: tl.constexpr, X_DTYPE: tl.constexp
 def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
                     HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     X_DTYPE: tl.constexpr):
-    pid_n, e = tl.program_id(0), tl.program_id(1)
-    start, end = _group_bounds(offs_ptr, e)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_mask = n < I
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
     gate_rows = e.to(tl.int64) * 2 * I + n           # w1 rows of expert e in the [E*2I] stack
     up_rows = gate_rows + I                          # w3 rows
     for m0 in range(start, end, BM):
@@ -101,10 +102,7 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I
 @triton.jit
 def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_n, e = tl.program_id(0), tl.program_id(1)
-    start, end = _group_bounds(offs_ptr, e)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_mask = n < D
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, D, BN)
     rows = e.to(tl.int64) * D + n                    # w2 rows of expert e in the [E*d] stack
     for m0 in range(start, end, BM):
         r = m0 + tl.arange(0, BM)
@@ -138,10 +136,7 @@ def _gate_up_rows_kernel(xw_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
     """_gate_up_kernel with the weight rows as the MMA's M side (h^T [BN, BT] = W . x^T), so
     a 64-row weight tile fills a wgmma whatever an expert's few tokens (decode); x as int32
     words of its quantized bf16 values."""
-    pid_n, e = tl.program_id(0), tl.program_id(1)
-    start, end = _group_bounds(offs_ptr, e)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_mask = n < I
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
     gate_rows = e.to(tl.int64) * 2 * I + n
     up_rows = gate_rows + I
     for m0 in range(start, end, BT):
@@ -166,10 +161,7 @@ def _down_rows_kernel(hw_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
                       BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """_down_kernel with the weight rows as the MMA's M side (out^T [BN, BT] = W2 . h^T); h as
     int32 words of its bf16 values."""
-    pid_n, e = tl.program_id(0), tl.program_id(1)
-    start, end = _group_bounds(offs_ptr, e)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_mask = n < D
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, D, BN)
     rows = e.to(tl.int64) * D + n
     for m0 in range(start, end, BT):
         r = m0 + tl.arange(0, BT)
@@ -257,10 +249,7 @@ def _gate_up_blocks_kernel(xc_ptr, xs_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_p
                            BK: tl.constexpr, X_DTYPE: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """The rows-first gate_up in the reference's own arithmetic (_block_partial): x as E4M3
     codes (split-pairs order) + scales, h stored the same way for the down kernel."""
-    pid_n, e = tl.program_id(0), tl.program_id(1)
-    start, end = _group_bounds(offs_ptr, e)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_mask = n < I
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
     gate_rows = e.to(tl.int64) * 2 * I + n
     up_rows = gate_rows + I
     for m0 in range(start, end, BT):
@@ -286,7 +275,7 @@ def _gate_up_blocks_kernel(xc_ptr, xs_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_p
         r64 = r[:, None].to(tl.int64)
         tl.store(hc_ptr + r64 * I + n[None, :], _split_pairs(codes, BT, BN).to(tl.float8e4nv),
                  mask=r_mask[:, None] & n_mask[None, :])
-        kb = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+        kb = tl.program_id(0) * (BN // 32) + tl.arange(0, BN // 32)
         tl.store(hs_ptr + r64 * (I // 32) + kb[None, :], _exp2i(ex),
                  mask=r_mask[:, None] & (kb < I // 32)[None, :])
 
@@ -296,10 +285,7 @@ def _down_blocks_kernel(hc_ptr, hs_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_pt
                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """The rows-first down kernel in the reference's own arithmetic (_block_partial) over h's
     codes and scales."""
-    pid_n, e = tl.program_id(0), tl.program_id(1)
-    start, end = _group_bounds(offs_ptr, e)
-    n = pid_n * BN + tl.arange(0, BN)
-    n_mask = n < D
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, D, BN)
     rows = e.to(tl.int64) * D + n
     for m0 in range(start, end, BT):
         r = m0 + tl.arange(0, BT)
