@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("triton", reason="the PTX strings live in the Triton kernel modules")
 
-from v41graph.custom_ops import codecs  # noqa: E402
 from triton_interpreter import run_interpreted  # noqa: E402
+from v41graph.custom_ops import codecs  # noqa: E402
 from v41graph.custom_ops.triton.common import _e2m1_to_e4m3_ptx  # noqa: E402
 
 _MASK = 0xFFFFFFFF
@@ -36,8 +36,8 @@ def run_ptx(ptx: str, registers: dict[str, int]) -> dict[str, int]:
         m = _LINE.fullmatch(line)
         assert m and m.group(1) in _OPS, f"statement the interpreter does not know: {line!r}"
         op, dst, a, b = m.groups()
-        value = [regs[v] if v in regs else int(v, 0) for v in (a, b)]
-        regs[dst] = _OPS[op](*value)
+        operands = [regs[v] if v in regs else int(v, 0) for v in (a, b)]
+        regs[dst] = _OPS[op](*operands)
     return regs
 
 
