@@ -629,7 +629,7 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
                 [(64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (64, 128, 64, 64, 8, 3), (128, 128, 64, 64, 8, 3)]
         if not quick:
             best = {}       # the best config of each kernel pair (moe_fp4.KERNELS)
-            for cfg in (c for c in sweep if not kernels or (c[6] if c[6:] else "tokens") in kernels):
+            for cfg in (c for c in sweep if not kernels or moe_fp4.kernel_of(c) in kernels):
                 try:
                     t = cbench(lambda cfg=cfg: moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2,
                                                                  fp4._s2, 10.0, config=cfg), reps=4)
@@ -637,7 +637,7 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
                     say(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 say(f"  config {cfg}: {t:.1f} us")
-                family = cfg[6] if cfg[6:] else "tokens"
+                family = moe_fp4.kernel_of(cfg)
                 if family not in best or t < best[family][0]:
                     best[family] = (t, cfg)
             for family, (t, cfg) in sorted(best.items()):

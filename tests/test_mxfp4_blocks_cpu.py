@@ -5,7 +5,8 @@
 - the split-pairs order of the activation codes (quantize_rows_codes(split_pairs=True)) in
   Triton's interpreter: each 32-block's even columns, then its odd ones, the scales unchanged.
 The CUDA tests run both inside the kernels against the reference; these catch a wrong shift,
-mask or permutation without a GPU."""
+mask or permutation without a GPU. Also: a bad tuning config or codes dtype is refused with
+the field and the rule, before anything is allocated or launched."""
 from __future__ import annotations
 
 import re
@@ -17,6 +18,7 @@ pytest.importorskip("triton", reason="the PTX strings live in the Triton kernel 
 
 from triton_interpreter import run_interpreted  # noqa: E402
 from v41graph.custom_ops import codecs  # noqa: E402
+from v41graph.custom_ops.triton import moe_fp4, quant_gemm  # noqa: E402
 from v41graph.custom_ops.triton.common import _e2m1_to_e4m3_ptx  # noqa: E402
 
 _MASK = 0xFFFFFFFF
@@ -77,3 +79,23 @@ _SPLIT_PAIRS_SCRIPT = """
 def test_split_pairs_codes_in_triton_interpreter(tmp_path):
     lines = run_interpreted(_SPLIT_PAIRS_SCRIPT, tmp_path)
     assert len(lines) == 2 and all(line.endswith("OK") for line in lines), lines
+
+
+@pytest.mark.parametrize("config,message", [
+    ((16, 64, 128, 128, 4, 3, "columns"), r"config kernel 'columns' is not one of \('tokens', 'rows', 'blocks'\)"),
+    ((16, 48, 128, 128, 4, 3, "blocks"), r"config BN must be a multiple of 32 .* got 48"),
+    ((8, 64, 128, 128, 4, 3, "rows"), r"the rows kernels' token tile BM must be >= 16 .* got 8"),
+])
+def test_bad_config_is_refused_before_any_work(config, message):
+    e, d, i = 4, 64, 32          # CPU tensors: the check comes before routing, buffers and launches
+    args = (torch.zeros(2, d), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64),
+            torch.zeros(e, 2 * i, d // 2, dtype=torch.uint8), torch.zeros(e, 2 * i, d // 32, dtype=torch.uint8),
+            torch.zeros(e, d, i // 2, dtype=torch.uint8), torch.zeros(e, d, i // 32, dtype=torch.uint8), 10.0)
+    with pytest.raises(ValueError, match=message):
+        moe_fp4.mxfp4_moe(*args, config=config)
+
+
+def test_quantize_rows_codes_refuses_other_code_dtypes():
+    with pytest.raises(ValueError, match=r"codes_dtype must be torch.float16 or torch.float8_e4m3fn, got torch.bfloat16"):
+        quant_gemm.quantize_rows_codes(torch.zeros(2, 64), torch.bfloat16)
+

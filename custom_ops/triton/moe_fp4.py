@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from ..reference import pairs_by_expert
-from .common import (_FLOAT_DTYPES, _TL_DTYPE, _bf16_column_halves, _e8m0_to_fp32, _exp2i, _fp4_block_e4m3,
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _bf16_column_halves, _e8m0_to_fp32, _e8m0_words, _exp2i,
+                     _fp4_block_e4m3,
                      _fp4_weight_halves, _fp4_weight_tile, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs)
 from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes
 
@@ -58,6 +59,15 @@ def _expert_tile(offs_ptr, N, BN: tl.constexpr):
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
     n = pid_n * BN + tl.arange(0, BN)
     return e, start, tl.load(offs_ptr + e), n, n < N
+
+
+@triton.jit
+def _pair_tile(tok_ptr, m0, end, BM: tl.constexpr):
+    """Pairs m0..m0+BM of an expert's group (those before `end`): their indexes, mask and
+    token rows (int64; row 0 where masked)."""
+    r = m0 + tl.arange(0, BM)
+    r_mask = r < end
+    return r, r_mask, tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)
 
 
 @triton.jit
@@ -83,9 +93,7 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I
     gate_rows = e.to(tl.int64) * 2 * I + n           # w1 rows of expert e in the [E*2I] stack
     up_rows = gate_rows + I                          # w3 rows
     for m0 in range(start, end, BM):
-        r = m0 + tl.arange(0, BM)
-        r_mask = r < end
-        tok = tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        r, r_mask, tok = _pair_tile(tok_ptr, m0, end, BM)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, D, BK):
@@ -140,9 +148,7 @@ def _gate_up_rows_kernel(xw_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr,
     gate_rows = e.to(tl.int64) * 2 * I + n
     up_rows = gate_rows + I
     for m0 in range(start, end, BT):
-        r = m0 + tl.arange(0, BT)
-        r_mask = r < end
-        tok = tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        r, r_mask, tok = _pair_tile(tok_ptr, m0, end, BT)
         acc_g = tl.zeros([BN, BT], dtype=tl.float32)
         acc_u = tl.zeros([BN, BT], dtype=tl.float32)
         for k0 in range(0, D, BK):
@@ -176,35 +182,6 @@ def _down_rows_kernel(hw_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
 
 
 @triton.jit
-def _scale_words_at(s_ptr, rows, row_mask, k0, K, SCALE_WORDS: tl.constexpr):
-    """SCALE_WORDS (BK = 128, K % 128 == 0): rows' four E8M0 scales of k0..k0+128 as one int32
-    word each [BN] (_scale_byte takes them apart); else 0 (_scale_byte loads bytes)."""
-    if SCALE_WORDS:
-        return tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + rows * (K // 128) + k0 // 128, mask=row_mask,
-                       other=0x7F7F7F7F)
-    else:
-        return 0
-
-
-@triton.jit
-def _scale_byte(s_ptr, words, rows, row_mask, kb, K, j: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """Rows' E8M0 scale of K block kb, the j-th of its word (int32 [BN])."""
-    if SCALE_WORDS:
-        return (words >> (8 * j)) & 0xFF
-    else:
-        return tl.load(s_ptr + rows * (K // 32) + kb, mask=row_mask, other=127).to(tl.int32)
-
-
-@triton.jit
-def _codes_scales(scale_ptr, rows, row_mask, k0, K, BK: tl.constexpr):
-    """The activation rows' scales of the K blocks of k0..k0+BK times 2^6 ([BT, BK/32] fp32;
-    2^6 undoes _fp4_block_e4m3's 2^-6, exactly), loaded once per K step: per block they
-    were [BT]-wide loads, one per block."""
-    kb = k0 // 32 + tl.arange(0, BK // 32)
-    return tl.load(scale_ptr + rows[:, None] * (K // 32) + kb[None, :], mask=row_mask[:, None], other=0.0) * 64.0
-
-
-@triton.jit
 def _column(t, j: tl.constexpr, NC: tl.constexpr):
     """Column j of t [R, NC] (NC = 1, 2 or 4) as [R]: register moves (tl.split), no loads."""
     if NC == 1:
@@ -224,6 +201,33 @@ def _column(t, j: tl.constexpr, NC: tl.constexpr):
             return c2
         else:
             return c3
+
+
+@triton.jit
+def _scale_words_at(s_ptr, rows, row_mask, k0, K, SCALE_WORDS: tl.constexpr):
+    """SCALE_WORDS (BK = 128): rows' four E8M0 scales of k0..k0+128 as one int32 word each [BN]
+    (common._e8m0_words; _scale_byte takes them apart); else 0 (_scale_byte loads bytes)."""
+    if SCALE_WORDS:
+        return _column(_e8m0_words(s_ptr, rows, row_mask, k0, K, 1), 0, 1)
+    else:
+        return 0
+
+
+@triton.jit
+def _scale_byte(s_ptr, words, rows, row_mask, kb, K, j: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """Rows' E8M0 scale of K block kb, the j-th of its word (int32 [BN])."""
+    if SCALE_WORDS:
+        return (words >> (8 * j)) & 0xFF
+    else:
+        return tl.load(s_ptr + rows * (K // 32) + kb, mask=row_mask, other=127).to(tl.int32)
+
+
+@triton.jit
+def _codes_scales(scale_ptr, rows, row_mask, k0, K, BK: tl.constexpr):
+    """The activation rows' scales of the K blocks of k0..k0+BK times 2^6 ([BT, BK/32] fp32;
+    2^6 undoes _fp4_block_e4m3's 2^-6, exactly), one load per K step (_column picks a block's)."""
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    return tl.load(scale_ptr + rows[:, None] * (K // 32) + kb[None, :], mask=row_mask[:, None], other=0.0) * 64.0
 
 
 @triton.jit
@@ -253,9 +257,7 @@ def _gate_up_blocks_kernel(xc_ptr, xs_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_p
     gate_rows = e.to(tl.int64) * 2 * I + n
     up_rows = gate_rows + I
     for m0 in range(start, end, BT):
-        r = m0 + tl.arange(0, BT)
-        r_mask = r < end
-        tok = tl.load(tok_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        r, r_mask, tok = _pair_tile(tok_ptr, m0, end, BT)
         acc_g = tl.zeros([BN, BT], dtype=tl.float32)
         acc_u = tl.zeros([BN, BT], dtype=tl.float32)
         for k0 in range(0, D, BK):
@@ -290,13 +292,14 @@ def _down_blocks_kernel(hc_ptr, hs_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_pt
     for m0 in range(start, end, BT):
         r = m0 + tl.arange(0, BT)
         r_mask = r < end
+        r64 = r.to(tl.int64)
         acc = tl.zeros([BN, BT], dtype=tl.float32)
         for k0 in range(0, I, BK):
             words = _scale_words_at(s_ptr, rows, n_mask, k0, I, SCALE_WORDS)
-            sa_k = _codes_scales(hs_ptr, r.to(tl.int64), r_mask, k0, I, BK)
+            sa_k = _codes_scales(hs_ptr, r64, r_mask, k0, I, BK)
             for j in tl.static_range(BK // 32):
                 kb = k0 // 32 + j
-                a, sa = _codes_block(hc_ptr, r.to(tl.int64), r_mask, kb, I), _column(sa_k, j, BK // 32)
+                a, sa = _codes_block(hc_ptr, r64, r_mask, kb, I), _column(sa_k, j, BK // 32)
                 u = _scale_byte(s_ptr, words, rows, n_mask, kb, I, j, SCALE_WORDS)
                 acc = _block_partial(w_ptr, rows, n_mask, kb, I, u, a, sa, acc, BN)
         dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
@@ -334,6 +337,11 @@ def _config(pairs_per_expert: float):
     return 128, 64, 64, 64, 8, 3, "tokens"
 
 
+def kernel_of(config) -> str:
+    """The kernel pair a config names (its seventh field; "tokens" when it has six)."""
+    return config[6] if len(config) > 6 else "tokens"
+
+
 def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
     """Whether a kernel may read these E8M0 scales as int32 words (common._fp4_weight_halves)."""
     return bk % 128 == 0 and k % 128 == 0 and scales.data_ptr() % 4 == 0
@@ -345,14 +353,19 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     n, k = chosen.shape
     e, two_i, _ = w13.shape
     i, d = two_i // 2, x.shape[1]
-    _, pair_w, perm, offs = pairs_by_expert(weights, chosen, e)
-    tok = (perm // k).to(torch.int32)
-    bm, bn, bk1, bk2, warps, stages, *rest = config or _config(n * k / e)
-    kernel = rest[0] if rest else "tokens"
+    config = config or _config(n * k / e)
+    kernel = kernel_of(config)
+    bm, bn, bk1, bk2, warps, stages = config[:6]
     if kernel not in KERNELS:
         raise ValueError(f"mxfp4_moe: config kernel {kernel!r} is not one of {KERNELS}")
+    if bn % 32:
+        raise ValueError(f"mxfp4_moe: config BN must be a multiple of 32 (the gate_up epilogue quantizes h "
+                         f"per 32 columns of its tile), got {bn}")
+    if kernel != "tokens" and bm < 16:
+        raise ValueError(f"mxfp4_moe: the {kernel} kernels' token tile BM must be >= 16 (the MMA's N side), got {bm}")
+    _, pair_w, perm, offs = pairs_by_expert(weights, chosen, e)
+    tok = (perm // k).to(torch.int32)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
-    assert bn % 32 == 0, "the gate_up epilogue quantizes h per 32 columns of its tile"
     pairs = torch.zeros((n * k, d), device=x.device, dtype=x.dtype)
     pw = pair_w[perm].contiguous()
     dest = perm.to(torch.int32)
@@ -360,14 +373,14 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     grid_up, grid_down = (triton.cdiv(i, bn), e), (triton.cdiv(d, bn), e)
     if kernel == "blocks":  # codes + scales in, codes + scales between the two kernels
         xc, xs = quantize_rows_codes(x.contiguous(), torch.float8_e4m3fn, split_pairs=True)
-        bk1, bk2 = min(bk1, 128), min(bk2, 128)     # a scale word covers 128 columns
+        bk1, bk2 = min(bk1, 128), min(bk2, 128)     # one scale word per row and K step
         hc = torch.empty((n * k, i), device=x.device, dtype=torch.float8_e4m3fn)
         hs = torch.empty((n * k, i // 32), device=x.device, dtype=torch.float32)
         _gate_up_blocks_kernel[grid_up](xc, xs, tok, pw, offs, w13, s13, hc, hs, d, i, float(limit),
                                         HAS_LIMIT=limit > 0, BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype],
-                                        SCALE_WORDS=bk1 == 128 and _scale_words(s13, d, bk1), **launch)
+                                        SCALE_WORDS=_scale_words(s13, d, bk1), **launch)
         _down_blocks_kernel[grid_down](hc, hs, dest, offs, w2, s2, pairs, d, i, BT=bm, BN=bn, BK=bk2,
-                                       SCALE_WORDS=bk2 == 128 and _scale_words(s2, i, bk2), **launch)
+                                       SCALE_WORDS=_scale_words(s2, i, bk2), **launch)
     else:
         xq = quantize_rows(x.contiguous())
         h = torch.empty((n * k, i), device=x.device, dtype=torch.bfloat16)   # quantized values

@@ -292,6 +292,9 @@ def quantize_rows_codes(x2: torch.Tensor, codes_dtype: torch.dtype = torch.float
     which holds every E4M3 value exactly, or float8_e4m3fn; scales [M, K/32] fp32, powers of
     two): codecs.qdq_fp8_ue8m0's values are codes * scales. split_pairs: each 32-block's codes
     stored even columns first, then odd (common._split_pairs, the MXFP4 MoE's blocks kernels)."""
+    if codes_dtype not in (torch.float16, torch.float8_e4m3fn):
+        raise ValueError(f"quantize_rows_codes: codes_dtype must be torch.float16 or torch.float8_e4m3fn, "
+                         f"got {codes_dtype}")
     m, k = x2.shape
     bk = _block_k(k, 128)
     codes = torch.empty((m, k), device=x2.device, dtype=codes_dtype)
