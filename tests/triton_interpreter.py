@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-# Put first in every script: triton 3.6's interpreter turns a runtime loop bound into an int
+# Put first in every script. Triton 3.6's interpreter turns a runtime loop bound into an int
 # with int(ndarray of one element), which numpy >= 2.4 refuses; take the element instead.
 PREAMBLE = textwrap.dedent("""
     import numpy as np
@@ -19,6 +19,34 @@ PREAMBLE = textwrap.dedent("""
         tl.core.tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
         return scope
     ti._patch_lang = _patch_lang
+
+    # The interpreter's float downcasts truncate (fp32 -> bf16 with no rounding mode) or round
+    # half up and drop the mantissa carry (fp32 -> E4M3: 127 becomes 64); a GPU rounds to nearest
+    # even, as torch's casts do, so those casts go through torch (round toward zero kept as is).
+    import torch as _torch
+    _convert_float = ti._convert_float
+    _AS_TORCH = {"fp32": (_torch.float32, np.float32), "fp16": (_torch.float16, np.float16),
+                 "bf16": (_torch.bfloat16, np.int16), "fp8e4nv": (_torch.float8_e4m3fn, np.uint8)}
+    _BITS = {1: _torch.uint8, 2: _torch.int16, 4: _torch.int32}
+    def _convert_float_rtne(data, src_type, dst_type, rounding_mode):
+        src, dst = _AS_TORCH.get(src_type.name), _AS_TORCH.get(dst_type.name)
+        if src is None or dst is None or rounding_mode == ti._ir.ROUNDING_MODE.RTZ:
+            return _convert_float(data, src_type, dst_type, rounding_mode)
+        t = _torch.from_numpy(np.ascontiguousarray(data).view(src[1])).view(src[0])
+        return t.to(dst[0]).view(_BITS[dst[0].itemsize]).numpy()
+    ti._convert_float = _convert_float_rtne
+
+    # It multiplies bf16 tiles as their raw 16-bit patterns (integers); widen them to fp32 first
+    # (exact), as it already does for FP8 tiles (to fp16).
+    _create_dot = ti.InterpreterBuilder.create_dot
+    def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(t):
+            if t.dtype != tl.bfloat16:
+                return t
+            return ti.TensorHandle(_convert_float_rtne(t.data, tl.bfloat16, tl.float32, None).view(np.float32),
+                                   tl.float32)
+        return _create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+    ti.InterpreterBuilder.create_dot = _create_dot_bf16
 """)
 
 

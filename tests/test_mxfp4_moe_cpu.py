@@ -1,0 +1,102 @@
+"""The MXFP4 MoE's Triton kernels (custom_ops/triton/moe_fp4.py) on the CPU, in Triton's
+interpreter with the PTX decodes replaced by their stand-ins (tests/triton_ptx_doubles.py; the
+PTX itself: tests/test_ptx_decodes_cpu.py):
+- every kernel pair (tokens, rows, blocks) against the reference op, bf16 and fp32 x, groups
+  longer than a token tile, an expert no token picked, tile tails in both widths;
+- the split-pairs order of the activation codes (quantize_rows_codes(split_pairs=True)): each
+  32-block's even columns, then its odd ones, the scales unchanged;
+- a bad tuning config or codes dtype is refused with the field and the rule, before anything
+  is allocated or launched.
+The CUDA tests run the same kernels on the GPU; these catch an indexing, layout or epilogue
+mistake without one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the kernels are Triton's; its interpreter runs them on the CPU")
+
+from triton_interpreter import run_interpreted  # noqa: E402
+from v41graph.custom_ops.triton import moe_fp4, quant_gemm  # noqa: E402
+
+_KERNELS_SCRIPT = """
+    import sys
+    import torch
+    import triton_ptx_doubles
+    triton_ptx_doubles.install()
+    from v41graph.custom_ops import reference
+    from v41graph.custom_ops.triton import moe_fp4
+    g = torch.Generator().manual_seed(5)
+    e, d, i, n, topk = 4, 256, 96, 40, 2     # 80 pairs: groups of ~27 > a 16-token tile; I = 96: tails
+    def stack(rows, k):
+        return (torch.randint(0, 256, (e, rows, k // 2), generator=g, dtype=torch.uint8),
+                torch.randint(118, 126, (e, rows, k // 32), generator=g, dtype=torch.uint8))
+    w13, s13 = stack(2 * i, d)
+    w2, s2 = stack(d, i)
+    configs = [(16, 64, 128, 128, 4, 3, "tokens"), (16, 32, 64, 32, 4, 3, "tokens"),
+               (16, 64, 128, 128, 4, 3, "rows"), (32, 32, 128, 64, 4, 3, "rows"),
+               (16, 64, 128, 128, 4, 3, "blocks"), (16, 32, 256, 32, 4, 3, "blocks")]
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(n, d, generator=g) * 3).to(dtype)
+        scores = torch.rand(n, e, generator=g)
+        scores[:, 2] = -1                    # expert 2: no token
+        chosen = scores.topk(topk, dim=-1).indices
+        weights = torch.rand(n, topk, generator=g)
+        want = reference.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0)
+        for config in configs:
+            got = moe_fp4.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0, config=config)
+            rel = ((got - want).norm() / want.norm()).item()
+            print(config[6], str(dtype), bool(torch.equal(got, want)), rel)
+"""
+
+
+def test_every_kernel_pair_matches_the_reference_in_triton_interpreter(tmp_path):
+    rows = [line.split() for line in run_interpreted(_KERNELS_SCRIPT, tmp_path)]
+    assert len(rows) == 12, rows
+    for kernel, dtype, equal, rel in rows:
+        # blocks: the reference's own arithmetic (one fp32 partial per 32-wide K block, both
+        # scales, block order), bit for bit; tokens and rows sum the exact products of a wider
+        # K tile in another order: fp32 rounding only
+        if kernel == "blocks":
+            assert equal == "True", (kernel, dtype, rel)
+        else:
+            assert float(rel) < 1e-6, (kernel, dtype, rel)
+
+
+_SPLIT_PAIRS_SCRIPT = """
+    import torch
+    from v41graph.custom_ops.triton import quant_gemm
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)) * 3
+    for dtype in (torch.float16, torch.float8_e4m3fn):
+        codes, scales = quant_gemm.quantize_rows_codes(x, dtype)
+        split, split_scales = quant_gemm.quantize_rows_codes(x, dtype, split_pairs=True)
+        unsplit = split.float().view(5, -1, 2, 16).transpose(-1, -2).reshape(5, -1)
+        moved = not torch.equal(split.float(), codes.float())
+        ok = torch.equal(split_scales, scales) and torch.equal(unsplit, codes.float()) and moved
+        print(dtype, "OK" if ok else "FAIL")
+"""
+
+
+def test_split_pairs_codes_in_triton_interpreter(tmp_path):
+    lines = run_interpreted(_SPLIT_PAIRS_SCRIPT, tmp_path)
+    assert len(lines) == 2 and all(line.endswith("OK") for line in lines), lines
+
+
+@pytest.mark.parametrize("config,message", [
+    ((16, 64, 128, 128, 4, 3, "columns"), r"config kernel 'columns' is not one of \('tokens', 'rows', 'blocks'\)"),
+    ((16, 48, 128, 128, 4, 3, "blocks"), r"config BN must be a multiple of 32 .* got 48"),
+    ((8, 64, 128, 128, 4, 3, "rows"), r"the rows kernels' token tile BM must be >= 16 .* got 8"),
+])
+def test_bad_config_is_refused_before_any_work(config, message):
+    e, d, i = 4, 64, 32          # CPU tensors: the check comes before routing, buffers and launches
+    args = (torch.zeros(2, d), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64),
+            torch.zeros(e, 2 * i, d // 2, dtype=torch.uint8), torch.zeros(e, 2 * i, d // 32, dtype=torch.uint8),
+            torch.zeros(e, d, i // 2, dtype=torch.uint8), torch.zeros(e, d, i // 32, dtype=torch.uint8), 10.0)
+    with pytest.raises(ValueError, match=message):
+        moe_fp4.mxfp4_moe(*args, config=config)
+
+
+def test_quantize_rows_codes_refuses_other_code_dtypes():
+    with pytest.raises(ValueError, match=r"codes_dtype must be torch.float16 or torch.float8_e4m3fn, got torch.bfloat16"):
+        quant_gemm.quantize_rows_codes(torch.zeros(2, 64), torch.bfloat16)
+
