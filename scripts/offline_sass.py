@@ -94,7 +94,7 @@ KERNELS = {
     # the all-heads tile kernel (64 heads, 8 warps: --warps 8 --stages 1)
     "sparse_attn_tile": ("attention", "_sparse_attn_tile_kernel", _ATTN_SIGNATURE,
                          {"D": 512, "D2": 256, "NB16": 32, "NB32": 16, "BH": 64, "BS": 32, "GLOBAL_FP4": True,
-                          "DIRECT": False, "STAGES": 1}, lambda c: c["BS"] * c["D"]),
+                          "DIRECT": False, "STAGES": 1, "HALVES": False}, lambda c: c["BS"] * c["D"]),
 }
 # the sizes that are multiples of 16 at every launch (M, the token count, is not at decode)
 ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT", "H")
@@ -102,7 +102,7 @@ _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
 
 
-def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
+def compile_kernel(name: str, overrides: dict, warps: int, stages: int, maxnreg: int | None = None):
     import importlib
     import triton
     import triton.language as tl
@@ -116,13 +116,27 @@ def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
                for a, t in signature.items() if t.startswith("*") or a in ALIGNED_SIZES}
     compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+                              options={"num_warps": warps, "num_stages": stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})})
     return compiled, codes_per_iteration(constexprs)
 
 
-def sass_of(cubin: bytes) -> str:
+def _cuobjdump() -> Path:
     import triton
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def resources_of(cubin: bytes) -> str:
+    """Registers per thread, stack and local (spill) bytes, shared memory: `cuobjdump -res-usage`."""
+    path = Path("/tmp/offline_sass.cubin")
+    path.write_bytes(cubin)
+    out = subprocess.run([str(_cuobjdump()), "-res-usage", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    return " ".join(re.findall(r"(?:REG|STACK|SHARED|LOCAL):\d+", out))
+
+
+def sass_of(cubin: bytes) -> str:
+    tool = _cuobjdump()
     path = Path("/tmp/offline_sass.cubin")
     path.write_bytes(cubin)
     return subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
@@ -153,10 +167,11 @@ def main() -> int:
     ap.add_argument("constexprs", nargs="*", help="NAME=int overrides, e.g. BM=64")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--maxnreg", type=int, help="cap the registers per thread (Triton's maxnreg)")
     ap.add_argument("--dump", help="write the whole SASS listing here")
     args = ap.parse_args()
     overrides = {k: int(v) for k, v in (a.split("=", 1) for a in args.constexprs)}
-    compiled, codes = compile_kernel(args.kernel, overrides, args.warps, args.stages)
+    compiled, codes = compile_kernel(args.kernel, overrides, args.warps, args.stages, args.maxnreg)
     sass = sass_of(compiled.asm["cubin"])
     if args.dump:
         Path(args.dump).write_text(sass)
@@ -165,7 +180,7 @@ def main() -> int:
     threads = 32 * args.warps
     print(f"{args.kernel} {overrides or ''} warps={args.warps} stages={args.stages}: loop {len(loop)} "
           f"instructions per thread per iteration, {len(loop) * threads / codes:.2f} thread instructions "
-          f"per weight code ({codes} codes per iteration)")
+          f"per weight code ({codes} codes per iteration); {resources_of(compiled.asm['cubin'])}")
     for op, count in ops.most_common(20):
         print(f"  {count:5d} {op}")
     others = [len(b) for b in mma_loops(sass)[1:]]
