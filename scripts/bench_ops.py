@@ -308,8 +308,6 @@ def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)
         tile_splits = [1] if prefill else ([None] if quick else [None, 1, 2, 3, 4, 5, 10, 20])
         tiles = [dict(kernel="tile", n_split=sp, stages=st, block_s=bs)
                  for sp in tile_splits for st in tile_stages for bs in tile_rows]
-        # the value columns split over two programs per SM (attention.TILE_HALVES)
-        tiles += [dict(kernel="tile", n_split=sp, stages=1, block_s=32, halves=True) for sp in tile_splits]
         tiles.append(dict(kernel="tile"))         # what the op runs: the table's choice
         best = {}
         for fmt in ("fp4", "bf16"):
@@ -318,8 +316,8 @@ def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)
                 gcache, gscale = (gc, gs) if fmt == "fp4" else (gbf, None)
                 if v["kernel"] == "tile" and "n_split" in v:
                     cfg = tk.tile_config(ntok, w, kg, q.device, v["n_split"], v["stages"], v["block_s"])
-                    key = ("tile", cfg, v.get("halves", False))
-                    name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}" + (" halves" if v.get("halves") else "")
+                    key = ("tile", cfg)
+                    name = f"tile BS={cfg[0]} split={cfg[1]} stages={cfg[3]}"
                 elif v["kernel"] == "tile":
                     cfg = tk.tile_config(ntok, w, kg, q.device)
                     key, name = None, f"tile, the op's choice (BS={cfg[0]} split={cfg[1]} stages={cfg[3]})"

@@ -94,7 +94,7 @@ KERNELS = {
     # the all-heads tile kernel (64 heads, 8 warps: --warps 8 --stages 1)
     "sparse_attn_tile": ("attention", "_sparse_attn_tile_kernel", _ATTN_SIGNATURE,
                          {"D": 512, "D2": 256, "NB16": 32, "NB32": 16, "BH": 64, "BS": 32, "GLOBAL_FP4": True,
-                          "DIRECT": False, "STAGES": 1, "HALVES": False}, lambda c: c["BS"] * c["D"]),
+                          "DIRECT": False, "STAGES": 1}, lambda c: c["BS"] * c["D"]),
 }
 # the sizes that are multiples of 16 at every launch (M, the token count, is not at decode)
 ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT", "H")

@@ -305,8 +305,7 @@ def test_sparse_attention(n, h, d, w, kg, slots, dtype):
     # default (bf16: the tile kernel; fp32: the head-tile kernel); the head-tile kernel: its
     # defaults (prefetch on, PTX decodes), no prefetch, splits + combine, the generic decodes,
     # BS = 64, all 64 heads in one program; the tile kernel: unsplit, split + pipelined,
-    # pipelined at its default split, rows in blocks of 16 and of 64 (prefill's), the value
-    # columns split over two programs (split and unsplit)
+    # pipelined at its default split, rows in blocks of 16 and of 64 (prefill's)
     variants = [dict(), dict(kernel="heads"), dict(kernel="heads", block_h=16, n_split=1, prefetch=False),
                 dict(kernel="heads", block_h=16, n_split=3, prefetch=True),
                 dict(kernel="heads", ptx_decode=False)]
@@ -316,8 +315,7 @@ def test_sparse_attention(n, h, d, w, kg, slots, dtype):
     if dtype == torch.bfloat16:
         variants += [dict(kernel="tile", n_split=1), dict(kernel="tile", n_split=3, stages=3),
                      dict(kernel="tile", stages=2), dict(kernel="tile", block_s=16, n_split=2),
-                     dict(kernel="tile", block_s=64, n_split=1), dict(kernel="tile", halves=True),
-                     dict(kernel="tile", halves=True, n_split=1)]
+                     dict(kernel="tile", block_s=64, n_split=1)]
     for v in variants:
         out = poisoned((n, h, d), dtype)
         attention.sparse_attention(*args, scale, out=out, **v)

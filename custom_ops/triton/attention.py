@@ -113,10 +113,7 @@ def _decode_window(rw, rs, fa, fb, is_ring, BS: tl.constexpr, D2: tl.constexpr,
 
 
 @triton.jit
-def _attn_probs(qe, qo, ke, ko, valid, m, l, sm_scale, IEEE: tl.constexpr):
-    """One row block's online-softmax step: the logits q.k over both column halves, the new
-    running max and denominator, the rescale alpha of the accumulators and P in k's dtype
-    (the reference rounds P to q's dtype before P.V)."""
+def _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, IEEE: tl.constexpr):
     if IEEE:
         s = tl.dot(qe, tl.trans(ke), input_precision="ieee")
         s = tl.dot(qo, tl.trans(ko), s, input_precision="ieee")
@@ -129,12 +126,7 @@ def _attn_probs(qe, qo, ke, ko, valid, m, l, sm_scale, IEEE: tl.constexpr):
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    return m_new, l, alpha, p.to(ke.dtype)
-
-
-@triton.jit
-def _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, IEEE: tl.constexpr):
-    m_new, l, alpha, pd = _attn_probs(qe, qo, ke, ko, valid, m, l, sm_scale, IEEE)
+    pd = p.to(ke.dtype)                       # P in q's dtype before P.V (reference)
     if IEEE:
         acc_e = tl.dot(pd, ke, acc_e * alpha[:, None], input_precision="ieee")
         acc_o = tl.dot(pd, ko, acc_o * alpha[:, None], input_precision="ieee")
@@ -142,21 +134,6 @@ def _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, IEEE: tl.c
         acc_e = tl.dot(pd, ke, acc_e * alpha[:, None])
         acc_o = tl.dot(pd, ko, acc_o * alpha[:, None])
     return m_new, l, acc_e, acc_o
-
-
-@triton.jit
-def _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, half, sm_scale, HALVES: tl.constexpr):
-    """The tile kernel's step: _attn_update, or with HALVES only this program's half of the
-    value columns (half 0: the even ones into acc_e, 1: the odd ones; acc_o is unused)."""
-    if HALVES:
-        m, l, alpha, pd = _attn_probs(qe, qo, ke, ko, valid, m, l, sm_scale, False)
-        if half == 0:
-            acc_e = tl.dot(pd, ke, acc_e * alpha[:, None])
-        else:
-            acc_e = tl.dot(pd, ko, acc_e * alpha[:, None])
-        return m, l, acc_e, acc_o
-    else:
-        return _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, False)
 
 
 @triton.jit
@@ -327,25 +304,6 @@ def _finish(acc_e, acc_o, m, l, n, sp, heads, hmask, hrow, sink_ptr, out_ptr, ws
 
 
 @triton.jit
-def _finish_half(acc, m, l, n, sp, half, heads, hmask, hrow, sink_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
-                 H, n_split, D: tl.constexpr, D2: tl.constexpr, DIRECT: tl.constexpr):
-    """_finish for a HALVES program of the tile kernel (bf16): its half of the value columns
-    (every other bf16 of a row when unsplit; its half of the partials row when split). Both
-    programs of a pair hold the same (m, l); half 0 stores them."""
-    i = tl.arange(0, D2)
-    if DIRECT:
-        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
-        o = tl.math.div_rn(acc, tl.broadcast_to((l + tl.exp(sink - m))[:, None], acc.shape))
-        p = out_ptr.to(tl.pointer_type(tl.bfloat16)) + hrow[:, None] * D + 2 * i[None, :] + half
-        tl.store(p, o.to(tl.bfloat16), mask=hmask[:, None])
-    else:
-        prow = (n.to(tl.int64) * n_split + sp) * H + heads
-        tl.store(ws_acc_ptr + prow[:, None] * D + half * D2 + i[None, :], acc, mask=hmask[:, None])
-        tl.store(ws_ml_ptr + prow * 2, m, mask=hmask & (half == 0))
-        tl.store(ws_ml_ptr + prow * 2 + 1, l, mask=hmask & (half == 0))
-
-
-@triton.jit
 def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_split,
                                 D: tl.constexpr, D2: tl.constexpr, BH: tl.constexpr,
                                 DTYPE: tl.constexpr, IS16: tl.constexpr):
@@ -386,21 +344,16 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
                              D: tl.constexpr, D2: tl.constexpr, NB16: tl.constexpr,
                              NB32: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
                              GLOBAL_FP4: tl.constexpr, DIRECT: tl.constexpr,
-                             STAGES: tl.constexpr, HALVES: tl.constexpr):
-    """Program (n, split[, half]): every head of query token n as one MMA tile (BH >= H; M = 64 heads is
+                             STAGES: tl.constexpr):
+    """Program (n, split): every head of query token n as one MMA tile (BH >= H; M = 64 heads is
     one wgmma tile), so each KV row is gathered and dequantized once per token; bf16 only.
     Registers: the two fp32 accumulators are [BH, D/2] each (128 per thread at 8 warps, BH =
     64) and q stays in shared memory, so no row loop spills (sm90: 255 registers, one program
     per SM); the register prefetch of _sparse_attn_kernel would not fit. STAGES > 1 lets Triton
     software-pipeline the row loops (cp.async gathers into shared memory); measured slower, so
-    the launch rule uses 1. HALVES: two programs per (n, split), each computing the same logits
-    and softmax state but P.V over only its half of the value columns (program axis 2: 0 the
-    even, 1 the odd ones): one [BH, D/2] accumulator (64 registers per thread), so two programs
-    fit an SM and one's gathers overlap the other's MMAs, for the q.k MMAs and row decodes done
-    twice."""
+    the launch rule uses 1."""
     n = tl.program_id(0)
     sp = tl.program_id(1)
-    half = tl.program_id(2)
     heads = tl.arange(0, BH)
     hmask = heads < H
     hrow = n.to(tl.int64) * H + heads                                       # row of [N*H, D]
@@ -409,10 +362,7 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
     m = tl.full((BH,), -1e30, tl.float32)
     l = tl.zeros((BH,), tl.float32)
     acc_e = tl.zeros((BH, D2), tl.float32)
-    if HALVES:
-        acc_o = tl.zeros((BH, 16), tl.float32)          # unused (_tile_update)
-    else:
-        acc_o = tl.zeros((BH, D2), tl.float32)
+    acc_o = tl.zeros((BH, D2), tl.float32)
     nbw = tl.cdiv(W, BS)
     b0 = sp * blocks_per_split
     b1 = tl.minimum(b0 + blocks_per_split, nbw + tl.cdiv(KG, BS))
@@ -427,8 +377,8 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
         fa, fb = _load_raw(fresh_ptr, fresh_ptr, rows - n_ring, valid & (rows >= n_ring), D, D2,
                            NB16, False, True)
         ke, ko = _decode_window(rw, rs, fa, fb, is_ring, BS, D2, tl.bfloat16, True, True)
-        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, half, sm_scale,
-                                          HALVES)
+        m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale,
+                                           False)
     gbase = grows_ptr + n.to(tl.int64) * KG
     for b in tl.range(tl.maximum(b0, nbw) - nbw, b1 - nbw, num_stages=STAGES):
         j = b * BS + jj
@@ -442,14 +392,10 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
             p = gc_ptr + rows[:, None].to(tl.int64) * D + 2 * tl.arange(0, D2)[None, :]
             ke = tl.load(p, mask=valid[:, None], other=0.0)
             ko = tl.load(p + 1, mask=valid[:, None], other=0.0)
-        m, l, acc_e, acc_o = _tile_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, half, sm_scale,
-                                          HALVES)
-    if HALVES:
-        _finish_half(acc_e, m, l, n, sp, half, heads, hmask, hrow, sink_ptr, out_ptr, ws_acc_ptr,
-                     ws_ml_ptr, H, n_split, D, D2, DIRECT)
-    else:
-        _finish(acc_e, acc_o, m, l, n, sp, heads, hmask, hrow, sink_ptr, out_ptr, ws_acc_ptr,
-                ws_ml_ptr, H, n_split, D, D2, BH, tl.bfloat16, True, DIRECT)
+        m, l, acc_e, acc_o = _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale,
+                                           False)
+    _finish(acc_e, acc_o, m, l, n, sp, heads, hmask, hrow, sink_ptr, out_ptr, ws_acc_ptr,
+            ws_ml_ptr, H, n_split, D, D2, BH, tl.bfloat16, True, DIRECT)
 
 
 def sparse_attention_supported(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
@@ -519,13 +465,6 @@ TILE_PREFILL_TOKENS = 512
 TILE_STAGES = 1
 TILE_MIN_BLOCKS_PER_PROGRAM = 2
 TILE_WARPS = 8          # two warpgroups: the two fp32 [64, D/2] accumulators are 128 registers per thread
-# the value columns split over two programs (_sparse_attn_tile_kernel's HALVES); off until a
-# GPU run measures it against the one-program kernel (scripts/bench_ops.py --only attn)
-TILE_HALVES = False
-# two programs of 8 warps per SM need <= 128 registers per thread; ptxas then spills 384 bytes per
-# thread (scripts/offline_sass.py sparse_attn_tile HALVES=1 --warps 8 --stages 1 --maxnreg 128;
-# uncapped it takes 255 and one program per SM, which would only add work)
-TILE_HALVES_MAX_REGISTERS = 128
 
 
 def tile_config(n: int, w: int, kg: int, device, n_split=None, stages=None, block_s=None):
@@ -563,7 +502,7 @@ ATTN_PTX_DECODE = True  # default; the bench compares both
 def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_cache,
                      global_scale, global_rows, sink, softmax_scale, *, kernel=None, block_h=None,
                      block_s=None, n_split=None, prefetch=None, ptx_decode=None, stages=None,
-                     halves=None, out=None):
+                     out=None):
     """torch.ops.v41graph.sparse_attention semantics: window rows r < slots*W read the FP8 ring
     window_kv / window_scale in place, rows r >= slots*W are fresh_kv[r - slots*W].
     `global_scale=None` (or a float `global_cache`) with a float `global_cache` [R, D] runs the
@@ -571,8 +510,7 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
     FP8 ring and FP4 decodes for bf16 q: PTX (common._e4m3_pairs_to_bf16, _e2m1_bytes_to_bf16)
     or the generic ones (fp16 / fp32 q always use the generic ones); both give the same values.
     `kernel`: "tile" (all heads of a token in one MMA tile, _sparse_attn_tile_kernel; bf16 q,
-    at most 64 heads; `stages` = its software-pipelining depth; `halves` (default
-    TILE_HALVES): the value columns split over two programs) or "heads" (head tiles of
+    at most 64 heads; `stages` = its software-pipelining depth) or "heads" (head tiles of
     `block_h`, _sparse_attn_kernel; every dtype); default: "tile" where supported."""
     n, h, d = q.shape
     dt = q.dtype
@@ -614,13 +552,11 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
         bs, n_split, per, n_stages = tile_config(n, w, kg, q.device, n_split, stages, block_s)
         bh = max(16, triton.next_power_of_2(h))
         ws_acc, ws_ml = _split_workspace(out, n, n_split, h, d)
-        halves = TILE_HALVES if halves is None else bool(halves)
-        _sparse_attn_tile_kernel[(n, n_split, 2 if halves else 1)](
+        _sparse_attn_tile_kernel[(n, n_split)](
             qc.view(torch.int32), ring, rsc, fresh.view(torch.int32), wrows, gc, gs, grows, sink,
             out.view(torch.int32), ws_acc, ws_ml, h, w, kg, n_ring, float(softmax_scale), per,
             n_split, D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, GLOBAL_FP4=fp4,
-            DIRECT=n_split == 1, STAGES=n_stages, HALVES=halves, num_warps=TILE_WARPS, num_stages=1,
-            **({"maxnreg": TILE_HALVES_MAX_REGISTERS} if halves else {}))
+            DIRECT=n_split == 1, STAGES=n_stages, num_warps=TILE_WARPS, num_stages=1)
         _combine_splits(ws_acc, ws_ml, sink, out.view(torch.int32), n, h, d, n_split, tl.bfloat16, True)
         return out
     if kernel != "heads":
