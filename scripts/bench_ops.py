@@ -618,11 +618,7 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
             touched * per_expert, base_us=t_bf16, err=err, bw=bw)
         sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),
                  (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3),
-                 # the weight rows as the MMA's M side (wgmma), 16 tokens as its N side
-                 (16, 64, 128, 128, 4, 3, "rows"), (16, 64, 256, 256, 4, 3, "rows"), (16, 128, 128, 128, 4, 3, "rows"),
-                 (16, 128, 128, 128, 8, 3, "rows"), (16, 64, 128, 128, 4, 4, "rows"), (32, 64, 128, 128, 4, 3, "rows"),
-                 (16, 64, 64, 64, 4, 4, "rows"), (16, 128, 256, 256, 4, 3, "rows"),
-                 # rows-first on FP8 dots, one per 32-wide K block (the reference's arithmetic)
+                 # the weight rows as the MMA's M side on FP8 dots, one per 32-wide K block
                  (16, 64, 128, 128, 4, 3, "blocks"), (16, 128, 128, 128, 4, 3, "blocks"),
                  (16, 128, 128, 128, 8, 3, "blocks"), (16, 128, 128, 128, 4, 4, "blocks"),
                  (16, 128, 128, 128, 4, 2, "blocks"), (32, 128, 128, 128, 8, 3, "blocks")] if tokens <= 64 else \

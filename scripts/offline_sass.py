@@ -5,7 +5,7 @@ linear) between device sessions. It says nothing about stalls, occupancy or nume
     pip install triton==3.6.0      # anywhere: its ptxas and cuobjdump come with the wheel
     python scripts/offline_sass.py moe_gate_up                      # the decode tile
     python scripts/offline_sass.py moe_gate_up BM=64 --warps 4 --dump /tmp/k.sass
-    python scripts/offline_sass.py moe_gate_up_rows                 # the weight rows as the MMA's M side
+    python scripts/offline_sass.py moe_gate_up_blocks BN=128        # the weight rows as the MMA's M side
     python scripts/offline_sass.py fp8_linear BM=64 BN=64 BK=128
 
 Pointer arguments and the model-width sizes get Triton's divisibility-by-16 hint, as a launch
@@ -49,16 +49,6 @@ KERNELS = {
                  {"h_ptr": "*bf16", "dest_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
                   "out_ptr": "*bf16", "D": "i32", "I": "i32"},
                  {"BM": 16, "BN": 64, "BK": 128}, lambda c: c["BN"] * c["BK"]),
-    "moe_gate_up_rows": ("moe_fp4", "_gate_up_rows_kernel",
-                         {"xw_ptr": "*i32", "tok_ptr": "*i32", "pw_ptr": "*fp32", "offs_ptr": "*i32",
-                          "w_ptr": "*u8", "s_ptr": "*u8", "h_ptr": "*bf16", "D": "i32", "I": "i32",
-                          "limit": "fp32"},
-                         {"HAS_LIMIT": True, "BT": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16",
-                          "SCALE_WORDS": True}, lambda c: 2 * c["BN"] * c["BK"]),
-    "moe_down_rows": ("moe_fp4", "_down_rows_kernel",
-                      {"hw_ptr": "*i32", "dest_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
-                       "out_ptr": "*bf16", "D": "i32", "I": "i32"},
-                      {"BT": 16, "BN": 64, "BK": 128, "SCALE_WORDS": True}, lambda c: c["BN"] * c["BK"]),
     "moe_gate_up_blocks": ("moe_fp4", "_gate_up_blocks_kernel",
                            {"xc_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "tok_ptr": "*i32", "pw_ptr": "*fp32",
                             "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "hc_ptr": "*fp8e4nv",

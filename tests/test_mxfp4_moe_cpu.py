@@ -1,7 +1,7 @@
 """The MXFP4 MoE's Triton kernels (custom_ops/triton/moe_fp4.py) on the CPU, in Triton's
 interpreter with the PTX decodes replaced by their stand-ins (tests/triton_ptx_doubles.py; the
 PTX itself: tests/test_ptx_decodes_cpu.py):
-- every kernel pair (tokens, rows, blocks) against the reference op, bf16 and fp32 x, groups
+- both kernel pairs (tokens, blocks) against the reference op, bf16 and fp32 x, groups
   longer than a token tile, an expert no token picked, tile tails in both widths;
 - the split-pairs order of the activation codes (quantize_rows_codes(split_pairs=True)): each
   32-block's even columns, then its odd ones, the scales unchanged;
@@ -34,7 +34,6 @@ _KERNELS_SCRIPT = """
     w13, s13 = stack(2 * i, d)
     w2, s2 = stack(d, i)
     configs = [(16, 64, 128, 128, 4, 3, "tokens"), (16, 32, 64, 32, 4, 3, "tokens"),
-               (16, 64, 128, 128, 4, 3, "rows"), (32, 32, 128, 64, 4, 3, "rows"),
                (16, 64, 128, 128, 4, 3, "blocks"), (16, 32, 256, 32, 4, 3, "blocks")]
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(n, d, generator=g) * 3).to(dtype)
@@ -52,10 +51,11 @@ _KERNELS_SCRIPT = """
 
 def test_every_kernel_pair_matches_the_reference_in_triton_interpreter(tmp_path):
     rows = [line.split() for line in run_interpreted(_KERNELS_SCRIPT, tmp_path)]
-    assert len(rows) == 12, rows
+    assert len(rows) == 8, rows
     for kernel, dtype, equal, rel in rows:
-        # blocks: the reference's own arithmetic (one fp32 partial per 32-wide K block, both
-        # scales, block order), bit for bit; tokens and rows sum the exact products of a wider
+        # blocks: the reference's own arithmetic (one partial per 32-wide K block, both scales,
+        # block order), bit for bit where the dot sums in fp32 as the interpreter's does (Hopper's
+        # FP8 dot does not: scripts/probe_fp8_dot.py); tokens sums the exact products of a wider
         # K tile in another order: fp32 rounding only
         if kernel == "blocks":
             assert equal == "True", (kernel, dtype, rel)
@@ -83,9 +83,9 @@ def test_split_pairs_codes_in_triton_interpreter(tmp_path):
 
 
 @pytest.mark.parametrize("config,message", [
-    ((16, 64, 128, 128, 4, 3, "columns"), r"config kernel 'columns' is not one of \('tokens', 'rows', 'blocks'\)"),
+    ((16, 64, 128, 128, 4, 3, "columns"), r"config kernel 'columns' is not one of \('tokens', 'blocks'\)"),
     ((16, 48, 128, 128, 4, 3, "blocks"), r"config BN must be a multiple of 32 .* got 48"),
-    ((8, 64, 128, 128, 4, 3, "rows"), r"the rows kernels' token tile BM must be >= 16 .* got 8"),
+    ((8, 64, 128, 128, 4, 3, "blocks"), r"the blocks kernels' token tile BM must be >= 16 .* got 8"),
 ])
 def test_bad_config_is_refused_before_any_work(config, message):
     e, d, i = 4, 64, 32          # CPU tensors: the check comes before routing, buffers and launches

@@ -283,11 +283,8 @@ def test_mxfp4_moe_every_tile_config(n, dtype):
     assert torch.equal(split.float().view(n, -1, 2, 16).transpose(-1, -2).reshape(n, -1), codes.float())
     for tile in [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 8, 3),
                  (64, 64, 64, 64, 4, 3), (128, 64, 64, 64, 8, 3), (16, 32, 32, 32, 4, 4),
-                 # the rows-first kernels (the sweep's, and one whose 16-token tile a group outgrows)
-                 (16, 64, 128, 128, 4, 3, "rows"), (16, 64, 256, 256, 4, 3, "rows"), (16, 128, 128, 128, 4, 3, "rows"),
-                 (16, 128, 128, 128, 8, 3, "rows"), (16, 64, 128, 128, 4, 4, "rows"), (32, 64, 128, 128, 4, 3, "rows"),
-                 (16, 64, 64, 64, 4, 4, "rows"), (16, 32, 32, 32, 4, 3, "rows"), (16, 128, 256, 256, 4, 3, "rows"),
-                 # rows-first on FP8 dots per 32-wide block (scales as words at BK 128, as bytes below)
+                 # the weight rows first on FP8 dots per 32-wide block (scales as words at BK 128, as
+                 # bytes below; one whose 16-token tile a group outgrows)
                  (16, 64, 128, 128, 4, 3, "blocks"), (16, 128, 128, 128, 4, 3, "blocks"),
                  (16, 128, 128, 128, 8, 3, "blocks"), (32, 128, 128, 128, 4, 3, "blocks"),
                  (16, 64, 64, 64, 4, 3, "blocks"), (16, 32, 32, 32, 4, 3, "blocks")]:

@@ -192,23 +192,15 @@ def _e8m0_words(s_ptr, rows, row_mask, k0, K, NW: tl.constexpr):
 
 
 @triton.jit
-def _fp4_weight_halves(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr,
-                       SCALE_WORDS: tl.constexpr = False):
+def _fp4_weight_halves(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
     """Rows n [BN] (int64), columns k0..k0+BK of an MXFP4 weight: E2M1 packed [N, K/2] (even
     column in the low nibble) with one E8M0 scale per 32 along K (s_ptr [N, K/32]), as bf16
     (even columns, odd columns), each [BN, BK/32, 16]. The bytes are loaded as [BN, BK/32, 16]
-    so each 32-block's 16 bytes share one scale. SCALE_WORDS (BK and K multiples of 128, s_ptr
-    4-byte aligned): the scales are read as int32 words of 4 (_e8m0_words), which also let a
-    rows-first kernel decode in a layout that needs a fourth of the byte shuffles
-    (scripts/offline_sass.py moe_gate_up_rows: 4.85 instructions per code instead of 5.91)."""
+    so each 32-block's 16 bytes share one scale."""
     kb = k0 // 32 + tl.arange(0, BK // 32)
     byte = kb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     p = tl.load(w_ptr + n[:, None, None] * (K // 2) + byte, mask=n_mask[:, None, None], other=0)
-    if SCALE_WORDS:
-        words = _e8m0_words(s_ptr, n, n_mask, k0, K, BK // 128)
-        u = tl.reshape((words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF, (BN, BK // 32))
-    else:
-        u = tl.load(s_ptr + n[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
+    u = tl.load(s_ptr + n[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
     return _e2m1_bytes_to_bf16(p, _e8m0_to_bf16(u)[:, :, None])
 
 

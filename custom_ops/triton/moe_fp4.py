@@ -17,22 +17,20 @@
                    weights.
   down kernel      grid (d/BN, E): the quantized h times w2; each row is stored at its
                    (token, slot) position (x's dtype, as the reference's w2 returns)
-  rows-first       the same two kernels with the weight rows as the MMA's M side and an
-                   expert's few tokens as its N side (_gate_up_rows_kernel, _down_rows_kernel:
-                   a 64-row weight tile fills a Hopper wgmma, whose A operand comes from the
-                   registers the FP4 decode wrote; the tokens-first kernels' 16-token tiles
-                   run mma.sync). They read the even and odd columns as two halves (no
-                   interleave in registers) and the scales as int32 words.
-  blocks           rows-first again, in the reference's own arithmetic (reference.blockwise_gemm):
-                   per 32-wide K block one FP8 wgmma of the codes alone, the E2M1 codes placed
-                   as E4M3 by bit moves (7 instructions per 8 codes, no scale) against the
-                   activation's E4M3 codes, the fp32 partial times the block's two scales,
-                   added in block order (_gate_up_blocks_kernel, _down_blocks_kernel). x and h
-                   travel as codes + per-32 scales, each 32-block's codes in split-pairs order
-                   (its even columns, then its odd ones) so a thread's 4 packed weight bytes
-                   decode straight into its A-fragment registers. Offline SASS: 3.20 / 3.74
-                   instructions per code at BN = 128 (gate_up / down) against the rows
-                   kernels' 4.43 / 4.72.
+  blocks           the weight rows as the MMA's M side and an expert's few tokens as its N
+                   side (a 64-row weight tile fills a Hopper wgmma), in the reference's own
+                   arithmetic (reference.blockwise_gemm): per 32-wide K block one FP8 wgmma of
+                   the codes alone, the E2M1 codes placed as E4M3 by bit moves (7 instructions
+                   per 8 codes, no scale) against the activation's E4M3 codes, the partial times
+                   the block's two scales, added in block order (_gate_up_blocks_kernel,
+                   _down_blocks_kernel). x and h travel as codes + per-32 scales, each 32-block's
+                   codes in split-pairs order (its even columns, then its odd ones) so a thread's
+                   4 packed weight bytes decode straight into its A-fragment registers. Offline
+                   SASS: 3.20 / 3.74 instructions per code at BN = 128 (gate_up / down) against
+                   the tokens kernels' 5.87 / 6.34. Faster than tokens on the H200 but not
+                   bit-close to the reference there (Hopper's FP8 dot does not sum in fp32), so
+                   opt-in (_config). A third pair, the same rows-first layout on bf16 dots, was
+                   slower than both at every batch (twenty-fourth session) and was removed.
   combine (torch)  the topk slots summed in fp32 in ascending expert order: the loop's order.
 
 Pairs routed to an expert held elsewhere (chosen == E) sort past the last group and stay 0.
@@ -45,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..reference import pairs_by_expert
-from .common import (_FLOAT_DTYPES, _TL_DTYPE, _bf16_column_halves, _e8m0_to_fp32, _e8m0_words, _exp2i,
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_to_fp32, _e8m0_words, _exp2i,
                      _fp4_block_e4m3,
                      _fp4_weight_halves, _fp4_weight_tile, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs)
 from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes
@@ -127,61 +125,6 @@ def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
 
 
 @triton.jit
-def _dot_halves(w_ptr, s_ptr, rows, row_mask, k0, K, a_words_ptr, a_rows, a_mask, acc,
-                BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """acc [BN, BT] += W[rows, k0:k0+BK] . A[a_rows, k0:k0+BK]^T, the weight rows as the MMA's
-    M side: its even and odd columns against A's (bf16, read as int32 words) in two dots."""
-    w_even, w_odd = _fp4_weight_halves(w_ptr, s_ptr, rows, row_mask, k0, K, BN, BK, SCALE_WORDS)
-    a_even, a_odd = _bf16_column_halves(a_words_ptr, a_rows, a_mask, k0, K, BT, BK)
-    acc = tl.dot(tl.reshape(w_even, (BN, BK // 2)), tl.trans(a_even), acc)
-    return tl.dot(tl.reshape(w_odd, (BN, BK // 2)), tl.trans(a_odd), acc)
-
-
-@triton.jit
-def _gate_up_rows_kernel(xw_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
-                         HAS_LIMIT: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         X_DTYPE: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """_gate_up_kernel with the weight rows as the MMA's M side (h^T [BN, BT] = W . x^T), so
-    a 64-row weight tile fills a wgmma whatever an expert's few tokens (decode); x as int32
-    words of its quantized bf16 values."""
-    e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
-    gate_rows = e.to(tl.int64) * 2 * I + n
-    up_rows = gate_rows + I
-    for m0 in range(start, end, BT):
-        r, r_mask, tok = _pair_tile(tok_ptr, m0, end, BT)
-        acc_g = tl.zeros([BN, BT], dtype=tl.float32)
-        acc_u = tl.zeros([BN, BT], dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            acc_g = _dot_halves(w_ptr, s_ptr, gate_rows, n_mask, k0, D, xw_ptr, tok, r_mask, acc_g,
-                                BN, BT, BK, SCALE_WORDS)
-            acc_u = _dot_halves(w_ptr, s_ptr, up_rows, n_mask, k0, D, xw_ptr, tok, r_mask, acc_u,
-                                BN, BT, BK, SCALE_WORDS)
-        pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
-        h = _qdq_fp8_blocks(_swiglu_h(tl.trans(acc_g), tl.trans(acc_u), pw, limit, HAS_LIMIT, X_DTYPE), BT, BN)
-        tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16),
-                 mask=r_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _down_rows_kernel(hw_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
-                      BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """_down_kernel with the weight rows as the MMA's M side (out^T [BN, BT] = W2 . h^T); h as
-    int32 words of its bf16 values."""
-    e, start, end, n, n_mask = _expert_tile(offs_ptr, D, BN)
-    rows = e.to(tl.int64) * D + n
-    for m0 in range(start, end, BT):
-        r = m0 + tl.arange(0, BT)
-        r_mask = r < end
-        acc = tl.zeros([BN, BT], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            acc = _dot_halves(w_ptr, s_ptr, rows, n_mask, k0, I, hw_ptr, r.to(tl.int64), r_mask, acc,
-                              BN, BT, BK, SCALE_WORDS)
-        dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
-        tl.store(out_ptr + dest[None, :] * D + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=n_mask[:, None] & r_mask[None, :])
-
-
-@triton.jit
 def _column(t, j: tl.constexpr, NC: tl.constexpr):
     """Column j of t [R, NC] (NC = 1, 2 or 4) as [R]: register moves (tl.split), no loads."""
     if NC == 1:
@@ -243,8 +186,8 @@ def _block_partial(w_ptr, rows, row_mask, kb, K, u, a, sa, acc, BN: tl.constexpr
     codes alone on an FP8 tensor-core dot, W's E2M1 codes as E4M3 (common._fp4_block_e4m3)
     [BN, 32] . the activation's codes a [BT, 32]^T, times the two power-of-two scales (u: W's
     E8M0 bytes [BN]; sa [BT]). The products are exact; the sum inside the dot is not fp32 on
-    Hopper (its FP8 MMA aligns the products to fewer bits), so the partial can differ from the
-    reference's in its last bits (Triton's interpreter, summing in fp32, matches it bit for bit)."""
+    Hopper (scripts/probe_fp8_dot.py), so the partial can differ from the reference's in its
+    last bits (Triton's interpreter, summing in fp32, matches it bit for bit)."""
     w = _fp4_block_e4m3(w_ptr, rows, row_mask, kb, K, BN)
     return acc + tl.dot(w, tl.trans(a)) * (_e8m0_to_fp32(u)[:, None] * sa[None, :])
 
@@ -323,18 +266,17 @@ def mxfp4_moe_supported(x, weights, chosen, w13, s13, w2, s2) -> bool:
     return fp8_capable(x.device)
 
 
-KERNELS = ("tokens", "rows", "blocks")
+KERNELS = ("tokens", "blocks")
 
 
 def _config(pairs_per_expert: float):
     """(BM, BN, BK_gate_up, BK_down, num_warps, num_stages, kernel) by the expected rows per
     expert (decode: 4 warps; at 64 tokens on the H200 801 us against 8 warps' 1010 us in one
     sweep, tenth session). kernel: "tokens" (_gate_up_kernel, _down_kernel: BM pairs as the
-    MMA's M side), "rows" (the _rows kernels: the weight rows as the M side, BM pairs as its N
-    side) or "blocks" (the _blocks kernels: rows-first on FP8 dots per 32-wide K block).
-    Measured on the H200 (twenty-fourth session, 48 experts, top-6): blocks (BN 64) 163.6 /
-    427.4 / 794.6 us at 1 / 8 / 64 tokens against tokens' 193.0 / 502.1 / 812.9 and rows' 363.7 /
-    725.0 / 1346.2; tokens stays the default because Hopper's FP8 dot sums a block's 32 products
+    MMA's M side) or "blocks" (the _blocks kernels: the weight rows as the M side, BM pairs as
+    its N side, FP8 dots per 32-wide K block). Measured on the H200 (twenty-fourth session, 48
+    experts, top-6): blocks (BN 64) 163.6 / 427.4 / 794.6 us at 1 / 8 / 64 tokens against
+    tokens' 193.0 / 502.1 / 812.9; tokens stays the default because Hopper's FP8 dot sums a block's 32 products
     more coarsely than fp32: blocks leaves 71 % of bf16 outputs bit-equal to the reference (rel
     1.1e-3; tokens 99.9 %, 5e-5). config=(16, 64, 128, 128, 4, 3, "blocks") opts in."""
     if pairs_per_expert <= 16:
@@ -350,7 +292,7 @@ def kernel_of(config) -> str:
 
 
 def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
-    """Whether a kernel may read these E8M0 scales as int32 words (common._fp4_weight_halves)."""
+    """Whether the blocks kernels may read these E8M0 scales as int32 words (common._e8m0_words)."""
     return bk % 128 == 0 and k % 128 == 0 and scales.data_ptr() % 4 == 0
 
 
@@ -368,8 +310,8 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     if bn % 32:
         raise ValueError(f"mxfp4_moe: config BN must be a multiple of 32 (the gate_up epilogue quantizes h "
                          f"per 32 columns of its tile), got {bn}")
-    if kernel != "tokens" and bm < 16:
-        raise ValueError(f"mxfp4_moe: the {kernel} kernels' token tile BM must be >= 16 (the MMA's N side), got {bm}")
+    if kernel == "blocks" and bm < 16:
+        raise ValueError(f"mxfp4_moe: the blocks kernels' token tile BM must be >= 16 (the MMA's N side), got {bm}")
     _, pair_w, perm, offs = pairs_by_expert(weights, chosen, e)
     tok = (perm // k).to(torch.int32)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
@@ -391,16 +333,9 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     else:
         xq = quantize_rows(x.contiguous())
         h = torch.empty((n * k, i), device=x.device, dtype=torch.bfloat16)   # quantized values
-        if kernel == "rows":    # the bf16 activations as int32 words (two columns each)
-            _gate_up_rows_kernel[grid_up](
-                xq.view(torch.int32), tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
-                BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], SCALE_WORDS=_scale_words(s13, d, bk1), **launch)
-            _down_rows_kernel[grid_down](h.view(torch.int32), dest, offs, w2, s2, pairs, d, i, BT=bm, BN=bn,
-                                         BK=bk2, SCALE_WORDS=_scale_words(s2, i, bk2), **launch)
-        else:
-            _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
-                                     BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
-            _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
+        _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
+                                 BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
+        _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
     pairs = pairs.view(n, k, d)
     y = torch.zeros((n, d), device=x.device, dtype=torch.float32)
     for j in range(k):                                                 # fp32, ascending expert id

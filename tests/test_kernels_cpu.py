@@ -1,0 +1,114 @@
+"""tests/test_kernels_cuda.py's kernels on the CPU, in Triton's interpreter with the PTX decodes
+replaced by their stand-ins (tests/triton_ptx_doubles.py; the PTX itself:
+tests/test_ptx_decodes_cpu.py), against the reference ops, at small sizes:
+- sparse attention: the head-tile and the all-heads tile kernels, unsplit and split (+ the
+  combine kernel), with and without prefetch, over FP8 ring rows, fresh rows, FP4 global rows, -1
+  padding and a token with nothing to attend to;
+- the three cache writes (FP8 window ring, FP4 global, FP4 index keys), bit for bit, with a
+  skipped slot;
+- the lightning indexer's scores read from the FP4 key cache (bit for bit) and its one-launch
+  top-k (the reference's ids: ties to the lower column, -0 equal to +0, -inf last);
+- RMSNorm (fp32 math; within rounding of the reference).
+They catch an indexing, masking or online-softmax mistake without a GPU; the CUDA tests run the
+same kernels at the model's widths. Not here: the Engram gather (its pinned-host table path
+hands Triton a raw host pointer the interpreter cannot read) and the fused wkv + RMSNorm and RoPE
+kernels."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="the kernels are Triton's; its interpreter runs them on the CPU")
+
+from triton_interpreter import run_interpreted  # noqa: E402
+
+_ATTENTION_SCRIPT = """
+    import torch
+    import triton_ptx_doubles
+    triton_ptx_doubles.install()
+    from v41graph.custom_ops import ops
+    from v41graph.custom_ops.triton import attention
+    from test_kernels_cuda import _attn_inputs
+    attention._num_sms = lambda device: 132          # the launch rules ask the GPU's SM count
+    g = torch.Generator().manual_seed(3)
+    n, h, d, w, kg = 3, 16, 128, 40, 50
+    for dtype in (torch.bfloat16, torch.float32):
+        inputs = _attn_inputs(n, h, d, w, kg, dtype, g, slots=4, ring_w=16, cache_rows=90)
+        want = ops.sparse_attention(*inputs, d ** -0.5)
+        variants = [dict(kernel="heads"), dict(kernel="heads", n_split=3),
+                    dict(kernel="heads", ptx_decode=False, prefetch=False)]
+        if dtype == torch.bfloat16:
+            variants += [dict(kernel="tile", n_split=1), dict(kernel="tile", n_split=3),
+                         dict(kernel="tile", block_s=16, n_split=2)]
+        for v in variants:
+            out = attention.sparse_attention(*inputs, d ** -0.5, **v)
+            rel = ((out.float() - want.float()).norm() / want.float().norm()).item()
+            empty = bool(torch.equal(out[1], torch.zeros_like(out[1])))
+            print(str(dtype), ",".join(f"{k}={v[k]}" for k in v), rel, empty)
+"""
+
+
+def test_attention_kernels_match_the_reference_in_triton_interpreter(tmp_path):
+    rows = [line.split() for line in run_interpreted(_ATTENTION_SCRIPT, tmp_path)]
+    assert len(rows) == 9, rows
+    for dtype, variant, rel, empty in rows:
+        # bf16: P is rounded to bf16 per row block (the kernels' 32 rows, the reference's 64)
+        assert float(rel) < (1e-2 if dtype == "torch.bfloat16" else 1e-5), (dtype, variant, rel)
+        # token 1 sees no row: its output is exactly 0 (the denominator is the sink term alone)
+        assert empty == "True", (dtype, variant)
+
+
+_CACHE_AND_INDEXER_SCRIPT = """
+    import torch
+    from v41graph.custom_ops import codecs, reference
+    from v41graph.custom_ops.triton import cache_writes, indexer, norms
+    g = torch.Generator().manual_seed(7)
+    writes = {"window": (cache_writes.window_kv_write, reference.window_kv_write, 1, 32),
+              "global": (cache_writes.global_kv_write, reference.global_kv_write, 2, 16),
+              "index": (cache_writes.index_k_write, reference.index_k_write, 2, 32)}
+    d, n = 128, 9
+    for kind, (kernel, ref_write, per_byte, per_scale) in writes.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            cache = torch.randint(0, 256, (3, 16, d // per_byte), dtype=torch.uint8, generator=g)
+            scale = torch.randint(0, 256, (3, 16, d // per_scale), dtype=torch.uint8, generator=g)
+            x = (torch.randn(n, d, generator=g) * torch.logspace(-3, 2, n)[:, None]).to(dtype)
+            slots = torch.randperm(48, generator=g)[:n]
+            slots[2] = -1                                # skipped: its slot keeps its bytes
+            want_c, want_s = cache.clone(), scale.clone()
+            ref_write(want_c, want_s, x, slots)
+            got_c, got_s = cache.clone(), scale.clone()
+            kernel(got_c, got_s, x, slots)
+            print("write", kind, str(dtype), torch.equal(got_c, want_c) and torch.equal(got_s, want_s))
+    n, h, d, c = 3, 16, 32, 70
+    for dtype in (torch.bfloat16, torch.float32):
+        keys = torch.randn(2 * c + 5, d, generator=g) * torch.logspace(-2, 2, 2 * c + 5).unsqueeze(-1)
+        kc, ks = codecs.quant_fp4_ue8m0(keys, 32)
+        q = codecs.qdq_fp4_ue8m0(torch.randn(n, h, d, generator=g), 32).to(dtype)
+        w = (torch.randn(n, h, generator=g) * 0.1).to(dtype)
+        rows = torch.randint(-1, 2 * c + 5, (n, c), generator=g)
+        visible = (torch.rand(n, c, generator=g) > 0.2) & (rows >= 0)
+        want = reference.indexer_scores(q, w, reference.gather_index_k(kc, ks, rows, dtype), visible)
+        print("scores", "indexer", str(dtype), torch.equal(indexer.indexer_scores(q, w, kc, ks, rows, visible), want))
+    for kind in ("randn", "ties", "mostly_inf", "signed_zeros"):
+        s = torch.randn(3, 300, generator=g)
+        if kind == "ties":
+            s = torch.randint(0, 5, (3, 300), generator=g).float()
+        if kind == "mostly_inf":
+            s[torch.rand(3, 300, generator=g) < 0.7] = float("-inf")
+        if kind == "signed_zeros":                   # -0 ranks equal to +0 (ties to the lower column)
+            s = torch.zeros(3, 300)
+            s[:, ::3] = -0.0
+            s[:, 1::7] = -1.0
+        print("topk", kind, "k40", torch.equal(indexer.topk_ascending(s, 40), reference.topk_ascending(s, 40)))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(5, 128, generator=g) * 3).to(dtype)
+        w = torch.rand(128, generator=g) + 0.5
+        out, want = norms.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6)
+        rel = ((out.double() - want.double()).norm() / want.double().norm()).item()
+        print("rms_norm", "rows", str(dtype), rel < (4e-3 if dtype == torch.bfloat16 else 1e-6))
+"""
+
+
+def test_cache_writes_indexer_and_norm_kernels_match_the_reference_in_triton_interpreter(tmp_path):
+    rows = [line.split() for line in run_interpreted(_CACHE_AND_INDEXER_SCRIPT, tmp_path)]
+    assert len(rows) == 14, rows
+    assert all(ok == "True" for *_, ok in rows), [r for r in rows if r[-1] != "True"]
