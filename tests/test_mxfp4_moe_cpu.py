@@ -20,7 +20,6 @@ from triton_interpreter import run_interpreted  # noqa: E402
 from v41graph.custom_ops.triton import moe_fp4, quant_gemm  # noqa: E402
 
 _KERNELS_SCRIPT = """
-    import sys
     import torch
     import triton_ptx_doubles
     triton_ptx_doubles.install()

@@ -43,9 +43,8 @@ import triton
 import triton.language as tl
 
 from ..reference import pairs_by_expert
-from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_to_fp32, _e8m0_words, _exp2i,
-                     _fp4_block_e4m3,
-                     _fp4_weight_halves, _fp4_weight_tile, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs)
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_to_fp32, _e8m0_words, _exp2i, _fp4_block_e4m3,
+                     _fp4_weight_tile, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs)
 from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes
 
 
@@ -182,8 +181,8 @@ def _codes_block(c_ptr, rows, row_mask, kb, K):
 
 @triton.jit
 def _block_partial(w_ptr, rows, row_mask, kb, K, u, a, sa, acc, BN: tl.constexpr):
-    """acc [BN, BT] + reference.blockwise_gemm's term of K block kb: one fp32 partial of the
-    codes alone on an FP8 tensor-core dot, W's E2M1 codes as E4M3 (common._fp4_block_e4m3)
+    """acc [BN, BT] + reference.blockwise_gemm's term of K block kb: one partial of the codes
+    alone on an FP8 tensor-core dot, W's E2M1 codes as E4M3 (common._fp4_block_e4m3)
     [BN, 32] . the activation's codes a [BT, 32]^T, times the two power-of-two scales (u: W's
     E8M0 bytes [BN]; sa [BT]). The products are exact; the sum inside the dot is not fp32 on
     Hopper (scripts/probe_fp8_dot.py), so the partial can differ from the reference's in its
@@ -276,9 +275,10 @@ def _config(pairs_per_expert: float):
     MMA's M side) or "blocks" (the _blocks kernels: the weight rows as the M side, BM pairs as
     its N side, FP8 dots per 32-wide K block). Measured on the H200 (twenty-fourth session, 48
     experts, top-6): blocks (BN 64) 163.6 / 427.4 / 794.6 us at 1 / 8 / 64 tokens against
-    tokens' 193.0 / 502.1 / 812.9; tokens stays the default because Hopper's FP8 dot sums a block's 32 products
-    more coarsely than fp32: blocks leaves 71 % of bf16 outputs bit-equal to the reference (rel
-    1.1e-3; tokens 99.9 %, 5e-5). config=(16, 64, 128, 128, 4, 3, "blocks") opts in."""
+    tokens' 193.0 / 502.1 / 812.9. tokens stays the default because Hopper's FP8 dot does not
+    sum a block's 32 products in fp32: blocks leaves 71 % of bf16 outputs bit-equal to the
+    reference (rel 1.1e-3; tokens 99.9 %, 5e-5). config=(16, 64, 128, 128, 4, 3, "blocks")
+    opts in."""
     if pairs_per_expert <= 16:
         return 16, 64, 128, 128, 4, 3, "tokens"
     if pairs_per_expert <= 64:
