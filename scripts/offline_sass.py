@@ -111,25 +111,22 @@ def compile_kernel(name: str, overrides: dict, warps: int, stages: int, maxnreg:
     return compiled, codes_per_iteration(constexprs)
 
 
-def _cuobjdump() -> Path:
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """`cuobjdump <flag>` (the one that comes with Triton's wheel) over a compiled kernel."""
     import triton
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path("/tmp/offline_sass.cubin")
+    path.write_bytes(cubin)
+    return subprocess.run([str(tool), flag, str(path)], capture_output=True, text=True, check=True).stdout
 
 
 def resources_of(cubin: bytes) -> str:
-    """Registers per thread, stack and local (spill) bytes, shared memory: `cuobjdump -res-usage`."""
-    path = Path("/tmp/offline_sass.cubin")
-    path.write_bytes(cubin)
-    out = subprocess.run([str(_cuobjdump()), "-res-usage", str(path)], capture_output=True, text=True,
-                         check=True).stdout
-    return " ".join(re.findall(r"(?:REG|STACK|SHARED|LOCAL):\d+", out))
+    """Registers per thread, stack and local (spill) bytes, shared memory."""
+    return " ".join(re.findall(r"(?:REG|STACK|SHARED|LOCAL):\d+", _cuobjdump(cubin, "-res-usage")))
 
 
 def sass_of(cubin: bytes) -> str:
-    tool = _cuobjdump()
-    path = Path("/tmp/offline_sass.cubin")
-    path.write_bytes(cubin)
-    return subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    return _cuobjdump(cubin, "-sass")
 
 
 def mma_loops(sass: str) -> list[list[str]]:

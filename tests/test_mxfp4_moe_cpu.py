@@ -85,6 +85,8 @@ def test_split_pairs_codes_in_triton_interpreter(tmp_path):
     ((16, 64, 128, 128, 4, 3, "columns"), r"config kernel 'columns' is not one of \('tokens', 'blocks'\)"),
     ((16, 48, 128, 128, 4, 3, "blocks"), r"config BN must be a multiple of 32 .* got 48"),
     ((8, 64, 128, 128, 4, 3, "blocks"), r"the blocks kernels' token tile BM must be >= 16 .* got 8"),
+    ((16, 64, 128, 128), r"config must be \(BM, BN, BK_gate_up, BK_down, num_warps, num_stages\[, kernel\]\), "
+                         r"got \(16, 64, 128, 128\)"),
 ])
 def test_bad_config_is_refused_before_any_work(config, message):
     e, d, i = 4, 64, 32          # CPU tensors: the check comes before routing, buffers and launches

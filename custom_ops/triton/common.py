@@ -181,17 +181,6 @@ def _e8m0_to_bf16(u):
 
 
 @triton.jit
-def _e8m0_words(s_ptr, rows, row_mask, k0, K, NW: tl.constexpr):
-    """Rows' E8M0 scales (one byte per 32 along K, s_ptr [N, K/32]) of columns k0..k0+128*NW
-    as int32 words of four [R, NW] (K and k0 multiples of 128, s_ptr 4-byte aligned): Triton's
-    pipeliner copies word loads ahead like the weight bytes, where single bytes it loads in the
-    loop and waits on. Masked rows read scale 1 (bytes 127)."""
-    wi = k0 // 128 + tl.arange(0, NW)
-    return tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 128) + wi[None, :],
-                   mask=row_mask[:, None], other=0x7F7F7F7F)
-
-
-@triton.jit
 def _fp4_weight_halves(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
     """Rows n [BN] (int64), columns k0..k0+BK of an MXFP4 weight: E2M1 packed [N, K/2] (even
     column in the low nibble) with one E8M0 scale per 32 along K (s_ptr [N, K/32]), as bf16

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..reference import pairs_by_expert
-from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_to_fp32, _e8m0_words, _exp2i, _fp4_block_e4m3,
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_to_fp32, _exp2i, _fp4_block_e4m3,
                      _fp4_weight_tile, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs)
 from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes
 
@@ -147,10 +147,13 @@ def _column(t, j: tl.constexpr, NC: tl.constexpr):
 
 @triton.jit
 def _scale_words_at(s_ptr, rows, row_mask, k0, K, SCALE_WORDS: tl.constexpr):
-    """SCALE_WORDS (BK = 128): rows' four E8M0 scales of k0..k0+128 as one int32 word each [BN]
-    (common._e8m0_words; _scale_byte takes them apart); else 0 (_scale_byte loads bytes)."""
+    """SCALE_WORDS (BK = 128, K % 128 == 0, s_ptr 4-byte aligned): rows' four E8M0 scales of
+    k0..k0+128 as one int32 word each [BN] (_scale_byte takes them apart): Triton's pipeliner
+    copies word loads ahead like the weight bytes, where single bytes it loads in the loop and
+    waits on. Masked rows read scale 1 (bytes 127). Else 0 (_scale_byte loads bytes)."""
     if SCALE_WORDS:
-        return _column(_e8m0_words(s_ptr, rows, row_mask, k0, K, 1), 0, 1)
+        return tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + rows * (K // 128) + k0 // 128, mask=row_mask,
+                       other=0x7F7F7F7F)
     else:
         return 0
 
@@ -292,7 +295,7 @@ def kernel_of(config) -> str:
 
 
 def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
-    """Whether the blocks kernels may read these E8M0 scales as int32 words (common._e8m0_words)."""
+    """Whether the blocks kernels may read these E8M0 scales as int32 words (_scale_words_at)."""
     return bk % 128 == 0 and k % 128 == 0 and scales.data_ptr() % 4 == 0
 
 
@@ -303,6 +306,9 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
     e, two_i, _ = w13.shape
     i, d = two_i // 2, x.shape[1]
     config = config or _config(n * k / e)
+    if len(config) not in (6, 7):
+        raise ValueError(f"mxfp4_moe: config must be (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, kernel]), "
+                         f"got {config!r}")
     kernel = kernel_of(config)
     bm, bn, bk1, bk2, warps, stages = config[:6]
     if kernel not in KERNELS:
