@@ -561,7 +561,7 @@ def pairs_by_expert(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int)
     pair_w [N*topk] fp32: each pair's routing weight; perm [N*topk]: the pairs sorted by expert,
     stable; offs [n_experts] int32: cumulative group ends, from a searchsorted rather than a
     bincount, so no data-dependent shape). Experts >= n_experts sort past the last group."""
-    ids, order = chosen.sort(dim=-1)
+    ids, order = chosen.sort(dim=-1, stable=True)     # equal ids (held elsewhere) keep slot order
     pair_w = weights.gather(1, order).reshape(-1).to(torch.float32)
     flat = ids.reshape(-1)
     perm = torch.argsort(flat, stable=True)

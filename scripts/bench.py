@@ -57,16 +57,18 @@ from v41graph.tools.profiling import profile_steps
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
             "v41graph-noP6", "v41graph-noRMS", "v41graph-inductor", "v41graph-bf16cache",
             "v41graph-engram-host", "v41graph-sorttopk", "v41graph-headsattn",
-            "v41graph-tilesfp8", "v41graph-blocksfp8")
+            "v41graph-tilesfp8", "v41graph-blocksfp8", "v41graph-torchrouting")
 # variant -> the environment it runs under (read by the CUDA ops at every call, so a capture
 # takes it): one kernel's share of the whole step, before / after in one run. sorttopk: the
 # indexer's top-k as the torch reference; headsattn: sparse attention by the head-tile kernel
 # instead of the all-heads tile kernel; tilesfp8 / blocksfp8: every decode fp8_linear by the
-# tiles / blocks kernel
+# tiles / blocks kernel; torchrouting: the released MoE's routing and combine as torch ops
+# instead of its route and combine kernels
 VARIANT_ENV = {"v41graph-sorttopk": {"V41GRAPH_DISABLE_TRITON": "topk_ascending"},
                "v41graph-headsattn": {"V41GRAPH_ATTN_KERNEL": "heads"},
                "v41graph-tilesfp8": {"V41GRAPH_FP8_KERNEL": "tiles"},
-               "v41graph-blocksfp8": {"V41GRAPH_FP8_KERNEL": "blocks"}}
+               "v41graph-blocksfp8": {"V41GRAPH_FP8_KERNEL": "blocks"},
+               "v41graph-torchrouting": {"V41GRAPH_MOE_ROUTING": "torch"}}
 DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",),
            "v41graph-noRMS": ("fuse_rmsnorm",)}
 # v41graph with its stream-free segments compiled by Inductor (compile(inductor_segments=True))
@@ -349,7 +351,8 @@ def run_variant(model, variant, batches, contexts, prefill, args, device, bw) ->
                          if args.out else None)
                 profile = (profile_step(step, device, trace=trace)
                            if (device == "cuda" or args.profile_cpu) and args.profile
-                           and batch == max(batches) and context == max(contexts) else None)
+                           and (args.profile_all or batch == max(batches)) and context == max(contexts)
+                           else None)
             first = False
             med = statistics.median(ms)
             fb = floor_bytes(model, batch, context)
@@ -407,6 +410,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="no profile of the largest batch and context (by default on CUDA: kernel classes "
                          "in bench.json and a Chrome trace per variant, --out/trace_<variant>_b<B>_ctx<C>.json)")
+    ap.add_argument("--profile-all", action="store_true",
+                    help="profile every batch at the largest context, not only the largest batch")
     ap.add_argument("--profile-cpu", action="store_true",
                     help="profile on the CPU too (the op-by-op trace of uncaptured steps)")
     ap.add_argument("--no-shared-decode-graph", dest="shared", action="store_false",

@@ -5,6 +5,9 @@ PTX itself: tests/test_ptx_decodes_cpu.py):
   longer than a token tile, an expert no token picked, tile tails in both widths;
 - the split-pairs order of the activation codes (quantize_rows_codes(split_pairs=True)): each
   32-block's even columns, then its odd ones, the scales unchanged;
+- the route and combine kernels (and the torch combine of $V41GRAPH_MOE_ROUTING=torch) against
+  the torch routing (reference.pairs_by_expert) and the reference's loop, bit for bit, with experts held elsewhere (id = E), repeated ids and more
+  pairs than one program takes;
 - a bad tuning config or codes dtype is refused with the field and the rule, before anything
   is allocated or launched.
 The CUDA tests run the same kernels on the GPU; these catch an indexing, layout or epilogue
@@ -62,6 +65,44 @@ def test_every_kernel_pair_matches_the_reference_in_triton_interpreter(tmp_path)
             assert float(rel) < 1e-6, (kernel, dtype, rel)
 
 
+_ROUTE_SCRIPT = """
+    import os
+    import torch
+    from v41graph.custom_ops import reference
+    from v41graph.custom_ops.triton import moe_fp4
+    g = torch.Generator().manual_seed(3)
+    e, d = 5, 96
+    for n, k in ((1, 6), (13, 3), (50, 6)):          # 6, 39, 300 pairs: one program, tails, five
+        chosen = torch.rand(n, e + 1, generator=g).argsort(dim=-1)[:, :k].contiguous()   # id e: elsewhere
+        chosen[n // 2, :2] = e                       # two slots held elsewhere in one token
+        chosen[-1, 1] = chosen[-1, 0] = min(int(chosen[-1, 0]), e - 1)   # a repeated id
+        weights = torch.rand(n, k, generator=g).to(torch.bfloat16)
+        ids, pair_w, perm, offs = reference.pairs_by_expert(weights, chosen, e)
+        tok, pw, dest, ids_k, offs_k = moe_fp4.route_pairs(weights, chosen, e)
+        used = int(offs[-1])                         # pairs past the last group are never read
+        route_ok = (torch.equal(offs_k, offs) and torch.equal(dest[:used].long(), perm[:used])
+                    and torch.equal(tok[:used].long(), perm[:used] // k) and torch.equal(pw[:used], pair_w[perm][:used])
+                    and torch.equal(ids_k.long(), ids.reshape(-1)))
+        pairs = torch.randn(n * k, d, generator=g).to(torch.bfloat16)
+        pairs[ids.reshape(-1) >= e] = float("nan")   # rows of held-elsewhere pairs are never written
+        want = torch.zeros(n, d)
+        for j in range(k):
+            want = want + torch.where(ids[:, j, None] < e, pairs.view(n, k, d)[:, j].float(), 0.0)
+        got = moe_fp4.combine_pairs(pairs, ids_k, e, k)
+        os.environ["V41GRAPH_MOE_ROUTING"] = "torch"     # bench.py's before variant: torch ops
+        got_torch = moe_fp4.combine_pairs(pairs, ids_k, e, k)
+        del os.environ["V41GRAPH_MOE_ROUTING"]
+        print(n * k, "route", route_ok, "combine", torch.equal(got, want), torch.equal(got_torch, want))
+"""
+
+
+def test_route_and_combine_kernels_match_torch_in_triton_interpreter(tmp_path):
+    rows = [line.split() for line in run_interpreted(_ROUTE_SCRIPT, tmp_path)]
+    assert [r[0] for r in rows] == ["6", "39", "300"], rows
+    for r in rows:
+        assert r[1:] == ["route", "True", "combine", "True", "True"], r
+
+
 _SPLIT_PAIRS_SCRIPT = """
     import torch
     from v41graph.custom_ops.triton import quant_gemm
@@ -101,3 +142,13 @@ def test_quantize_rows_codes_refuses_other_code_dtypes():
     with pytest.raises(ValueError, match=r"codes_dtype must be torch.float16 or torch.float8_e4m3fn, got torch.bfloat16"):
         quant_gemm.quantize_rows_codes(torch.zeros(2, 64), torch.bfloat16)
 
+
+
+def test_bad_moe_routing_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("V41GRAPH_MOE_ROUTING", "sort")
+    with pytest.raises(ValueError, match=r"V41GRAPH_MOE_ROUTING must be 'kernels' or 'torch', got 'sort'"):
+        moe_fp4.routing_in_torch(6)
+    monkeypatch.setenv("V41GRAPH_MOE_ROUTING", "torch")
+    assert moe_fp4.routing_in_torch(6)
+    monkeypatch.delenv("V41GRAPH_MOE_ROUTING")
+    assert not moe_fp4.routing_in_torch(6) and moe_fp4.routing_in_torch(moe_fp4.ROUTE_KERNEL_MAX_PAIRS + 1)

@@ -1,8 +1,9 @@
 """mxfp4_moe on CUDA: the routed experts of one MoE over their stacked MXFP4 checkpoint bytes
 (imported lazily by cuda_impls.py).
 
-  routing (torch)  reference.pairs_by_expert: the N*topk (token, expert) pairs sorted by
-                   expert, group ends as a fixed [E] int32 tensor (no host sync: captures)
+  route kernel     reference.pairs_by_expert in one launch (_route_kernel): the N*topk (token,
+                   expert) pairs sorted by expert, group ends as a fixed [E] int32 tensor (no
+                   host sync: captures); in torch above ROUTE_KERNEL_MAX_PAIRS
   x quantized     once, per 32 to FP8 (quant_gemm's row kernel; bf16 holds the values exactly),
                    not once per output tile: at decode sizes the redundant quantization cost
                    about as many instructions per weight code as the FP4 decode itself
@@ -31,12 +32,15 @@
                    bit-close to the reference there (Hopper's FP8 dot does not sum in fp32), so
                    opt-in (_config). A third pair, the same rows-first layout on bf16 dots, was
                    slower than both at every batch (twenty-fourth session) and was removed.
-  combine (torch)  the topk slots summed in fp32 in ascending expert order: the loop's order.
+  combine kernel   the topk slots summed in fp32 in ascending expert order: the loop's order.
 
-Pairs routed to an expert held elsewhere (chosen == E) sort past the last group and stay 0.
+Pairs routed to an expert held elsewhere (chosen == E) sort past the last group; the combine
+adds them as zeros.
 The tile table comes from scripts/bench_ops.py --only quant on the H200.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -254,6 +258,121 @@ def _down_blocks_kernel(hc_ptr, hs_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_pt
                  mask=n_mask[:, None] & r_mask[None, :])
 
 
+# =============================================================================== routing, combine
+@triton.jit
+def _route_kernel(chosen_ptr, weights_ptr, tok_ptr, pw_ptr, dest_ptr, ids_ptr, offs_ptr, P, E,
+                  K: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr):
+    """reference.pairs_by_expert in one launch, for BQ of the P = N*K (token, slot) pairs q per
+    program. The sorted pair list is a stable sort of the flat ids by expert: pair q goes to
+    position #{q' : id(q') < id(q)} + #{q' < q : id(q') == id(q)}, counted against all P
+    (a [BQ, BP] compare per step: P is small at decode, and the kernel replaces ~12 torch
+    launches). At that position: its token, its routing weight (fp32) and its pair index
+    dest = token * K + its rank among the token's ids (ascending, ties by slot: the combine
+    order). ids [P]: each pair index's expert (the combine masks experts held elsewhere).
+    Program 0 also writes offs [E]: #{q : id(q) <= e}, the groups' ends."""
+    q = tl.program_id(0) * BQ + tl.arange(0, BQ)
+    q_mask = q < P
+    e = tl.load(chosen_ptr + q, mask=q_mask, other=0).to(tl.int64)
+    t = q // K
+    j = q % K
+    rank = tl.zeros([BQ], dtype=tl.int32)
+    for j2 in tl.static_range(K):
+        c2 = tl.load(chosen_ptr + t * K + j2, mask=q_mask, other=0).to(tl.int64)
+        rank += ((c2 < e) | ((c2 == e) & (j2 < j))).to(tl.int32)
+    pos = tl.zeros([BQ], dtype=tl.int32)
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        c = tl.load(chosen_ptr + p, mask=p < P, other=0).to(tl.int64)[None, :]
+        before = (c < e[:, None]) | ((c == e[:, None]) & (p[None, :] < q[:, None]))
+        pos += tl.sum((before & (p < P)[None, :]).to(tl.int32), axis=1)
+    w = tl.load(weights_ptr + q, mask=q_mask, other=0.0).to(tl.float32)
+    tl.store(tok_ptr + pos, t.to(tl.int32), mask=q_mask)
+    tl.store(pw_ptr + pos, w, mask=q_mask)
+    tl.store(dest_ptr + pos, (t * K + rank).to(tl.int32), mask=q_mask)
+    tl.store(ids_ptr + t * K + rank, e.to(tl.int32), mask=q_mask)
+    if tl.program_id(0) == 0:
+        for e0 in range(0, E, BE):
+            ee = e0 + tl.arange(0, BE)
+            count = tl.zeros([BE], dtype=tl.int32)
+            for p0 in range(0, P, BP):
+                p = p0 + tl.arange(0, BP)
+                c = tl.load(chosen_ptr + p, mask=p < P, other=0).to(tl.int64)[None, :]
+                count += tl.sum(((c <= ee[:, None]) & (p < P)[None, :]).to(tl.int32), axis=1)
+            tl.store(offs_ptr + ee, count, mask=ee < E)
+
+
+@triton.jit
+def _combine_kernel(pairs_ptr, ids_ptr, y_ptr, D, E, K: tl.constexpr, BD: tl.constexpr):
+    """y[t] = the token's K pair rows (x's dtype) summed in fp32 from +0, pair by pair in their
+    order (ascending expert): the reference's loop, add for add. A pair whose expert is held
+    elsewhere (id >= E) adds +0, as the reference's zero row does."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    d_mask = d < D
+    y = tl.zeros([BD], dtype=tl.float32)
+    for r in tl.static_range(K):
+        here = tl.load(ids_ptr + t * K + r) < E
+        y = y + tl.load(pairs_ptr + (t * K + r) * D + d, mask=d_mask & here, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * D + d, y, mask=d_mask)
+
+
+# Above this many pairs the routing goes through torch (reference.pairs_by_expert): the route
+# kernel's count is quadratic in the pairs (at 4096 tokens x top-6 it compares 0.6 G pairs).
+ROUTE_KERNEL_MAX_PAIRS = 8192
+
+
+def routing_in_torch(pairs: int) -> bool:
+    """Whether routing and combine run as torch ops: above ROUTE_KERNEL_MAX_PAIRS, or where
+    $V41GRAPH_MOE_ROUTING is "torch" (bench.py's before / after variant; read at every call, so
+    a capture takes it). Default "kernels"."""
+    value = os.environ.get("V41GRAPH_MOE_ROUTING") or "kernels"
+    if value not in ("kernels", "torch"):
+        raise ValueError(f"V41GRAPH_MOE_ROUTING must be 'kernels' or 'torch', got {value!r}")
+    return value == "torch" or pairs > ROUTE_KERNEL_MAX_PAIRS
+
+
+def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int):
+    """(tok, pw, dest, ids, offs): the routing of reference.pairs_by_expert as the kernels read
+    it, the pairs sorted by expert: each pair's token [P] int32, routing weight [P] fp32, pair
+    index [P] int32 (token * topk + rank among its ids); ids [P] int32: the expert of each pair
+    index; offs [n_experts] int32: the groups' ends. One launch (_route_kernel) unless
+    routing_in_torch."""
+    n, k = chosen.shape
+    p = n * k
+    if routing_in_torch(p):
+        ids, pair_w, perm, offs = pairs_by_expert(weights, chosen, n_experts)
+        return ((perm // k).to(torch.int32), pair_w[perm].contiguous(), perm.to(torch.int32),
+                ids.reshape(-1).to(torch.int32), offs)
+    dev = chosen.device
+    tok = torch.empty(p, device=dev, dtype=torch.int32)
+    pw = torch.empty(p, device=dev, dtype=torch.float32)
+    dest = torch.empty(p, device=dev, dtype=torch.int32)
+    ids = torch.empty(p, device=dev, dtype=torch.int32)
+    offs = torch.empty(n_experts, device=dev, dtype=torch.int32)
+    bq = 64
+    _route_kernel[(triton.cdiv(p, bq),)](chosen.contiguous(), weights.contiguous(), tok, pw, dest, ids, offs,
+                                         p, n_experts, K=k, BQ=bq, BP=64, BE=64, num_warps=4)
+    return tok, pw, dest, ids, offs
+
+
+def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: int) -> torch.Tensor:
+    """[N, d] fp32: each token's topk pair rows of pairs [N*topk, d] summed in fp32 in pair
+    order, rows whose expert (ids) is held elsewhere as zeros (reference.mxfp4_moe's combine).
+    One launch (_combine_kernel) unless routing_in_torch."""
+    d = pairs.shape[1]
+    n = pairs.shape[0] // topk
+    if routing_in_torch(n * topk):
+        rows = torch.where((ids < n_experts)[:, None], pairs, 0.0).view(n, topk, d)
+        y = torch.zeros((n, d), device=pairs.device, dtype=torch.float32)
+        for j in range(topk):
+            y = y + rows[:, j]
+        return y
+    y = torch.empty((n, d), device=pairs.device, dtype=torch.float32)
+    bd = 1024
+    _combine_kernel[(n, triton.cdiv(d, bd))](pairs, ids, y, d, n_experts, K=topk, BD=bd, num_warps=4)
+    return y
+
+
 def mxfp4_moe_supported(x, weights, chosen, w13, s13, w2, s2) -> bool:
     tensors = (x, weights, chosen, w13, s13, w2, s2)
     if not (x.is_cuda and x.dtype in _FLOAT_DTYPES and x.dim() == 2 and all(t.device == x.device for t in tensors)
@@ -318,12 +437,9 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
                          f"per 32 columns of its tile), got {bn}")
     if kernel == "blocks" and bm < 16:
         raise ValueError(f"mxfp4_moe: the blocks kernels' token tile BM must be >= 16 (the MMA's N side), got {bm}")
-    _, pair_w, perm, offs = pairs_by_expert(weights, chosen, e)
-    tok = (perm // k).to(torch.int32)
+    tok, pw, dest, ids, offs = route_pairs(weights, chosen, e)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
-    pairs = torch.zeros((n * k, d), device=x.device, dtype=x.dtype)
-    pw = pair_w[perm].contiguous()
-    dest = perm.to(torch.int32)
+    pairs = torch.empty((n * k, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
     launch = dict(num_warps=warps, num_stages=stages)
     grid_up, grid_down = (triton.cdiv(i, bn), e), (triton.cdiv(d, bn), e)
     if kernel == "blocks":  # codes + scales in, codes + scales between the two kernels
@@ -342,8 +458,4 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
         _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
                                  BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
         _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
-    pairs = pairs.view(n, k, d)
-    y = torch.zeros((n, d), device=x.device, dtype=torch.float32)
-    for j in range(k):                                                 # fp32, ascending expert id
-        y = y + pairs[:, j]
-    return y
+    return combine_pairs(pairs, ids, e, k)
