@@ -9,6 +9,8 @@ arguments), which is what decides the Triton specializations on CUDA.
 """
 from __future__ import annotations
 
+import inspect
+
 import os
 import time
 
@@ -194,8 +196,9 @@ def _specialization(block_n: int) -> dict:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("y_ptr", "nw_ptr", "out_ptr")}
     target = GPUTarget("cuda", 90, 32)
     options = make_backend(target).parse_options({"num_warps": 4})
+    extra = {"target": target} if "target" in inspect.signature(serialize_specialization_data).parameters else {}
     spec = serialize_specialization_data(kernel.fn.__qualname__, signature, constants, attrs, options,
-                                         f"test-{block_n}")
+                                         f"test-{block_n}", **extra)     # Triton >= 3.7 adds the target
     return {"call": tp.WORKER_CALL, "module": kernel.fn.__module__, "name": kernel.fn.__qualname__, "spec": spec,
             "target": [target.backend, target.arch, target.warp_size], "env": cw.compile_env()}
 

@@ -47,6 +47,16 @@ PREAMBLE = textwrap.dedent("""
                                    tl.float32)
         return _create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
     ti.InterpreterBuilder.create_dot = _create_dot_bf16
+
+    # Triton 3.9's interpreter splats a compare's scalar (int1) as int32, so `vector_mask & scalar`
+    # becomes an int32 mask its loads refuse ("mask has unsupported dtype"); keep it boolean.
+    _create_splat = ti.InterpreterBuilder.create_splat
+    def _create_splat_keep_bool(self, ret_ty, arg):
+        out = _create_splat(self, ret_ty, arg)
+        if np.asarray(arg.data).dtype == np.bool_ and out.data.dtype != np.bool_:
+            return ti.TensorHandle(out.data.astype(np.bool_), tl.int1)
+        return out
+    ti.InterpreterBuilder.create_splat = _create_splat_keep_bool
 """)
 
 
