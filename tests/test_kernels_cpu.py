@@ -8,11 +8,11 @@ tests/test_ptx_decodes_cpu.py), against the reference ops, at small sizes:
   skipped slot;
 - the lightning indexer's scores read from the FP4 key cache (bit for bit) and its one-launch
   top-k (the reference's ids: ties to the lower column, -0 equal to +0, -inf last);
-- RMSNorm (fp32 math; within rounding of the reference).
+- RMSNorm (fp32 math; within rounding of the reference);
+- the fused wkv + RMSNorm (P1) in each launch form, and RoPE.
 They catch an indexing, masking or online-softmax mistake without a GPU; the CUDA tests run the
 same kernels at the model's widths. Not here: the Engram gather (its pinned-host table path
-hands Triton a raw host pointer the interpreter cannot read) and the fused wkv + RMSNorm and RoPE
-kernels."""
+hands Triton a raw host pointer the interpreter cannot read)."""
 from __future__ import annotations
 
 import pytest
@@ -112,3 +112,66 @@ def test_cache_writes_indexer_and_norm_kernels_match_the_reference_in_triton_int
     rows = [line.split() for line in run_interpreted(_CACHE_AND_INDEXER_SCRIPT, tmp_path)]
     assert len(rows) == 14, rows
     assert all(ok == "True" for *_, ok in rows), [r for r in rows if r[-1] != "True"]
+
+
+_WKV_AND_ROPE_SCRIPT = """
+    import torch
+    from v41graph.custom_ops import ops
+    from v41graph.custom_ops.triton import norms, rope
+    from test_kernels_cuda import _wkv_truth
+    norms._num_sms = lambda device: 132               # the split rule asks the GPU's SM count
+    state = (torch.zeros(norms._WKV_ACC_FLOATS), torch.zeros(1024, dtype=torch.int32))
+    norms._wkv_state = lambda device: state           # the CUDA one keys a stream
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+    g = torch.Generator().manual_seed(4)
+    for m, k, n in ((3, 256, 48), (20, 320, 96)):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+            nw = torch.rand(n, generator=g) + 0.5
+            truth = _wkv_truth(x, w, nw, 1e-20)
+            e_ref = rel(ops.fused_wkv_rmsnorm(x, w, nw, 1e-20), truth)   # the CPU reference
+            # (split, block_n): the rule; whole rows in one program; odd splits; column tiles
+            for split, block_n in ((None, None), (1, 1024), (3, None), (2, 32)):
+                out = norms.fused_wkv_rmsnorm(x, w, nw, 1e-20, split=split, block_n=block_n)
+                clean = not state[0].any().item() and not state[1].any().item()
+                print("wkv", m, str(dtype), split, block_n, rel(out, truth), e_ref, clean)
+    for shape, pairs in (((5, 64), 8), ((7, 3, 48), 16), ((4, 2, 32), 16)):
+        for dtype in (torch.bfloat16, torch.float32):
+            for inverse in (False, True):
+                x = (torch.randn(shape, generator=g) * 2).to(dtype)
+                ang = torch.rand(shape[0], pairs, generator=g) * 100
+                rot = torch.polar(torch.ones_like(ang), ang)
+                out = rope.rope(x, rot, inverse)
+                head = shape[-1] - 2 * pairs
+                t = x[..., head:].double().unflatten(-1, (-1, 2))
+                c, s = rot.real.double(), rot.imag.double() * (-1 if inverse else 1)
+                while c.dim() < t.dim() - 1:
+                    c, s = c.unsqueeze(-2), s.unsqueeze(-2)
+                truth = torch.stack([t[..., 0] * c - t[..., 1] * s, t[..., 0] * s + t[..., 1] * c], -1).flatten(-2)
+                mag = (t[..., 0].abs() + t[..., 1].abs()).unsqueeze(-1).expand(*t.shape).flatten(-2)
+                bound = mag * (2 ** -7 if dtype == torch.bfloat16 else 1e-6)
+                ok = (torch.equal(out[..., :head], x[..., :head]) and out.dtype == dtype
+                      and bool(((out[..., head:].double() - truth).abs() <= bound).all()))
+                print("rope", "x".join(map(str, shape)), str(dtype), inverse, ok)
+"""
+
+
+def test_fused_wkv_rmsnorm_and_rope_kernels_in_triton_interpreter(tmp_path):
+    """fused_wkv_rmsnorm in every launch form (one program per row block, split-K through the
+    fp32 accumulator and the last-arrival counter, column tiles) against a float64 truth, with the
+    accumulator and counters left zeroed after every launch (the next launch relies on it); RoPE
+    as tests/test_kernels_cuda.py checks it: copied channels bit for bit, rotated ones within one
+    rounding of the size of their pair."""
+    rows = [line.split() for line in run_interpreted(_WKV_AND_ROPE_SCRIPT, tmp_path)]
+    wkv = [r for r in rows if r[0] == "wkv"]
+    rope_rows = [r for r in rows if r[0] == "rope"]
+    assert len(wkv) == 16 and len(rope_rows) == 12, rows
+    for _, m, dtype, split, block_n, err, err_ref, clean in wkv:
+        if dtype == "torch.float32":
+            assert float(err) < 1e-5, (m, dtype, split, block_n, err)
+        else:
+            assert float(err) < 1e-2 and float(err) <= 1.5 * float(err_ref) + 1e-3, (m, split, block_n, err, err_ref)
+        assert clean == "True", (m, dtype, split, block_n)
+    for r in rope_rows:
+        assert r[-1] == "True", r
