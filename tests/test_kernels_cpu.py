@@ -9,10 +9,11 @@ tests/test_ptx_decodes_cpu.py), against the reference ops, at small sizes:
 - the lightning indexer's scores read from the FP4 key cache (bit for bit) and its one-launch
   top-k (the reference's ids: ties to the lower column, -0 equal to +0, -inf last);
 - RMSNorm (fp32 math; within rounding of the reference);
-- the fused wkv + RMSNorm (P1) in each launch form, and RoPE.
+- the fused wkv + RMSNorm (P1) in each launch form, and RoPE;
+- the Engram gather kernel's dequantization, bit for bit.
 They catch an indexing, masking or online-softmax mistake without a GPU; the CUDA tests run the
-same kernels at the model's widths. Not here: the Engram gather (its pinned-host table path
-hands Triton a raw host pointer the interpreter cannot read)."""
+same kernels at the model's widths. Not here: the Engram op's pinned-host path (it hands Triton a
+raw host pointer, which the interpreter cannot follow; the test launches the kernel directly)."""
 from __future__ import annotations
 
 import pytest
@@ -175,3 +176,36 @@ def test_fused_wkv_rmsnorm_and_rope_kernels_in_triton_interpreter(tmp_path):
         assert clean == "True", (m, dtype, split, block_n)
     for r in rope_rows:
         assert r[-1] == "True", r
+
+
+_ENGRAM_SCRIPT = """
+    import torch
+    from v41graph.custom_ops import reference
+    from v41graph.custom_ops.triton import engram
+    from v41graph.custom_ops.triton.common import _TL_DTYPE
+    g = torch.Generator().manual_seed(6)
+    rows, dh = 50, 64
+    table = torch.randint(0, 256, (rows, dh), generator=g, dtype=torch.uint8)
+    scale = torch.randint(0, 256, (rows, dh // 32), generator=g, dtype=torch.uint8)
+    scale[:2] = torch.tensor([0, 255], dtype=torch.uint8)   # 2^-127 (subnormal) and 2^128 (inf)
+    ids = torch.randint(0, rows, (7, 3), generator=g)
+    ids[0] = torch.tensor([0, 1, 0])                          # the extreme scales, a repeated row
+    for dtype in (torch.bfloat16, torch.float32):
+        want = reference.engram_gather(table, scale, ids, dtype)
+        for br in (4, 8):                                     # 21 rows: a tail program each
+            # the kernel itself: engram.engram_gather hands it a CPU table by raw pointer (UVA),
+            # which the interpreter cannot follow
+            out = torch.empty_like(want)
+            engram._engram_gather_kernel[(-(-ids.numel() // br),)](
+                table, scale, ids.reshape(-1), out, ids.numel(), DH=dh, NB=dh // 32, BR=br,
+                OUT_DTYPE=_TL_DTYPE[dtype])
+            same = (out == want) | (out.isnan() & want.isnan())
+            print(str(dtype), br, bool(same.all()))
+"""
+
+
+def test_engram_gather_kernel_in_triton_interpreter(tmp_path):
+    """The Engram gather's dequantization bit for bit (every FP8 byte value over random E8M0
+    scales including 0 and 255, tail programs), launched on CPU tensors directly."""
+    rows = [line.split() for line in run_interpreted(_ENGRAM_SCRIPT, tmp_path)]
+    assert len(rows) == 4 and all(r[-1] == "True" for r in rows), rows
