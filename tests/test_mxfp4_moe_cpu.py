@@ -5,8 +5,8 @@ PTX itself: tests/test_ptx_decodes_cpu.py):
   longer than a token tile, an expert no token picked, tile tails in both widths;
 - the split-pairs order of the activation codes (quantize_rows_codes(split_pairs=True)): each
   32-block's even columns, then its odd ones, the scales unchanged;
-- the route and combine kernels (and the torch combine of $V41GRAPH_MOE_ROUTING=torch) against
-  the torch routing (reference.pairs_by_expert) and the reference's loop, bit for bit, with experts held elsewhere (id = E), repeated ids and more
+- the route and combine kernels (V41GRAPH_MOE_ROUTING=kernels; and the default's torch combine)
+  against the torch routing (reference.pairs_by_expert) and the reference's loop, bit for bit, with experts held elsewhere (id = E), repeated ids and more
   pairs than one program takes;
 - a bad tuning config or codes dtype is refused with the field and the rule, before anything
   is allocated or launched.
@@ -23,6 +23,8 @@ from triton_interpreter import run_interpreted  # noqa: E402
 from v41graph.custom_ops.triton import moe_fp4, quant_gemm  # noqa: E402
 
 _KERNELS_SCRIPT = """
+    import os
+    os.environ["V41GRAPH_MOE_ROUTING"] = "kernels"       # the route and combine kernels too
     import torch
     import triton_ptx_doubles
     triton_ptx_doubles.install()
@@ -48,25 +50,29 @@ _KERNELS_SCRIPT = """
             got = moe_fp4.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0, config=config)
             rel = ((got - want).norm() / want.norm()).item()
             print(config[6], str(dtype), bool(torch.equal(got, want)), rel)
+        first = moe_fp4.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0, config=configs[0])
+        os.environ["V41GRAPH_MOE_ROUTING"] = "torch"     # the default's torch routing: same bits
+        again = moe_fp4.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0, config=configs[0])
+        os.environ["V41GRAPH_MOE_ROUTING"] = "kernels"
+        print("routing", str(dtype), bool(torch.equal(again, first)), 0.0)
 """
 
 
 def test_every_kernel_pair_matches_the_reference_in_triton_interpreter(tmp_path):
     rows = [line.split() for line in run_interpreted(_KERNELS_SCRIPT, tmp_path)]
-    assert len(rows) == 8, rows
+    assert len(rows) == 10, rows
     for kernel, dtype, equal, rel in rows:
         # blocks: the reference's own arithmetic (one partial per 32-wide K block, both scales,
         # block order), bit for bit where the dot sums in fp32 as the interpreter's does (Hopper's
         # FP8 dot does not: scripts/probe_fp8_dot.py); tokens sums the exact products of a wider
         # K tile in another order: fp32 rounding only
-        if kernel == "blocks":
+        if kernel in ("blocks", "routing"):      # routing: torch's routing gives the kernels' bits
             assert equal == "True", (kernel, dtype, rel)
         else:
             assert float(rel) < 1e-6, (kernel, dtype, rel)
 
 
 _ROUTE_SCRIPT = """
-    import os
     import torch
     from v41graph.custom_ops import reference
     from v41graph.custom_ops.triton import moe_fp4
@@ -89,9 +95,7 @@ _ROUTE_SCRIPT = """
         for j in range(k):
             want = want + torch.where(ids[:, j, None] < e, pairs.view(n, k, d)[:, j].float(), 0.0)
         got = moe_fp4.combine_pairs(pairs, ids_k, e, k)
-        os.environ["V41GRAPH_MOE_ROUTING"] = "torch"     # bench.py's before variant: torch ops
-        got_torch = moe_fp4.combine_pairs(pairs, ids_k, e, k)
-        del os.environ["V41GRAPH_MOE_ROUTING"]
+        got_torch = moe_fp4.combine_pairs(pairs, ids_k, e, k, kernel=False)    # the default's torch ops
         print(n * k, "route", route_ok, "combine", torch.equal(got, want), torch.equal(got_torch, want))
 """
 
@@ -144,11 +148,11 @@ def test_quantize_rows_codes_refuses_other_code_dtypes():
 
 
 
-def test_bad_moe_routing_setting_is_refused(monkeypatch):
+def test_moe_routing_setting(monkeypatch):
     monkeypatch.setenv("V41GRAPH_MOE_ROUTING", "sort")
     with pytest.raises(ValueError, match=r"V41GRAPH_MOE_ROUTING must be 'kernels' or 'torch', got 'sort'"):
-        moe_fp4.routing_in_torch(6)
-    monkeypatch.setenv("V41GRAPH_MOE_ROUTING", "torch")
-    assert moe_fp4.routing_in_torch(6)
+        moe_fp4.routing_kernels_on(6)
+    monkeypatch.setenv("V41GRAPH_MOE_ROUTING", "kernels")
+    assert moe_fp4.routing_kernels_on(6) and not moe_fp4.routing_kernels_on(moe_fp4.ROUTE_KERNEL_MAX_PAIRS + 1)
     monkeypatch.delenv("V41GRAPH_MOE_ROUTING")
-    assert not moe_fp4.routing_in_torch(6) and moe_fp4.routing_in_torch(moe_fp4.ROUTE_KERNEL_MAX_PAIRS + 1)
+    assert not moe_fp4.routing_kernels_on(6)        # the default: torch ops until the kernels ran on a GPU

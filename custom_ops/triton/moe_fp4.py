@@ -1,9 +1,10 @@
 """mxfp4_moe on CUDA: the routed experts of one MoE over their stacked MXFP4 checkpoint bytes
 (imported lazily by cuda_impls.py).
 
-  route kernel     reference.pairs_by_expert in one launch (_route_kernel): the N*topk (token,
-                   expert) pairs sorted by expert, group ends as a fixed [E] int32 tensor (no
-                   host sync: captures); in torch above ROUTE_KERNEL_MAX_PAIRS
+  routing          reference.pairs_by_expert: the N*topk (token, expert) pairs sorted by
+                   expert, group ends as a fixed [E] int32 tensor (no host sync: captures); as
+                   torch ops, or (V41GRAPH_MOE_ROUTING=kernels, not yet the default: not yet run
+                   on a GPU) in one launch (_route_kernel)
   x quantized     once, per 32 to FP8 (quant_gemm's row kernel; bf16 holds the values exactly),
                    not once per output tile: at decode sizes the redundant quantization cost
                    about as many instructions per weight code as the FP4 decode itself
@@ -32,7 +33,8 @@
                    bit-close to the reference there (Hopper's FP8 dot does not sum in fp32), so
                    opt-in (_config). A third pair, the same rows-first layout on bf16 dots, was
                    slower than both at every batch (twenty-fourth session) and was removed.
-  combine kernel   the topk slots summed in fp32 in ascending expert order: the loop's order.
+  combine          the topk slots summed in fp32 in ascending expert order, the loop's order
+                   (torch ops, or one launch: _combine_kernel).
 
 Pairs routed to an expert held elsewhere (chosen == E) sort past the last group; the combine
 adds them as zeros.
@@ -321,25 +323,27 @@ def _combine_kernel(pairs_ptr, ids_ptr, y_ptr, D, E, K: tl.constexpr, BD: tl.con
 ROUTE_KERNEL_MAX_PAIRS = 8192
 
 
-def routing_in_torch(pairs: int) -> bool:
-    """Whether routing and combine run as torch ops: above ROUTE_KERNEL_MAX_PAIRS, or where
-    $V41GRAPH_MOE_ROUTING is "torch" (bench.py's before / after variant; read at every call, so
-    a capture takes it). Default "kernels"."""
-    value = os.environ.get("V41GRAPH_MOE_ROUTING") or "kernels"
+def routing_kernels_on(pairs: int) -> bool:
+    """Whether routing and combine run as the route and combine kernels: where
+    $V41GRAPH_MOE_ROUTING is "kernels" (bench.py's v41graph-routingkernels variant; read at every
+    call, so a capture takes it) and up to ROUTE_KERNEL_MAX_PAIRS. The default, "torch", keeps the
+    torch ops: the kernels pass the interpreter tests bit for bit and compile for sm90, but have
+    not yet run on a GPU (twenty-fifth session: no device time)."""
+    value = os.environ.get("V41GRAPH_MOE_ROUTING") or "torch"
     if value not in ("kernels", "torch"):
         raise ValueError(f"V41GRAPH_MOE_ROUTING must be 'kernels' or 'torch', got {value!r}")
-    return value == "torch" or pairs > ROUTE_KERNEL_MAX_PAIRS
+    return value == "kernels" and pairs <= ROUTE_KERNEL_MAX_PAIRS
 
 
-def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int):
+def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int, kernel: bool = True):
     """(tok, pw, dest, ids, offs): the routing of reference.pairs_by_expert as the kernels read
     it, the pairs sorted by expert: each pair's token [P] int32, routing weight [P] fp32, pair
     index [P] int32 (token * topk + rank among its ids); ids [P] int32: the expert of each pair
-    index; offs [n_experts] int32: the groups' ends. One launch (_route_kernel) unless
-    routing_in_torch."""
+    index; offs [n_experts] int32: the groups' ends. kernel: one launch (_route_kernel), else
+    torch ops (reference.pairs_by_expert)."""
     n, k = chosen.shape
     p = n * k
-    if routing_in_torch(p):
+    if not kernel:
         ids, pair_w, perm, offs = pairs_by_expert(weights, chosen, n_experts)
         return ((perm // k).to(torch.int32), pair_w[perm].contiguous(), perm.to(torch.int32),
                 ids.reshape(-1).to(torch.int32), offs)
@@ -355,13 +359,14 @@ def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int):
     return tok, pw, dest, ids, offs
 
 
-def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: int) -> torch.Tensor:
+def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: int,
+                  kernel: bool = True) -> torch.Tensor:
     """[N, d] fp32: each token's topk pair rows of pairs [N*topk, d] summed in fp32 in pair
     order, rows whose expert (ids) is held elsewhere as zeros (reference.mxfp4_moe's combine).
-    One launch (_combine_kernel) unless routing_in_torch."""
+    kernel: one launch (_combine_kernel), else torch ops."""
     d = pairs.shape[1]
     n = pairs.shape[0] // topk
-    if routing_in_torch(n * topk):
+    if not kernel:
         rows = torch.where((ids < n_experts)[:, None], pairs, 0.0).view(n, topk, d)
         y = torch.zeros((n, d), device=pairs.device, dtype=torch.float32)
         for j in range(topk):
@@ -437,7 +442,8 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
                          f"per 32 columns of its tile), got {bn}")
     if kernel == "blocks" and bm < 16:
         raise ValueError(f"mxfp4_moe: the blocks kernels' token tile BM must be >= 16 (the MMA's N side), got {bm}")
-    tok, pw, dest, ids, offs = route_pairs(weights, chosen, e)
+    kernels = routing_kernels_on(n * k)
+    tok, pw, dest, ids, offs = route_pairs(weights, chosen, e, kernels)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
     pairs = torch.empty((n * k, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
     launch = dict(num_warps=warps, num_stages=stages)
@@ -458,4 +464,4 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
         _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
                                  BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
         _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
-    return combine_pairs(pairs, ids, e, k)
+    return combine_pairs(pairs, ids, e, k, kernels)
