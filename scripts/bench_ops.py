@@ -616,6 +616,21 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
         t_fp4 = cbench(lambda: fp4.routed(x, weights, chosen), reps=4)
         row("mxfp4_moe", shape, f"default: triton {moe_fp4._config(tokens * 6 / 48)}", t_fp4,
             touched * per_expert, base_us=t_bf16, err=err, bw=bw)
+        # the routing and combine as one launch each (V41GRAPH_MOE_ROUTING=kernels) against the
+        # default's torch ops: the same bits, fewer launches
+        kept = os.environ.get("V41GRAPH_MOE_ROUTING")
+        os.environ["V41GRAPH_MOE_ROUTING"] = "kernels"
+        try:
+            same = torch.equal(fp4.routed(x, weights, chosen), got)
+            t_routing = cbench(lambda: fp4.routed(x, weights, chosen), reps=4)
+        finally:
+            if kept is None:
+                os.environ.pop("V41GRAPH_MOE_ROUTING")
+            else:
+                os.environ["V41GRAPH_MOE_ROUTING"] = kept
+        row("mxfp4_moe", shape, "default + route/combine kernels (V41GRAPH_MOE_ROUTING=kernels)", t_routing,
+            touched * per_expert, base_us=t_fp4, err=err, bw=bw,
+            note="bit-identical to the default" if same else "DIFFERS from the default")
         sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),
                  (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3),
                  # the weight rows as the MMA's M side on FP8 dots, one per 32-wide K block
