@@ -2,7 +2,8 @@
 blocks) on the CPU, in Triton's interpreter with the PTX decodes replaced by their stand-ins
 (tests/triton_ptx_doubles.py; the PTX itself: tests/test_ptx_decodes_cpu.py), against the
 reference op: 1, 5 and 20 rows (20: the activation quantized once before the kernel), bf16 and
-fp32 out, split-K and not, an output width that leaves a partial 32-row scale block and tile.
+fp32 out, split-K and not, an output width that leaves a partial 32-row scale block and tile;
+and the prefill path (256 rows: the weight dequantized by _fp8_dequant_kernel, one GEMM).
 tests/test_quant_gemm_cuda.py runs them on the GPU (with TMA, which this does not cover)."""
 from __future__ import annotations
 
@@ -36,12 +37,27 @@ _SCRIPT = """
                 got = quant_gemm.fp8_linear(x, w, s, dtype, config=config, kernel=kernel)
                 rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
                 print(kernel, m, str(dtype), config[3], rel)
+    # prefill (PREFILL_ROWS rows, bf16 out): x quantized, the weight dequantized to a transient
+    # bf16 copy (_fp8_dequant_kernel), one GEMM
+    m = quant_gemm.PREFILL_ROWS
+    x = (torch.randn(m, k, generator=g) * 2).to(torch.bfloat16)
+    want = reference.fp8_linear(x, w, s, torch.bfloat16)
+    calls = []
+    prefill = quant_gemm._fp8_linear_prefill
+    quant_gemm._fp8_linear_prefill = lambda *a: calls.append(1) or prefill(*a)
+    got = quant_gemm.fp8_linear(x, w, s, torch.bfloat16)
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    print("prefill", m, "torch.bfloat16", len(calls), rel)
 """
 
 
 def test_fp8_linear_kernels_match_the_reference_in_triton_interpreter(tmp_path):
     rows = [line.split() for line in run_interpreted(_SCRIPT, tmp_path)]
-    assert len(rows) == 36, rows
+    assert len(rows) == 37, rows
+    _, _, _, calls, rel = rows.pop()
+    # the prefill path ran; its bf16 GEMM rounds the sum to bf16 once, as the reference does,
+    # but sums in another order: at most one bf16 ulp apart
+    assert calls == "1" and float(rel) < 4e-3, rows
     for kernel, m, dtype, split, rel in rows:
         # exact products (FP8 codes x power-of-two scales, bf16-exact activations), fp32 sums in
         # another order than the reference's per-32-block partials: fp32 rounding only, which the

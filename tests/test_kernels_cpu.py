@@ -10,7 +10,8 @@ tests/test_ptx_decodes_cpu.py), against the reference ops, at small sizes:
   top-k (the reference's ids: ties to the lower column, -0 equal to +0, -inf last);
 - RMSNorm (fp32 math; within rounding of the reference);
 - the fused wkv + RMSNorm (P1) in each launch form, and RoPE;
-- the Engram gather kernel's dequantization, bit for bit.
+- the fake-quant kernel (FP8 and FP4 round trips) and the Engram gather kernel's dequantization,
+  bit for bit.
 They catch an indexing, masking or online-softmax mistake without a GPU; the CUDA tests run the
 same kernels at the model's widths. Not here: the Engram op's pinned-host path (it hands Triton a
 raw host pointer, which the interpreter cannot follow; the test launches the kernel directly)."""
@@ -176,6 +177,28 @@ def test_fused_wkv_rmsnorm_and_rope_kernels_in_triton_interpreter(tmp_path):
         assert clean == "True", (m, dtype, split, block_n)
     for r in rope_rows:
         assert r[-1] == "True", r
+
+
+_FAKE_QUANT_SCRIPT = """
+    import torch
+    from v41graph.custom_ops import ops
+    from v41graph.custom_ops.triton import cache_writes
+    g = torch.Generator().manual_seed(8)
+    for fmt, block in (("fp8_ue8m0", 32), ("fp4_ue8m0", 32), ("fp4_ue8m0", 16)):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(9, 4, 128, generator=g) * torch.exp2(torch.randint(-20, 12, (9, 4, 1), generator=g).float())
+            x[0, 0] = 0.0                                   # a zero row: the scale floor
+            x = x.to(dtype)
+            got = cache_writes.fake_quant(x, fmt, block)    # 36 rows: a tail program
+            print(fmt, block, str(dtype), bool(torch.equal(got, ops.fake_quant_reference(x, fmt, block))))
+"""
+
+
+def test_fake_quant_kernel_in_triton_interpreter(tmp_path):
+    """The fake-quant kernel (window KV rows through FP8, the indexer's query through FP4) bit for
+    bit against the codecs, over magnitudes from 2^-20 to 2^12 and a zero row."""
+    rows = [line.split() for line in run_interpreted(_FAKE_QUANT_SCRIPT, tmp_path)]
+    assert len(rows) == 6 and all(r[-1] == "True" for r in rows), rows
 
 
 _ENGRAM_SCRIPT = """
