@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import traceback
+from unittest import mock
 
 import torch
 
@@ -618,16 +619,9 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
             touched * per_expert, base_us=t_bf16, err=err, bw=bw)
         # the routing and combine as one launch each (V41GRAPH_MOE_ROUTING=kernels) against the
         # default's torch ops: the same bits, fewer launches
-        kept = os.environ.get("V41GRAPH_MOE_ROUTING")
-        os.environ["V41GRAPH_MOE_ROUTING"] = "kernels"
-        try:
+        with mock.patch.dict(os.environ, {"V41GRAPH_MOE_ROUTING": "kernels"}):
             same = torch.equal(fp4.routed(x, weights, chosen), got)
             t_routing = cbench(lambda: fp4.routed(x, weights, chosen), reps=4)
-        finally:
-            if kept is None:
-                os.environ.pop("V41GRAPH_MOE_ROUTING")
-            else:
-                os.environ["V41GRAPH_MOE_ROUTING"] = kept
         row("mxfp4_moe", shape, "default + route/combine kernels (V41GRAPH_MOE_ROUTING=kernels)", t_routing,
             touched * per_expert, base_us=t_fp4, err=err, bw=bw,
             note="bit-identical to the default" if same else "DIFFERS from the default")

@@ -6,8 +6,8 @@ PTX itself: tests/test_ptx_decodes_cpu.py):
 - the split-pairs order of the activation codes (quantize_rows_codes(split_pairs=True)): each
   32-block's even columns, then its odd ones, the scales unchanged;
 - the route and combine kernels (V41GRAPH_MOE_ROUTING=kernels; and the default's torch combine)
-  against the torch routing (reference.pairs_by_expert) and the reference's loop, bit for bit, with experts held elsewhere (id = E), repeated ids and more
-  pairs than one program takes;
+  against the torch routing (reference.pairs_by_expert) and the reference's loop, bit for bit,
+  with experts held elsewhere (id = E), repeated ids and more pairs than one program takes;
 - a bad tuning config or codes dtype is refused with the field and the rule, before anything
   is allocated or launched.
 The CUDA tests run the same kernels on the GPU; these catch an indexing, layout or epilogue
@@ -95,7 +95,7 @@ _ROUTE_SCRIPT = """
         for j in range(k):
             want = want + torch.where(ids[:, j, None] < e, pairs.view(n, k, d)[:, j].float(), 0.0)
         got = moe_fp4.combine_pairs(pairs, ids_k, e, k)
-        got_torch = moe_fp4.combine_pairs(pairs, ids_k, e, k, kernel=False)    # the default's torch ops
+        got_torch = moe_fp4.combine_pairs(pairs, ids_k, e, k, use_kernel=False)    # the default's torch ops
         print(n * k, "route", route_ok, "combine", torch.equal(got, want), torch.equal(got_torch, want))
 """
 
@@ -145,7 +145,6 @@ def test_bad_config_is_refused_before_any_work(config, message):
 def test_quantize_rows_codes_refuses_other_code_dtypes():
     with pytest.raises(ValueError, match=r"codes_dtype must be torch.float16 or torch.float8_e4m3fn, got torch.bfloat16"):
         quant_gemm.quantize_rows_codes(torch.zeros(2, 64), torch.bfloat16)
-
 
 
 def test_moe_routing_setting(monkeypatch):

@@ -10,7 +10,6 @@ arguments), which is what decides the Triton specializations on CUDA.
 from __future__ import annotations
 
 import inspect
-
 import os
 import time
 

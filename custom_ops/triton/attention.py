@@ -114,6 +114,8 @@ def _decode_window(rw, rs, fa, fb, is_ring, BS: tl.constexpr, D2: tl.constexpr,
 
 @triton.jit
 def _attn_update(qe, qo, ke, ko, valid, m, l, acc_e, acc_o, sm_scale, IEEE: tl.constexpr):
+    """One row block's online-softmax step: the logits q.k over both column halves, the new
+    running max and denominator, the accumulators rescaled and P.V added to them."""
     if IEEE:
         s = tl.dot(qe, tl.trans(ke), input_precision="ieee")
         s = tl.dot(qo, tl.trans(ko), s, input_precision="ieee")

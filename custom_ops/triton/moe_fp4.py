@@ -335,15 +335,15 @@ def routing_kernels_on(pairs: int) -> bool:
     return value == "kernels" and pairs <= ROUTE_KERNEL_MAX_PAIRS
 
 
-def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int, kernel: bool = True):
+def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int, use_kernel: bool = True):
     """(tok, pw, dest, ids, offs): the routing of reference.pairs_by_expert as the kernels read
     it, the pairs sorted by expert: each pair's token [P] int32, routing weight [P] fp32, pair
     index [P] int32 (token * topk + rank among its ids); ids [P] int32: the expert of each pair
-    index; offs [n_experts] int32: the groups' ends. kernel: one launch (_route_kernel), else
-    torch ops (reference.pairs_by_expert)."""
+    index; offs [n_experts] int32: the groups' ends. use_kernel: one launch (_route_kernel),
+    else torch ops (reference.pairs_by_expert)."""
     n, k = chosen.shape
     p = n * k
-    if not kernel:
+    if not use_kernel:
         ids, pair_w, perm, offs = pairs_by_expert(weights, chosen, n_experts)
         return ((perm // k).to(torch.int32), pair_w[perm].contiguous(), perm.to(torch.int32),
                 ids.reshape(-1).to(torch.int32), offs)
@@ -360,13 +360,13 @@ def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int, ker
 
 
 def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: int,
-                  kernel: bool = True) -> torch.Tensor:
+                  use_kernel: bool = True) -> torch.Tensor:
     """[N, d] fp32: each token's topk pair rows of pairs [N*topk, d] summed in fp32 in pair
     order, rows whose expert (ids) is held elsewhere as zeros (reference.mxfp4_moe's combine).
-    kernel: one launch (_combine_kernel), else torch ops."""
+    use_kernel: one launch (_combine_kernel), else torch ops."""
     d = pairs.shape[1]
     n = pairs.shape[0] // topk
-    if not kernel:
+    if not use_kernel:
         rows = torch.where((ids < n_experts)[:, None], pairs, 0.0).view(n, topk, d)
         y = torch.zeros((n, d), device=pairs.device, dtype=torch.float32)
         for j in range(topk):
@@ -442,8 +442,8 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
                          f"per 32 columns of its tile), got {bn}")
     if kernel == "blocks" and bm < 16:
         raise ValueError(f"mxfp4_moe: the blocks kernels' token tile BM must be >= 16 (the MMA's N side), got {bm}")
-    kernels = routing_kernels_on(n * k)
-    tok, pw, dest, ids, offs = route_pairs(weights, chosen, e, kernels)
+    routing_kernels = routing_kernels_on(n * k)
+    tok, pw, dest, ids, offs = route_pairs(weights, chosen, e, routing_kernels)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
     pairs = torch.empty((n * k, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
     launch = dict(num_warps=warps, num_stages=stages)
@@ -464,4 +464,4 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
         _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
                                  BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
         _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
-    return combine_pairs(pairs, ids, e, k, kernels)
+    return combine_pairs(pairs, ids, e, k, routing_kernels)
