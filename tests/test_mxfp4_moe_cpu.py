@@ -107,6 +107,53 @@ def test_route_and_combine_kernels_match_torch_in_triton_interpreter(tmp_path):
         assert r[1:] == ["route", "True", "combine", "True", "True"], r
 
 
+_SPLIT_K_SCRIPT = """
+    import os
+    import torch
+    import triton_ptx_doubles
+    triton_ptx_doubles.install()
+    from v41graph.custom_ops import reference
+    from v41graph.custom_ops.triton import moe_fp4
+    g = torch.Generator().manual_seed(8)
+    e, d, i, n, topk = 4, 384, 160, 24, 3    # 72 pairs: groups past a 16-token tile; D, I cut unevenly
+    def stack(rows, k):
+        return (torch.randint(0, 256, (e, rows, k // 2), generator=g, dtype=torch.uint8),
+                torch.randint(118, 126, (e, rows, k // 32), generator=g, dtype=torch.uint8))
+    w13, s13 = stack(2 * i, d)
+    w2, s2 = stack(d, i)
+    config = (16, 64, 128, 32, 4, 3, "tokens")
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(n, d, generator=g) * 3).to(dtype)
+        scores = torch.rand(n, e + 1, generator=g)
+        scores[:, 2] = -1                    # expert 2: no token
+        chosen = scores.topk(topk, dim=-1).indices     # id e: an expert held elsewhere
+        weights = torch.rand(n, topk, generator=g)
+        want = reference.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0)
+        unsplit = moe_fp4.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0, config=config, split=(1, 1))
+        for split in ((2, 1), (1, 3), (3, 5)):   # 384 = 3 x 128; 160 in 32-steps: 5 slices
+            outs = []
+            for routing in ("torch", "kernels"):
+                os.environ["V41GRAPH_MOE_ROUTING"] = routing
+                outs.append(moe_fp4.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0, config=config, split=split))
+            rel = ((outs[0] - want).norm() / want.norm()).item()
+            rel_unsplit = ((outs[0] - unsplit).norm() / unsplit.norm()).item()
+            print(str(dtype), "%d,%d" % split, torch.equal(outs[0], outs[1]), rel, rel_unsplit)
+"""
+
+
+def test_split_k_tokens_kernels_match_the_reference_in_triton_interpreter(tmp_path):
+    """The tokens pair with K split over programs (_gate_up_split_kernel + _gate_up_finish_kernel,
+    _down_split_kernel + the combine adding the slices): within fp32 rounding of the reference
+    and of the unsplit kernels (the slices' sums add in another order), the torch combine and the
+    combine kernel bit for bit, with an unpicked expert and experts held elsewhere."""
+    rows = [line.split() for line in run_interpreted(_SPLIT_K_SCRIPT, tmp_path)]
+    assert [r[:2] for r in rows] == [[dt, sp] for dt in ("torch.bfloat16", "torch.float32")
+                                     for sp in ("2,1", "1,3", "3,5")], rows
+    for dtype, split, same_combine, rel, rel_unsplit in rows:
+        assert same_combine == "True", (dtype, split)
+        assert float(rel) < 1e-6 and float(rel_unsplit) < 1e-6, (dtype, split, rel, rel_unsplit)
+
+
 _SPLIT_PAIRS_SCRIPT = """
     import torch
     from v41graph.custom_ops.triton import quant_gemm
@@ -140,6 +187,34 @@ def test_bad_config_is_refused_before_any_work(config, message):
             torch.zeros(e, d, i // 2, dtype=torch.uint8), torch.zeros(e, d, i // 32, dtype=torch.uint8), 10.0)
     with pytest.raises(ValueError, match=message):
         moe_fp4.mxfp4_moe(*args, config=config)
+
+
+@pytest.mark.parametrize("split,message", [
+    ((0, 2), r"split must be \(gate_up, down\) K splits, integers >= 1, got \(0, 2\)"),
+    ((2,), r"split must be \(gate_up, down\) K splits, integers >= 1, got \(2,\)"),
+    ((2.0, 1), r"split must be \(gate_up, down\) K splits, integers >= 1, got \(2.0, 1\)"),
+])
+def test_bad_split_is_refused_before_any_work(split, message):
+    e, d, i = 4, 64, 32
+    args = (torch.zeros(2, d), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64),
+            torch.zeros(e, 2 * i, d // 2, dtype=torch.uint8), torch.zeros(e, 2 * i, d // 32, dtype=torch.uint8),
+            torch.zeros(e, d, i // 2, dtype=torch.uint8), torch.zeros(e, d, i // 32, dtype=torch.uint8), 10.0)
+    with pytest.raises(ValueError, match=message):
+        moe_fp4.mxfp4_moe(*args, split=split)
+    with pytest.raises(ValueError, match=r"split \(2, 1\): only the tokens kernels split K"):
+        moe_fp4.mxfp4_moe(*args, config=(16, 64, 128, 128, 4, 3, "blocks"), split=(2, 1))
+
+
+def test_moe_split_setting(monkeypatch):
+    monkeypatch.delenv("V41GRAPH_MOE_SPLIT", raising=False)
+    assert moe_fp4._split_k(8.0) == (1, 1)           # the default until a GPU run times the split kernels
+    monkeypatch.setenv("V41GRAPH_MOE_SPLIT", "4,2")
+    assert moe_fp4._split_k(8.0) == (4, 2)
+    for bad in ("4", "4,0", "a,b", "4,2,1"):
+        monkeypatch.setenv("V41GRAPH_MOE_SPLIT", bad)
+        with pytest.raises(ValueError, match=rf"V41GRAPH_MOE_SPLIT must be two integers >= 1, 'gate_up,down' "
+                                             rf"\(e.g. '4,2'\), got '{bad}'"):
+            moe_fp4._split_k(8.0)
 
 
 def test_quantize_rows_codes_refuses_other_code_dtypes():

@@ -130,6 +130,79 @@ def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
 
 
 @triton.jit
+def _gate_up_split_kernel(xq_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, ws_ptr, P, D, I, K_SPLIT,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """_gate_up_kernel's dots over one K_SPLIT-wide slice of D (program axis 2): the fp32 sums
+    of gate and up for the slice, stored to ws [S, P, 2I] at the pair's sorted index
+    (_gate_up_finish_kernel adds the slices and applies the epilogue)."""
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
+    s = tl.program_id(2)
+    k_lo = s * K_SPLIT
+    gate_rows = e.to(tl.int64) * 2 * I + n
+    up_rows = gate_rows + I
+    for m0 in range(start, end, BM):
+        r, r_mask, tok = _pair_tile(tok_ptr, m0, end, BM)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, D), BK):
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(xq_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
+            acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
+            acc_u = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, up_rows, n_mask, k0, D, BN, BK)), acc_u)
+        at = ws_ptr + (s * P + r[:, None]).to(tl.int64) * (2 * I) + n[None, :]
+        mask = r_mask[:, None] & n_mask[None, :]
+        tl.store(at, acc_g, mask=mask)
+        tl.store(at + I, acc_u, mask=mask)
+
+
+@triton.jit
+def _gate_up_finish_kernel(ws_ptr, pw_ptr, offs_ptr, h_ptr, P, E, I, limit, S: tl.constexpr,
+                           HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           X_DTYPE: tl.constexpr):
+    """The split gate_up's epilogue for BM sorted pairs x BN columns: the S slices' sums added in
+    slice order (fp32, from slice 0's), then _gate_up_kernel's epilogue (clamped SwiGLU, routing
+    weight, h quantized per 32 columns). Pairs past the last group (experts held elsewhere) are
+    skipped."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    r = tl.program_id(1) * BM + tl.arange(0, BM)
+    r_mask = r < tl.load(offs_ptr + E - 1)
+    mask = r_mask[:, None] & (n < I)[None, :]
+    at = ws_ptr + r[:, None].to(tl.int64) * (2 * I) + n[None, :]
+    acc_g = tl.load(at, mask=mask, other=0.0)
+    acc_u = tl.load(at + I, mask=mask, other=0.0)
+    for s in tl.static_range(1, S):
+        slice_at = at + (s * P).to(tl.int64) * (2 * I)
+        acc_g += tl.load(slice_at, mask=mask, other=0.0)
+        acc_u += tl.load(slice_at + I, mask=mask, other=0.0)
+    pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
+    h = _qdq_fp8_blocks(_swiglu_h(acc_g, acc_u, pw, limit, HAS_LIMIT, X_DTYPE), BM, BN)
+    tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _down_split_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, ws_ptr, P, D, I, K_SPLIT,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """_down_kernel's dots over one K_SPLIT-wide slice of I (program axis 2), stored in fp32 to
+    ws [S, P, d] at the pair's (token, slot) index; the combine adds the slices, rounds to x's
+    dtype (what _down_kernel stores) and sums the slots (_combine_kernel with S > 1)."""
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, D, BN)
+    s = tl.program_id(2)
+    k_lo = s * K_SPLIT
+    rows = e.to(tl.int64) * D + n
+    for m0 in range(start, end, BM):
+        r = m0 + tl.arange(0, BM)
+        r_mask = r < end
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, I), BK):
+            k = k0 + tl.arange(0, BK)
+            a = tl.load(h_ptr + r[:, None].to(tl.int64) * I + k[None, :], mask=r_mask[:, None], other=0.0)
+            a = a.to(tl.bfloat16)
+            acc = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, rows, n_mask, k0, I, BN, BK)), acc)
+        dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
+        tl.store(ws_ptr + (s * P + dest[:, None]) * D + n[None, :], acc, mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _column(t, j: tl.constexpr, NC: tl.constexpr):
     """Column j of t [R, NC] (NC = 1, 2 or 4) as [R]: register moves (tl.split), no loads."""
     if NC == 1:
@@ -304,17 +377,26 @@ def _route_kernel(chosen_ptr, weights_ptr, tok_ptr, pw_ptr, dest_ptr, ids_ptr, o
 
 
 @triton.jit
-def _combine_kernel(pairs_ptr, ids_ptr, y_ptr, D, E, K: tl.constexpr, BD: tl.constexpr):
+def _combine_kernel(pairs_ptr, ids_ptr, y_ptr, D, E, P, K: tl.constexpr, S: tl.constexpr,
+                    X_DTYPE: tl.constexpr, BD: tl.constexpr):
     """y[t] = the token's K pair rows (x's dtype) summed in fp32 from +0, pair by pair in their
     order (ascending expert): the reference's loop, add for add. A pair whose expert is held
-    elsewhere (id >= E) adds +0, as the reference's zero row does."""
+    elsewhere (id >= E) adds +0, as the reference's zero row does. S > 1: pairs is the split
+    down kernel's [S, P, d] fp32 slices; a row is their sum in slice order rounded to x's dtype
+    (what the unsplit down kernel stores) before it joins the token's sum."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_mask = d < D
     y = tl.zeros([BD], dtype=tl.float32)
     for r in tl.static_range(K):
-        here = tl.load(ids_ptr + t * K + r) < E
-        y = y + tl.load(pairs_ptr + (t * K + r) * D + d, mask=d_mask & here, other=0.0).to(tl.float32)
+        mask = d_mask & (tl.load(ids_ptr + t * K + r) < E)
+        at = pairs_ptr + (t * K + r) * D + d
+        row = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        if S > 1:
+            for s in tl.static_range(1, S):
+                row += tl.load(at + (s * P).to(tl.int64) * D, mask=mask, other=0.0)
+            row = row.to(X_DTYPE).to(tl.float32)
+        y = y + row
     tl.store(y_ptr + t * D + d, y, mask=d_mask)
 
 
@@ -360,13 +442,22 @@ def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int, use
 
 
 def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: int,
-                  use_kernel: bool = True) -> torch.Tensor:
+                  use_kernel: bool = True, row_dtype: torch.dtype | None = None) -> torch.Tensor:
     """[N, d] fp32: each token's topk pair rows of pairs [N*topk, d] summed in fp32 in pair
     order, rows whose expert (ids) is held elsewhere as zeros (reference.mxfp4_moe's combine).
-    use_kernel: one launch (_combine_kernel), else torch ops."""
-    d = pairs.shape[1]
-    n = pairs.shape[0] // topk
+    pairs [S, N*topk, d] fp32 (the split down kernel's K slices): a row is its slices' sum in
+    slice order, rounded to row_dtype (x's dtype). use_kernel: one launch (_combine_kernel),
+    else torch ops."""
+    splits = pairs.shape[0] if pairs.dim() == 3 else 1
+    d = pairs.shape[-1]
+    p = pairs.shape[-2]
+    n = p // topk
     if not use_kernel:
+        if splits > 1:
+            rows = pairs[0]
+            for s in range(1, splits):
+                rows = rows + pairs[s]
+            pairs = rows.to(row_dtype)
         rows = torch.where((ids < n_experts)[:, None], pairs, 0.0).view(n, topk, d)
         y = torch.zeros((n, d), device=pairs.device, dtype=torch.float32)
         for j in range(topk):
@@ -374,7 +465,8 @@ def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: 
         return y
     y = torch.empty((n, d), device=pairs.device, dtype=torch.float32)
     bd = 1024
-    _combine_kernel[(n, triton.cdiv(d, bd))](pairs, ids, y, d, n_experts, K=topk, BD=bd, num_warps=4)
+    _combine_kernel[(n, triton.cdiv(d, bd))](pairs, ids, y, d, n_experts, p, K=topk, S=splits,
+                                             X_DTYPE=_TL_DTYPE[row_dtype or pairs.dtype], BD=bd, num_warps=4)
     return y
 
 
@@ -423,9 +515,36 @@ def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
     return bk % 128 == 0 and k % 128 == 0 and scales.data_ptr() % 4 == 0
 
 
-def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
+def _split_k(pairs_per_expert: float) -> tuple[int, int]:
+    """(gate_up, down) K splits of the tokens pair: how many slices of D (gate_up) and I (down)
+    the programs of one weight tile share. $V41GRAPH_MOE_SPLIT ("gate_up,down", e.g. "4,2";
+    bench.py's v41graph-moesplit variant; read at every call, so a capture takes it) sets them;
+    else 1 / 1 (no split) until a GPU run times the split kernels (_gate_up_split_kernel,
+    _down_split_kernel; written without device time, twenty-sixth session): at decode sizes the
+    unsplit gate_up has few programs (B = 1, 48 experts, top-6: 36 x 6 = 216 on 132 SMs, 40 K
+    steps each)."""
+    value = os.environ.get("V41GRAPH_MOE_SPLIT")
+    if not value:
+        return 1, 1
+    try:
+        split = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        split = ()
+    if len(split) != 2 or min(split) < 1:
+        raise ValueError(f"V41GRAPH_MOE_SPLIT must be two integers >= 1, 'gate_up,down' (e.g. '4,2'), got {value!r}")
+    return split
+
+
+def _split_width(k: int, splits: int, bk: int) -> tuple[int, int]:
+    """(slice width, slices): K cut into at most `splits` slices of whole BK steps."""
+    width = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    return width, triton.cdiv(k, width)
+
+
+def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=None):
     """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, kernel]) overrides the
-    table; kernel is one of KERNELS ("tokens" when left out)."""
+    table; kernel is one of KERNELS ("tokens" when left out). `split` (gate_up, down): the
+    tokens pair's K splits (_split_k's table when None; 1 = the unsplit kernel)."""
     n, k = chosen.shape
     e, two_i, _ = w13.shape
     i, d = two_i // 2, x.shape[1]
@@ -442,26 +561,48 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None):
                          f"per 32 columns of its tile), got {bn}")
     if kernel == "blocks" and bm < 16:
         raise ValueError(f"mxfp4_moe: the blocks kernels' token tile BM must be >= 16 (the MMA's N side), got {bm}")
+    split = tuple(split) if split is not None else _split_k(n * k / e)
+    if len(split) != 2 or not all(isinstance(v, int) and v >= 1 for v in split):
+        raise ValueError(f"mxfp4_moe: split must be (gate_up, down) K splits, integers >= 1, got {split!r}")
+    if kernel == "blocks" and split != (1, 1):
+        raise ValueError(f"mxfp4_moe: split {split!r}: only the tokens kernels split K")
     routing_kernels = routing_kernels_on(n * k)
     tok, pw, dest, ids, offs = route_pairs(weights, chosen, e, routing_kernels)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
-    pairs = torch.empty((n * k, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
     launch = dict(num_warps=warps, num_stages=stages)
     grid_up, grid_down = (triton.cdiv(i, bn), e), (triton.cdiv(d, bn), e)
+    p = n * k
     if kernel == "blocks":  # codes + scales in, codes + scales between the two kernels
+        pairs = torch.empty((p, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
         xc, xs = quantize_rows_codes(x.contiguous(), torch.float8_e4m3fn, split_pairs=True)
         bk1, bk2 = min(bk1, 128), min(bk2, 128)     # one scale word per row and K step
-        hc = torch.empty((n * k, i), device=x.device, dtype=torch.float8_e4m3fn)
-        hs = torch.empty((n * k, i // 32), device=x.device, dtype=torch.float32)
+        hc = torch.empty((p, i), device=x.device, dtype=torch.float8_e4m3fn)
+        hs = torch.empty((p, i // 32), device=x.device, dtype=torch.float32)
         _gate_up_blocks_kernel[grid_up](xc, xs, tok, pw, offs, w13, s13, hc, hs, d, i, float(limit),
                                         HAS_LIMIT=limit > 0, BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype],
                                         SCALE_WORDS=_scale_words(s13, d, bk1), **launch)
         _down_blocks_kernel[grid_down](hc, hs, dest, offs, w2, s2, pairs, d, i, BT=bm, BN=bn, BK=bk2,
                                        SCALE_WORDS=_scale_words(s2, i, bk2), **launch)
-    else:
-        xq = quantize_rows(x.contiguous())
-        h = torch.empty((n * k, i), device=x.device, dtype=torch.bfloat16)   # quantized values
+        return combine_pairs(pairs, ids, e, k, routing_kernels)
+    xq = quantize_rows(x.contiguous())
+    h = torch.empty((p, i), device=x.device, dtype=torch.bfloat16)   # quantized values
+    width_up, splits_up = _split_width(d, split[0], bk1)
+    if splits_up == 1:
         _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
                                  BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
+    else:   # fp32 slices (rows of held-elsewhere pairs: unwritten, unread), then the epilogue
+        ws = torch.empty((splits_up, p, 2 * i), device=x.device, dtype=torch.float32)
+        _gate_up_split_kernel[grid_up + (splits_up,)](xq, tok, offs, w13, s13, ws, p, d, i, width_up,
+                                                      BM=bm, BN=bn, BK=bk1, **launch)
+        _gate_up_finish_kernel[(triton.cdiv(i, bn), triton.cdiv(p, 16))](
+            ws, pw, offs, h, p, e, i, float(limit), S=splits_up, HAS_LIMIT=limit > 0, BM=16, BN=bn,
+            X_DTYPE=_TL_DTYPE[x.dtype], num_warps=4)
+    width_down, splits_down = _split_width(i, split[1], bk2)
+    if splits_down == 1:
+        pairs = torch.empty((p, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
         _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
-    return combine_pairs(pairs, ids, e, k, routing_kernels)
+    else:   # [S, P, d] fp32 slices; the combine adds them and rounds to x's dtype
+        pairs = torch.empty((splits_down, p, d), device=x.device, dtype=torch.float32)
+        _down_split_kernel[grid_down + (splits_down,)](h, dest, offs, w2, s2, pairs, p, d, i, width_down,
+                                                       BM=bm, BN=bn, BK=bk2, **launch)
+    return combine_pairs(pairs, ids, e, k, routing_kernels, row_dtype=x.dtype)
