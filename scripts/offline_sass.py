@@ -6,6 +6,7 @@ linear) between device sessions. It says nothing about stalls, occupancy or nume
     python scripts/offline_sass.py moe_gate_up                      # the decode tile
     python scripts/offline_sass.py moe_gate_up BM=64 --warps 4 --dump /tmp/k.sass
     python scripts/offline_sass.py moe_gate_up_blocks BN=128        # the weight rows as the MMA's M side
+    python scripts/offline_sass.py moe_gate_up_split                # one K slice (moe_fp4._split_k)
     python scripts/offline_sass.py fp8_linear BM=64 BN=64 BK=128
 
 Pointer arguments and the model-width sizes get Triton's divisibility-by-16 hint, as a launch
@@ -49,6 +50,14 @@ KERNELS = {
                  {"h_ptr": "*bf16", "dest_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
                   "out_ptr": "*bf16", "D": "i32", "I": "i32"},
                  {"BM": 16, "BN": 64, "BK": 128}, lambda c: c["BN"] * c["BK"]),
+    "moe_gate_up_split": ("moe_fp4", "_gate_up_split_kernel",
+                          {"xq_ptr": "*bf16", "tok_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
+                           "ws_ptr": "*fp32", "P": "i32", "D": "i32", "I": "i32", "K_SPLIT": "i32"},
+                          {"BM": 16, "BN": 64, "BK": 128}, lambda c: 2 * c["BN"] * c["BK"]),
+    "moe_down_split": ("moe_fp4", "_down_split_kernel",
+                       {"h_ptr": "*bf16", "dest_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
+                        "ws_ptr": "*fp32", "P": "i32", "D": "i32", "I": "i32", "K_SPLIT": "i32"},
+                       {"BM": 16, "BN": 64, "BK": 128}, lambda c: c["BN"] * c["BK"]),
     "moe_gate_up_blocks": ("moe_fp4", "_gate_up_blocks_kernel",
                            {"xc_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "tok_ptr": "*i32", "pw_ptr": "*fp32",
                             "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "hc_ptr": "*fp8e4nv",

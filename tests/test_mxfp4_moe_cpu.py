@@ -115,7 +115,7 @@ _SPLIT_K_SCRIPT = """
     from v41graph.custom_ops import reference
     from v41graph.custom_ops.triton import moe_fp4
     g = torch.Generator().manual_seed(8)
-    e, d, i, n, topk = 4, 384, 160, 24, 3    # 72 pairs: groups past a 16-token tile; D, I cut unevenly
+    e, d, i, n, topk = 4, 512, 192, 24, 3    # 72 pairs: groups past a 16-token tile; 4 and 6 K steps
     def stack(rows, k):
         return (torch.randint(0, 256, (e, rows, k // 2), generator=g, dtype=torch.uint8),
                 torch.randint(118, 126, (e, rows, k // 32), generator=g, dtype=torch.uint8))
@@ -130,7 +130,7 @@ _SPLIT_K_SCRIPT = """
         weights = torch.rand(n, topk, generator=g)
         want = reference.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0)
         unsplit = moe_fp4.mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, 10.0, config=config, split=(1, 1))
-        for split in ((2, 1), (1, 3), (3, 5)):   # 384 = 3 x 128; 160 in 32-steps: 5 slices
+        for split in ((2, 1), (1, 3), (4, 6)):   # slices of 256 / 128 (D) and 64 / 32 (I)
             outs = []
             for routing in ("torch", "kernels"):
                 os.environ["V41GRAPH_MOE_ROUTING"] = routing
@@ -148,10 +148,20 @@ def test_split_k_tokens_kernels_match_the_reference_in_triton_interpreter(tmp_pa
     combine kernel bit for bit, with an unpicked expert and experts held elsewhere."""
     rows = [line.split() for line in run_interpreted(_SPLIT_K_SCRIPT, tmp_path)]
     assert [r[:2] for r in rows] == [[dt, sp] for dt in ("torch.bfloat16", "torch.float32")
-                                     for sp in ("2,1", "1,3", "3,5")], rows
+                                     for sp in ("2,1", "1,3", "4,6")], rows
     for dtype, split, same_combine, rel, rel_unsplit in rows:
         assert same_combine == "True", (dtype, split)
         assert float(rel) < 1e-6 and float(rel_unsplit) < 1e-6, (dtype, split, rel, rel_unsplit)
+
+
+def test_split_width_takes_equal_slices_of_whole_steps():
+    # K = 5120 in steps of 128 (40 steps), I = 2304 (18 steps): the split kernels' K loops have
+    # no bound check, so a requested split falls to the largest one that divides the steps
+    assert moe_fp4._split_width(5120, 4, 128) == (1280, 4)
+    assert moe_fp4._split_width(5120, 3, 128) == (2560, 2)
+    assert moe_fp4._split_width(2304, 4, 128) == (768, 3)
+    assert moe_fp4._split_width(2304, 1, 128) == (2304, 1)
+    assert moe_fp4._split_width(256, 8, 128) == (128, 2)          # never more slices than steps
 
 
 _SPLIT_PAIRS_SCRIPT = """

@@ -137,14 +137,14 @@ def _gate_up_split_kernel(xq_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, ws_ptr, P, D,
     (_gate_up_finish_kernel adds the slices and applies the epilogue)."""
     e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
     s = tl.program_id(2)
-    k_lo = s * K_SPLIT
+    k_lo = tl.multiple_of(s * K_SPLIT, BK)       # slices of whole BK steps: the loads vectorize
     gate_rows = e.to(tl.int64) * 2 * I + n
     up_rows = gate_rows + I
     for m0 in range(start, end, BM):
         r, r_mask, tok = _pair_tile(tok_ptr, m0, end, BM)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, D), BK):
+        for k0 in range(k_lo, k_lo + K_SPLIT, BK):
             k = k0 + tl.arange(0, BK)
             a = tl.load(xq_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
             acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
@@ -187,13 +187,13 @@ def _down_split_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, ws_ptr, P, D, I,
     dtype (what _down_kernel stores) and sums the slots (_combine_kernel with S > 1)."""
     e, start, end, n, n_mask = _expert_tile(offs_ptr, D, BN)
     s = tl.program_id(2)
-    k_lo = s * K_SPLIT
+    k_lo = tl.multiple_of(s * K_SPLIT, BK)
     rows = e.to(tl.int64) * D + n
     for m0 in range(start, end, BM):
         r = m0 + tl.arange(0, BM)
         r_mask = r < end
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, I), BK):
+        for k0 in range(k_lo, k_lo + K_SPLIT, BK):
             k = k0 + tl.arange(0, BK)
             a = tl.load(h_ptr + r[:, None].to(tl.int64) * I + k[None, :], mask=r_mask[:, None], other=0.0)
             a = a.to(tl.bfloat16)
@@ -536,9 +536,11 @@ def _split_k(pairs_per_expert: float) -> tuple[int, int]:
 
 
 def _split_width(k: int, splits: int, bk: int) -> tuple[int, int]:
-    """(slice width, slices): K cut into at most `splits` slices of whole BK steps."""
-    width = triton.cdiv(triton.cdiv(k, splits), bk) * bk
-    return width, triton.cdiv(k, width)
+    """(slice width, slices): K cut into equal slices of whole BK steps, as many as divide its
+    steps evenly up to `splits` (the kernels' K loops then need no bound check)."""
+    steps = k // bk
+    splits = max(s for s in range(1, min(splits, steps) + 1) if steps % s == 0)
+    return k // splits, splits
 
 
 def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=None):
