@@ -220,6 +220,7 @@ def test_moe_split_setting(monkeypatch):
     assert moe_fp4._split_k(8.0) == (1, 1)           # the default until a GPU run times the split kernels
     monkeypatch.setenv("V41GRAPH_MOE_SPLIT", "4,2")
     assert moe_fp4._split_k(8.0) == (4, 2)
+    assert moe_fp4._split_k(moe_fp4.SPLIT_MAX_PAIRS_PER_EXPERT + 1) == (1, 1)     # prefill sizes: never
     for bad in ("4", "4,0", "a,b", "4,2,1"):
         monkeypatch.setenv("V41GRAPH_MOE_SPLIT", bad)
         with pytest.raises(ValueError, match=rf"V41GRAPH_MOE_SPLIT must be two integers >= 1, 'gate_up,down' "

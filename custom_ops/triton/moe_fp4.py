@@ -19,6 +19,9 @@
                    weights.
   down kernel      grid (d/BN, E): the quantized h times w2; each row is stored at its
                    (token, slot) position (x's dtype, as the reference's w2 returns)
+  split K          at decode sizes, opt-in (_split_k): both kernels' K loops cut into equal
+                   slices over a third grid axis, the fp32 slices summed in slice order by a
+                   finish kernel (gate_up: then its epilogue) and by the combine (down)
   blocks           the weight rows as the MMA's M side and an expert's few tokens as its N
                    side (a 64-row weight tile fills a Hopper wgmma), in the reference's own
                    arithmetic (reference.blockwise_gemm): per 32-wide K block one FP8 wgmma of
@@ -515,14 +518,20 @@ def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
     return bk % 128 == 0 and k % 128 == 0 and scales.data_ptr() % 4 == 0
 
 
+# K splits apply at decode sizes only (the first row of _config): there the unsplit gate_up has
+# few programs, and the fp32 slices stay small (at 4096 tokens x top-6, four slices of gate_up
+# would be 1.8 GB)
+SPLIT_MAX_PAIRS_PER_EXPERT = 16
+
+
 def _split_k(pairs_per_expert: float) -> tuple[int, int]:
     """(gate_up, down) K splits of the tokens pair: how many slices of D (gate_up) and I (down)
-    the programs of one weight tile share. $V41GRAPH_MOE_SPLIT ("gate_up,down", e.g. "4,2";
-    bench.py's v41graph-moesplit variant; read at every call, so a capture takes it) sets them;
-    else 1 / 1 (no split) until a GPU run times the split kernels (_gate_up_split_kernel,
-    _down_split_kernel; written without device time, twenty-sixth session): at decode sizes the
-    unsplit gate_up has few programs (B = 1, 48 experts, top-6: 36 x 6 = 216 on 132 SMs, 40 K
-    steps each)."""
+    the programs of one weight tile share, up to SPLIT_MAX_PAIRS_PER_EXPERT pairs per expert
+    (else 1 / 1). $V41GRAPH_MOE_SPLIT ("gate_up,down", e.g. "4,2"; bench.py's v41graph-moesplit
+    variant; read at every call, so a capture takes it) sets them; unset, 1 / 1 (no split) until
+    a GPU run times the split kernels (_gate_up_split_kernel, _down_split_kernel; written
+    without device time, twenty-sixth session): at B = 1 (48 experts, top-6) the unsplit gate_up
+    runs 36 x 6 = 216 programs on 132 SMs, 40 K steps each."""
     value = os.environ.get("V41GRAPH_MOE_SPLIT")
     if not value:
         return 1, 1
@@ -532,7 +541,7 @@ def _split_k(pairs_per_expert: float) -> tuple[int, int]:
         split = ()
     if len(split) != 2 or min(split) < 1:
         raise ValueError(f"V41GRAPH_MOE_SPLIT must be two integers >= 1, 'gate_up,down' (e.g. '4,2'), got {value!r}")
-    return split
+    return split if pairs_per_expert <= SPLIT_MAX_PAIRS_PER_EXPERT else (1, 1)
 
 
 def _split_width(k: int, splits: int, bk: int) -> tuple[int, int]:
