@@ -617,20 +617,20 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
         t_fp4 = cbench(lambda: fp4.routed(x, weights, chosen), reps=4)
         row("mxfp4_moe", shape, f"default: triton {moe_fp4._config(tokens * 6 / 48)}", t_fp4,
             touched * per_expert, base_us=t_bf16, err=err, bw=bw)
-        # the routing and combine as one launch each (V41GRAPH_MOE_ROUTING=kernels) against the
-        # default's torch ops: the same bits, fewer launches
-        with mock.patch.dict(os.environ, {"V41GRAPH_MOE_ROUTING": "kernels"}):
+        # the default's routing and combine (one launch each) against torch ops
+        # (V41GRAPH_MOE_ROUTING=torch): the same bits, more launches
+        with mock.patch.dict(os.environ, {"V41GRAPH_MOE_ROUTING": "torch"}):
             same = torch.equal(fp4.routed(x, weights, chosen), got)
             t_routing = cbench(lambda: fp4.routed(x, weights, chosen), reps=4)
-        row("mxfp4_moe", shape, "default + route/combine kernels (V41GRAPH_MOE_ROUTING=kernels)", t_routing,
+        row("mxfp4_moe", shape, "default, routing + combine as torch ops (V41GRAPH_MOE_ROUTING=torch)", t_routing,
             touched * per_expert, base_us=t_fp4, err=err, bw=bw,
             note="bit-identical to the default" if same else "DIFFERS from the default")
-        # the tokens pair with K split over more programs (moe_fp4._split_k), default tiles
-        for split in (((2, 1), (4, 1), (2, 2), (4, 2), (8, 2), (8, 4)) if tokens <= 64 else ()):
+        # the tokens gate_up with K split over more programs (moe_fp4._split_k), default tiles
+        for split in ((2, 4, 8) if tokens <= 64 else ()):
             got_s = moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2, fp4._s2, 10.0, split=split)
             t = cbench(lambda split=split: moe_fp4.mxfp4_moe(x, weights, chosen, fp4._w13, fp4._s13, fp4._w2,
                                                              fp4._s2, 10.0, split=split), reps=4)
-            row("mxfp4_moe", shape, f"default tiles, K split {split} (gate_up, down)", t, touched * per_expert,
+            row("mxfp4_moe", shape, f"default tiles, gate_up K split {split}", t, touched * per_expert,
                 base_us=t_fp4, err=rel(got_s, want), bw=bw,
                 note=f"{100 * torch.eq(got_s, want).float().mean().item():.1f} % of outputs bit-equal to the reference")
         sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),

@@ -2,9 +2,9 @@
 (imported lazily by cuda_impls.py).
 
   routing          reference.pairs_by_expert: the N*topk (token, expert) pairs sorted by
-                   expert, group ends as a fixed [E] int32 tensor (no host sync: captures); as
-                   torch ops, or (V41GRAPH_MOE_ROUTING=kernels, not yet the default: not yet run
-                   on a GPU) in one launch (_route_kernel)
+                   expert, group ends as a fixed [E] int32 tensor (no host sync: captures); in
+                   one launch (_route_kernel; the default), or as torch ops
+                   (V41GRAPH_MOE_ROUTING=torch)
   x quantized     once, per 32 to FP8 (quant_gemm's row kernel; bf16 holds the values exactly),
                    not once per output tile: at decode sizes the redundant quantization cost
                    about as many instructions per weight code as the FP4 decode itself
@@ -19,9 +19,9 @@
                    weights.
   down kernel      grid (d/BN, E): the quantized h times w2; each row is stored at its
                    (token, slot) position (x's dtype, as the reference's w2 returns)
-  split K          at decode sizes, opt-in (_split_k): both kernels' K loops cut into equal
-                   slices over a third grid axis, the fp32 slices summed in slice order by a
-                   finish kernel (gate_up: then its epilogue) and by the combine (down)
+  split K          at decode sizes, opt-in (_split_k): gate_up's K loop cut into equal slices
+                   over a third grid axis; the last program of a weight tile adds the fp32
+                   slices in slice order and runs the epilogue (_gate_up_split_kernel)
   blocks           the weight rows as the MMA's M side and an expert's few tokens as its N
                    side (a 64-row weight tile fills a Hopper wgmma), in the reference's own
                    arithmetic (reference.blockwise_gemm): per 32-wide K block one FP8 wgmma of
@@ -133,11 +133,13 @@ def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
 
 
 @triton.jit
-def _gate_up_split_kernel(xq_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, ws_ptr, P, D, I, K_SPLIT,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """_gate_up_kernel's dots over one K_SPLIT-wide slice of D (program axis 2): the fp32 sums
-    of gate and up for the slice, stored to ws [S, P, 2I] at the pair's sorted index
-    (_gate_up_finish_kernel adds the slices and applies the epilogue)."""
+def _gate_up_split_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_ptr, count_ptr, P, D, I,
+                          K_SPLIT, limit, S: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr, X_DTYPE: tl.constexpr):
+    """_gate_up_kernel with D cut into S slices of K_SPLIT (program axis 2): each program stores
+    its slice's fp32 sums of gate and up to ws [S, P, 2I] at the pairs' sorted indexes; the last
+    of a weight tile's S programs (an atomic count per tile) adds the slices in slice order and
+    runs the epilogue: deterministic, and no second launch."""
     e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
     s = tl.program_id(2)
     k_lo = tl.multiple_of(s * K_SPLIT, BK)       # slices of whole BK steps: the loads vectorize
@@ -156,53 +158,23 @@ def _gate_up_split_kernel(xq_ptr, tok_ptr, offs_ptr, w_ptr, s_ptr, ws_ptr, P, D,
         mask = r_mask[:, None] & n_mask[None, :]
         tl.store(at, acc_g, mask=mask)
         tl.store(at + I, acc_u, mask=mask)
-
-
-@triton.jit
-def _gate_up_finish_kernel(ws_ptr, pw_ptr, offs_ptr, h_ptr, P, E, I, limit, S: tl.constexpr,
-                           HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           X_DTYPE: tl.constexpr):
-    """The split gate_up's epilogue for BM sorted pairs x BN columns: the S slices' sums added in
-    slice order (fp32, from slice 0's), then _gate_up_kernel's epilogue (clamped SwiGLU, routing
-    weight, h quantized per 32 columns). Pairs past the last group (experts held elsewhere) are
-    skipped."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    r = tl.program_id(1) * BM + tl.arange(0, BM)
-    r_mask = r < tl.load(offs_ptr + E - 1)
-    mask = r_mask[:, None] & (n < I)[None, :]
-    at = ws_ptr + r[:, None].to(tl.int64) * (2 * I) + n[None, :]
-    acc_g = tl.load(at, mask=mask, other=0.0)
-    acc_u = tl.load(at + I, mask=mask, other=0.0)
-    for s in tl.static_range(1, S):
-        slice_at = at + (s * P).to(tl.int64) * (2 * I)
-        acc_g += tl.load(slice_at, mask=mask, other=0.0)
-        acc_u += tl.load(slice_at + I, mask=mask, other=0.0)
-    pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
-    h = _qdq_fp8_blocks(_swiglu_h(acc_g, acc_u, pw, limit, HAS_LIMIT, X_DTYPE), BM, BN)
-    tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16), mask=mask)
-
-
-@triton.jit
-def _down_split_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, ws_ptr, P, D, I, K_SPLIT,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """_down_kernel's dots over one K_SPLIT-wide slice of I (program axis 2), stored in fp32 to
-    ws [S, P, d] at the pair's (token, slot) index; the combine adds the slices, rounds to x's
-    dtype (what _down_kernel stores) and sums the slots (_combine_kernel with S > 1)."""
-    e, start, end, n, n_mask = _expert_tile(offs_ptr, D, BN)
-    s = tl.program_id(2)
-    k_lo = tl.multiple_of(s * K_SPLIT, BK)
-    rows = e.to(tl.int64) * D + n
-    for m0 in range(start, end, BM):
-        r = m0 + tl.arange(0, BM)
-        r_mask = r < end
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(k_lo, k_lo + K_SPLIT, BK):
-            k = k0 + tl.arange(0, BK)
-            a = tl.load(h_ptr + r[:, None].to(tl.int64) * I + k[None, :], mask=r_mask[:, None], other=0.0)
-            a = a.to(tl.bfloat16)
-            acc = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, rows, n_mask, k0, I, BN, BK)), acc)
-        dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
-        tl.store(ws_ptr + (s * P + dest[:, None]) * D + n[None, :], acc, mask=r_mask[:, None] & n_mask[None, :])
+    tl.debug_barrier()          # every thread's slice is stored before the count is released
+    done = tl.atomic_add(count_ptr + e * tl.num_programs(0) + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    if done == S - 1:
+        for m0 in range(start, end, BM):
+            r = m0 + tl.arange(0, BM)
+            r_mask = r < end
+            mask = r_mask[:, None] & n_mask[None, :]
+            at = ws_ptr + r[:, None].to(tl.int64) * (2 * I) + n[None, :]
+            acc_g = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+            acc_u = tl.load(at + I, mask=mask, other=0.0, cache_modifier=".cg")
+            for j in tl.static_range(1, S):         # fixed order whichever program came last
+                slice_at = at + (j * P).to(tl.int64) * (2 * I)
+                acc_g += tl.load(slice_at, mask=mask, other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(slice_at + I, mask=mask, other=0.0, cache_modifier=".cg")
+            pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
+            h = _qdq_fp8_blocks(_swiglu_h(acc_g, acc_u, pw, limit, HAS_LIMIT, X_DTYPE), BM, BN)
+            tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -380,26 +352,17 @@ def _route_kernel(chosen_ptr, weights_ptr, tok_ptr, pw_ptr, dest_ptr, ids_ptr, o
 
 
 @triton.jit
-def _combine_kernel(pairs_ptr, ids_ptr, y_ptr, D, E, P, K: tl.constexpr, S: tl.constexpr,
-                    X_DTYPE: tl.constexpr, BD: tl.constexpr):
+def _combine_kernel(pairs_ptr, ids_ptr, y_ptr, D, E, K: tl.constexpr, BD: tl.constexpr):
     """y[t] = the token's K pair rows (x's dtype) summed in fp32 from +0, pair by pair in their
     order (ascending expert): the reference's loop, add for add. A pair whose expert is held
-    elsewhere (id >= E) adds +0, as the reference's zero row does. S > 1: pairs is the split
-    down kernel's [S, P, d] fp32 slices; a row is their sum in slice order rounded to x's dtype
-    (what the unsplit down kernel stores) before it joins the token's sum."""
+    elsewhere (id >= E) adds +0, as the reference's zero row does."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_mask = d < D
     y = tl.zeros([BD], dtype=tl.float32)
     for r in tl.static_range(K):
-        mask = d_mask & (tl.load(ids_ptr + t * K + r) < E)
-        at = pairs_ptr + (t * K + r) * D + d
-        row = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-        if S > 1:
-            for s in tl.static_range(1, S):
-                row += tl.load(at + (s * P).to(tl.int64) * D, mask=mask, other=0.0)
-            row = row.to(X_DTYPE).to(tl.float32)
-        y = y + row
+        here = tl.load(ids_ptr + t * K + r) < E
+        y = y + tl.load(pairs_ptr + (t * K + r) * D + d, mask=d_mask & here, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * D + d, y, mask=d_mask)
 
 
@@ -409,12 +372,13 @@ ROUTE_KERNEL_MAX_PAIRS = 8192
 
 
 def routing_kernels_on(pairs: int) -> bool:
-    """Whether routing and combine run as the route and combine kernels: where
-    $V41GRAPH_MOE_ROUTING is "kernels" (bench.py's v41graph-routingkernels variant; read at every
-    call, so a capture takes it) and up to ROUTE_KERNEL_MAX_PAIRS. The default, "torch", keeps the
-    torch ops: the kernels pass the interpreter tests bit for bit and compile for sm90, but have
-    not yet run on a GPU (twenty-fifth session: no device time)."""
-    value = os.environ.get("V41GRAPH_MOE_ROUTING") or "torch"
+    """Whether routing and combine run as the route and combine kernels: by default, up to
+    ROUTE_KERNEL_MAX_PAIRS. $V41GRAPH_MOE_ROUTING="torch" (bench.py's v41graph-torchrouting
+    variant; read at every call, so a capture takes it) runs the torch ops instead. Measured on
+    an H100 (twenty-sixth session): the same bits as the torch ops, the MoE call 1.42 / 1.13 /
+    1.11x faster at 1 / 8 / 64 tokens, the bench_rank decode step 5.0 % (B = 1) and 5.5 % (B = 64)
+    shorter."""
+    value = os.environ.get("V41GRAPH_MOE_ROUTING") or "kernels"
     if value not in ("kernels", "torch"):
         raise ValueError(f"V41GRAPH_MOE_ROUTING must be 'kernels' or 'torch', got {value!r}")
     return value == "kernels" and pairs <= ROUTE_KERNEL_MAX_PAIRS
@@ -445,22 +409,13 @@ def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int, use
 
 
 def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: int,
-                  use_kernel: bool = True, row_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  use_kernel: bool = True) -> torch.Tensor:
     """[N, d] fp32: each token's topk pair rows of pairs [N*topk, d] summed in fp32 in pair
     order, rows whose expert (ids) is held elsewhere as zeros (reference.mxfp4_moe's combine).
-    pairs [S, N*topk, d] fp32 (the split down kernel's K slices): a row is its slices' sum in
-    slice order, rounded to row_dtype (x's dtype). use_kernel: one launch (_combine_kernel),
-    else torch ops."""
-    splits = pairs.shape[0] if pairs.dim() == 3 else 1
-    d = pairs.shape[-1]
-    p = pairs.shape[-2]
-    n = p // topk
+    use_kernel: one launch (_combine_kernel), else torch ops."""
+    d = pairs.shape[1]
+    n = pairs.shape[0] // topk
     if not use_kernel:
-        if splits > 1:
-            rows = pairs[0]
-            for s in range(1, splits):
-                rows = rows + pairs[s]
-            pairs = rows.to(row_dtype)
         rows = torch.where((ids < n_experts)[:, None], pairs, 0.0).view(n, topk, d)
         y = torch.zeros((n, d), device=pairs.device, dtype=torch.float32)
         for j in range(topk):
@@ -468,8 +423,7 @@ def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: 
         return y
     y = torch.empty((n, d), device=pairs.device, dtype=torch.float32)
     bd = 1024
-    _combine_kernel[(n, triton.cdiv(d, bd))](pairs, ids, y, d, n_experts, p, K=topk, S=splits,
-                                             X_DTYPE=_TL_DTYPE[row_dtype or pairs.dtype], BD=bd, num_warps=4)
+    _combine_kernel[(n, triton.cdiv(d, bd))](pairs, ids, y, d, n_experts, K=topk, BD=bd, num_warps=4)
     return y
 
 
@@ -518,35 +472,34 @@ def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
     return bk % 128 == 0 and k % 128 == 0 and scales.data_ptr() % 4 == 0
 
 
-# K splits apply at decode sizes only (the first row of _config): there the unsplit gate_up has
-# few programs, and the fp32 slices stay small (at 4096 tokens x top-6, four slices of gate_up
+# gate_up's K split applies at decode sizes only (the first row of _config): there the unsplit
+# kernel has few programs, and the fp32 slices stay small (at 4096 tokens x top-6, four slices
 # would be 1.8 GB)
 SPLIT_MAX_PAIRS_PER_EXPERT = 16
 
 
-def _split_k(pairs_per_expert: float) -> tuple[int, int]:
-    """(gate_up, down) K splits of the tokens pair: how many slices of D (gate_up) and I (down)
-    the programs of one weight tile share, up to SPLIT_MAX_PAIRS_PER_EXPERT pairs per expert
-    (else 1 / 1). $V41GRAPH_MOE_SPLIT ("gate_up,down", e.g. "4,2"; bench.py's v41graph-moesplit
-    variant; read at every call, so a capture takes it) sets them; unset, 1 / 1 (no split) until
-    a GPU run times the split kernels (_gate_up_split_kernel, _down_split_kernel; written
-    without device time, twenty-sixth session): at B = 1 (48 experts, top-6) the unsplit gate_up
-    runs 36 x 6 = 216 programs on 132 SMs, 40 K steps each."""
+def _split_k(pairs_per_expert: float) -> int:
+    """How many K slices of D the gate_up programs of one weight tile share
+    (_gate_up_split_kernel), up to SPLIT_MAX_PAIRS_PER_EXPERT pairs per expert (else 1).
+    $V41GRAPH_MOE_SPLIT (an integer; bench.py's v41graph-moesplit variant; read at every call,
+    so a capture takes it) sets it; unset, 1 (no split) until a GPU run shows the split paying
+    in the whole step: at B = 1 (48 experts, top-6) the unsplit gate_up runs 36 x 6 = 216
+    programs on 132 SMs, 40 K steps each."""
     value = os.environ.get("V41GRAPH_MOE_SPLIT")
     if not value:
-        return 1, 1
+        return 1
     try:
-        split = tuple(int(v) for v in value.split(","))
+        split = int(value)
     except ValueError:
-        split = ()
-    if len(split) != 2 or min(split) < 1:
-        raise ValueError(f"V41GRAPH_MOE_SPLIT must be two integers >= 1, 'gate_up,down' (e.g. '4,2'), got {value!r}")
-    return split if pairs_per_expert <= SPLIT_MAX_PAIRS_PER_EXPERT else (1, 1)
+        split = 0
+    if split < 1:
+        raise ValueError(f"V41GRAPH_MOE_SPLIT must be an integer >= 1 (gate_up's K slices), got {value!r}")
+    return split if pairs_per_expert <= SPLIT_MAX_PAIRS_PER_EXPERT else 1
 
 
 def _split_width(k: int, splits: int, bk: int) -> tuple[int, int]:
     """(slice width, slices): K cut into equal slices of whole BK steps, as many as divide its
-    steps evenly up to `splits` (the kernels' K loops then need no bound check)."""
+    steps evenly up to `splits` (the kernel's K loop then needs no bound check)."""
     steps = k // bk
     splits = max(s for s in range(1, min(splits, steps) + 1) if steps % s == 0)
     return k // splits, splits
@@ -554,8 +507,8 @@ def _split_width(k: int, splits: int, bk: int) -> tuple[int, int]:
 
 def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=None):
     """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, kernel]) overrides the
-    table; kernel is one of KERNELS ("tokens" when left out). `split` (gate_up, down): the
-    tokens pair's K splits (_split_k's table when None; 1 = the unsplit kernel)."""
+    table; kernel is one of KERNELS ("tokens" when left out). `split`: the tokens gate_up's K
+    slices (_split_k when None; 1 = the unsplit kernel)."""
     n, k = chosen.shape
     e, two_i, _ = w13.shape
     i, d = two_i // 2, x.shape[1]
@@ -572,48 +525,39 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=No
                          f"per 32 columns of its tile), got {bn}")
     if kernel == "blocks" and bm < 16:
         raise ValueError(f"mxfp4_moe: the blocks kernels' token tile BM must be >= 16 (the MMA's N side), got {bm}")
-    split = tuple(split) if split is not None else _split_k(n * k / e)
-    if len(split) != 2 or not all(isinstance(v, int) and v >= 1 for v in split):
-        raise ValueError(f"mxfp4_moe: split must be (gate_up, down) K splits, integers >= 1, got {split!r}")
-    if kernel == "blocks" and split != (1, 1):
+    split = _split_k(n * k / e) if split is None else split
+    if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+        raise ValueError(f"mxfp4_moe: split must be an integer >= 1 (gate_up's K slices), got {split!r}")
+    if kernel == "blocks" and split != 1:
         raise ValueError(f"mxfp4_moe: split {split!r}: only the tokens kernels split K")
     routing_kernels = routing_kernels_on(n * k)
     tok, pw, dest, ids, offs = route_pairs(weights, chosen, e, routing_kernels)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
+    pairs = torch.empty((n * k, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
     launch = dict(num_warps=warps, num_stages=stages)
     grid_up, grid_down = (triton.cdiv(i, bn), e), (triton.cdiv(d, bn), e)
-    p = n * k
     if kernel == "blocks":  # codes + scales in, codes + scales between the two kernels
-        pairs = torch.empty((p, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
         xc, xs = quantize_rows_codes(x.contiguous(), torch.float8_e4m3fn, split_pairs=True)
         bk1, bk2 = min(bk1, 128), min(bk2, 128)     # one scale word per row and K step
-        hc = torch.empty((p, i), device=x.device, dtype=torch.float8_e4m3fn)
-        hs = torch.empty((p, i // 32), device=x.device, dtype=torch.float32)
+        hc = torch.empty((n * k, i), device=x.device, dtype=torch.float8_e4m3fn)
+        hs = torch.empty((n * k, i // 32), device=x.device, dtype=torch.float32)
         _gate_up_blocks_kernel[grid_up](xc, xs, tok, pw, offs, w13, s13, hc, hs, d, i, float(limit),
                                         HAS_LIMIT=limit > 0, BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype],
                                         SCALE_WORDS=_scale_words(s13, d, bk1), **launch)
         _down_blocks_kernel[grid_down](hc, hs, dest, offs, w2, s2, pairs, d, i, BT=bm, BN=bn, BK=bk2,
                                        SCALE_WORDS=_scale_words(s2, i, bk2), **launch)
-        return combine_pairs(pairs, ids, e, k, routing_kernels)
-    xq = quantize_rows(x.contiguous())
-    h = torch.empty((p, i), device=x.device, dtype=torch.bfloat16)   # quantized values
-    width_up, splits_up = _split_width(d, split[0], bk1)
-    if splits_up == 1:
-        _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
-                                 BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
-    else:   # fp32 slices (rows of held-elsewhere pairs: unwritten, unread), then the epilogue
-        ws = torch.empty((splits_up, p, 2 * i), device=x.device, dtype=torch.float32)
-        _gate_up_split_kernel[grid_up + (splits_up,)](xq, tok, offs, w13, s13, ws, p, d, i, width_up,
-                                                      BM=bm, BN=bn, BK=bk1, **launch)
-        _gate_up_finish_kernel[(triton.cdiv(i, bn), triton.cdiv(p, 16))](
-            ws, pw, offs, h, p, e, i, float(limit), S=splits_up, HAS_LIMIT=limit > 0, BM=16, BN=bn,
-            X_DTYPE=_TL_DTYPE[x.dtype], num_warps=4)
-    width_down, splits_down = _split_width(i, split[1], bk2)
-    if splits_down == 1:
-        pairs = torch.empty((p, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
+    else:
+        xq = quantize_rows(x.contiguous())
+        h = torch.empty((n * k, i), device=x.device, dtype=torch.bfloat16)   # quantized values
+        width, slices = _split_width(d, split, bk1)
+        if slices == 1:
+            _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
+                                     BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
+        else:   # fp32 slices (rows of held-elsewhere pairs: unwritten, unread), one count per tile
+            ws = torch.empty((slices, n * k, 2 * i), device=x.device, dtype=torch.float32)
+            count = torch.zeros(grid_up[0] * grid_up[1], device=x.device, dtype=torch.int32)
+            _gate_up_split_kernel[grid_up + (slices,)](xq, tok, pw, offs, w13, s13, h, ws, count, n * k, d, i, width,
+                                                       float(limit), S=slices, HAS_LIMIT=limit > 0, BM=bm, BN=bn,
+                                                       BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
         _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
-    else:   # [S, P, d] fp32 slices; the combine adds them and rounds to x's dtype
-        pairs = torch.empty((splits_down, p, d), device=x.device, dtype=torch.float32)
-        _down_split_kernel[grid_down + (splits_down,)](h, dest, offs, w2, s2, pairs, p, d, i, width_down,
-                                                       BM=bm, BN=bn, BK=bk2, **launch)
-    return combine_pairs(pairs, ids, e, k, routing_kernels, row_dtype=x.dtype)
+    return combine_pairs(pairs, ids, e, k, routing_kernels)
