@@ -78,7 +78,8 @@ def mhc_sinkhorn_supported(mixes, scale, base, hc: int) -> bool:
             and scale.numel() >= 3)
 
 
-def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_per_program: int = 32):
+def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_per_program: int = 32,
+                 num_warps: int = 4):
     """mixes [..., (2+hc)*hc] fp32 -> (pre [..., hc], post [..., hc], comb [..., hc, hc])."""
     lead = mixes.shape[:-1]
     m = mixes.reshape(-1, mixes.shape[-1]).contiguous()
@@ -89,6 +90,6 @@ def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_pe
     if n:
         _mhc_sinkhorn_kernel[(triton.cdiv(n, rows_per_program),)](
             m, scale.contiguous(), base.contiguous(), pre, post, comb, n, iters, eps,
-            HC=hc, BR=rows_per_program, num_warps=4,
+            HC=hc, BR=rows_per_program, num_warps=num_warps,
             enable_fp_fusion=False)   # m*s + b rounded twice, as the reference's two ops
     return pre, post, comb
