@@ -232,3 +232,30 @@ def test_engram_gather_kernel_in_triton_interpreter(tmp_path):
     scales including 0 and 255, tail programs), launched on CPU tensors directly."""
     rows = [line.split() for line in run_interpreted(_ENGRAM_SCRIPT, tmp_path)]
     assert len(rows) == 4 and all(r[-1] == "True" for r in rows), rows
+
+
+_MHC_SCRIPT = """
+    import torch
+    import triton_ptx_doubles
+    triton_ptx_doubles.install()                              # libdevice.exp -> the interpreter's exp
+    from v41graph.custom_ops import reference
+    from v41graph.custom_ops.triton import mhc
+    g = torch.Generator().manual_seed(7)
+    for n, iters in ((1, 20), (70, 20), (5, 1)):              # 70 tokens: 3 programs, a tail
+        mixes = torch.randn(n, 24, generator=g) * 3
+        scale = torch.rand(3, generator=g) + 0.5
+        base = torch.randn(24, generator=g)
+        got = mhc.mhc_sinkhorn(mixes, scale, base, 4, iters, 1e-6)
+        want = reference.mhc_sinkhorn(mixes, scale, base, 4, iters, 1e-6)
+        print(n, iters, max(float((a - b).abs().max()) for a, b in zip(got, want)))
+"""
+
+
+def test_mhc_sinkhorn_kernel_in_triton_interpreter(tmp_path):
+    """The mHC Sinkhorn kernel (one thread per token, the 4 x 4 comb matrix in registers): pre,
+    post and comb within the last bits of the reference (the interpreter's exp is numpy's, not
+    torch's; on the GPU, with libdevice's, tests/test_mhc_sinkhorn.py asks for every bit), one
+    Sinkhorn round and twenty, a tail program."""
+    rows = [line.split() for line in run_interpreted(_MHC_SCRIPT, tmp_path)]
+    assert [r[:2] for r in rows] == [["1", "20"], ["70", "20"], ["5", "1"]], rows
+    assert all(float(r[2]) < 2e-6 for r in rows), rows

@@ -1,5 +1,5 @@
-"""Stand-ins for our kernels' inline-PTX decodes, in plain Triton ops, so the whole kernels run in
-Triton's CPU interpreter (which cannot run inline assembly). Each stand-in computes what its PTX
+"""Stand-ins for our kernels' inline-PTX decodes (and libdevice's exp), in plain Triton ops, so the
+whole kernels run in Triton's CPU interpreter (which cannot run inline assembly or libdevice). Each stand-in computes what its PTX
 original's docstring promises, from the codes' definitions; tests/test_ptx_decodes_cpu.py checks
 the PTX itself against the same definitions, so a kernel test with the stand-ins plus that PTX
 test cover the kernel as the GPU runs it.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from v41graph.custom_ops.triton import attention, common, moe_fp4, quant_gemm
+from v41graph.custom_ops.triton import attention, common, mhc, moe_fp4, quant_gemm
 from v41graph.custom_ops.triton.common import _e2m1_decode
 
 
@@ -48,6 +48,17 @@ _STAND_INS = {"_e2m1_bytes_to_bf16": _e2m1_bytes_to_bf16, "_e4m3_pairs_to_bf16":
               "_fp4_block_e4m3": _fp4_block_e4m3}
 
 
+@triton.jit
+def _libdevice_exp(x):
+    """libdevice.exp, the accurate exp: the interpreter's tl.exp (numpy's, also accurate; it may
+    differ from torch's CPU exp in the last bit)."""
+    return tl.exp(x)
+
+
+class _Libdevice:
+    exp = _libdevice_exp
+
+
 def install() -> None:
     """Point every kernel module's name for a PTX decode at its stand-in (the interpreter looks
     a jit function's callees up in its module's globals at call time)."""
@@ -55,3 +66,4 @@ def install() -> None:
         for name, stand_in in _STAND_INS.items():
             if hasattr(module, name):
                 setattr(module, name, stand_in)
+    mhc.libdevice = _Libdevice

@@ -1,7 +1,8 @@
 """mHC Sinkhorn kernel (CUDA; imported lazily by cuda_impls.py, never at package import).
 
-  mhc_sinkhorn        the mHC predictor's pre/post/comb, all Sinkhorn rounds in registers (one
-                      launch instead of ~130 elementwise kernels per call).
+  mhc_sinkhorn        the mHC predictor's pre/post/comb, all Sinkhorn rounds in registers, one
+                      thread per token (one launch instead of ~130 elementwise kernels per call;
+                      hc_mult = 4, V4.1's: other widths run the reference).
 
 It uses libdevice.exp (the accurate exp), which Triton's CPU interpreter cannot run.
 """
@@ -12,7 +13,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import _pow2
 
 
 # =============================================================================== mHC Sinkhorn
@@ -24,24 +24,50 @@ def _exact_sigmoid(x):
 
 
 @triton.jit
-def _sum_in_order(x, idx, AXIS: tl.constexpr, N: tl.constexpr):
-    """x summed over AXIS left to right, like reference._sum_in_order (tl.sum's order is the
-    compiler's). idx: the index along AXIS, broadcast to x's shape. Each masked tl.sum adds one
-    value to zeros, which is exact."""
-    total = tl.sum(tl.where(idx == 0, x, 0.0), axis=AXIS)
-    for k in tl.static_range(1, N):
-        total = total + tl.sum(tl.where(idx == k, x, 0.0), axis=AXIS)
-    return total
+def _div_by_sum(a, b, c, d, eps, EPS_AFTER: tl.constexpr):
+    """Four entries (a row or a column of each token's matrix, [BR] each) divided by their sum
+    taken left to right, as reference._sum_in_order adds: x / (s + eps), or (EPS_AFTER, the
+    first row pass) x / s + eps."""
+    s = ((a + b) + c) + d
+    if EPS_AFTER:
+        return (tl.math.div_rn(a, s) + eps, tl.math.div_rn(b, s) + eps, tl.math.div_rn(c, s) + eps,
+                tl.math.div_rn(d, s) + eps)
+    s = s + eps
+    return tl.math.div_rn(a, s), tl.math.div_rn(b, s), tl.math.div_rn(c, s), tl.math.div_rn(d, s)
+
+
+@triton.jit
+def _softmax_row(a, b, c, d):
+    """exp(x - max) of one row's four entries (the max is exact in any order)."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    return libdevice.exp(a - m), libdevice.exp(b - m), libdevice.exp(c - m), libdevice.exp(d - m)
+
+
+@triton.jit
+def _comb_entry(mix_ptr, base_ptr, r, rm, s2, k: tl.constexpr, W: tl.constexpr):
+    """Entry k (row-major) of each token's 4 x 4 comb logits: m*s2 + b, [BR]."""
+    return tl.load(mix_ptr + r * W + 8 + k, mask=rm, other=0.0) * s2 + tl.load(base_ptr + 8 + k)
+
+
+@triton.jit
+def _store_row(out, k: tl.constexpr, a, b, c, d, rm):
+    tl.store(out + k, a, mask=rm)
+    tl.store(out + k + 1, b, mask=rm)
+    tl.store(out + k + 2, c, mask=rm)
+    tl.store(out + k + 3, d, mask=rm)
 
 
 @triton.jit
 def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, iters,
                          eps, HC: tl.constexpr, BR: tl.constexpr):
-    """BR tokens per program; each token's (2+HC)*HC mixes -> pre, post and the HC x HC comb
-    matrix, whose Sinkhorn rounds run entirely in registers (axis 2 = row sums, axis 1 =
-    column sums of each token's matrix). The arithmetic is the reference's operation by
-    operation (accurate exp and division, sums in order; launched without FMA contraction), so
-    the result is bit-identical to the reference run on the GPU."""
+    """BR tokens per program, one per thread; each token's (2+HC)*HC mixes -> pre, post and the
+    HC x HC comb matrix (HC = 4, V4.1's hc_mult). The comb matrix lives as 16 per-token
+    registers (x<row><col>), so each Sinkhorn round is additions and divisions in one thread: no
+    cross-thread reductions (the [BR, 4, 4] tile form took ~36 us per call on the H100, its 160
+    reductions in a chain). The arithmetic is the reference's operation by operation (accurate
+    exp and division, sums in order; launched without FMA contraction), so the result is
+    bit-identical to the reference run on the GPU."""
+    tl.static_assert(HC == 4, "the register-resident Sinkhorn is written for hc_mult = 4")
     W: tl.constexpr = (2 + HC) * HC
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     rm = r < n_rows
@@ -53,33 +79,49 @@ def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_p
     m_post = tl.load(mix_ptr + r[:, None] * W + HC + c[None, :], mask=rm[:, None], other=0.0)
     pre = _exact_sigmoid(m_pre * s0 + tl.load(base_ptr + c)[None, :]) + eps
     post = 2.0 * _exact_sigmoid(m_post * s1 + tl.load(base_ptr + HC + c)[None, :])
-    ij = c[:, None] * HC + c[None, :]
-    col = c[None, None, :]      # index along axis 2 (a row's entries)
-    row = c[None, :, None]      # index along axis 1 (a column's entries)
-    x = tl.load(mix_ptr + r[:, None, None] * W + 2 * HC + ij[None, :, :], mask=rm[:, None, None],
-                other=0.0)
-    x = x * s2 + tl.load(base_ptr + 2 * HC + ij)[None, :, :]
-    x = libdevice.exp(x - tl.max(x, axis=2)[:, :, None])
-    x = tl.math.div_rn(x, _sum_in_order(x, col, 2, HC)[:, :, None]) + eps
-    x = tl.math.div_rn(x, _sum_in_order(x, row, 1, HC)[:, None, :] + eps)
-    for _ in range(iters - 1):
-        x = tl.math.div_rn(x, _sum_in_order(x, col, 2, HC)[:, :, None] + eps)
-        x = tl.math.div_rn(x, _sum_in_order(x, row, 1, HC)[:, None, :] + eps)
     tl.store(pre_ptr + r[:, None] * HC + c[None, :], pre, mask=rm[:, None])
     tl.store(post_ptr + r[:, None] * HC + c[None, :], post, mask=rm[:, None])
-    tl.store(comb_ptr + r[:, None, None] * (HC * HC) + ij[None, :, :], x, mask=rm[:, None, None])
-
-
+    x00, x01, x02, x03 = _softmax_row(_comb_entry(mix_ptr, base_ptr, r, rm, s2, 0, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 1, W),
+                                      _comb_entry(mix_ptr, base_ptr, r, rm, s2, 2, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 3, W))
+    x10, x11, x12, x13 = _softmax_row(_comb_entry(mix_ptr, base_ptr, r, rm, s2, 4, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 5, W),
+                                      _comb_entry(mix_ptr, base_ptr, r, rm, s2, 6, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 7, W))
+    x20, x21, x22, x23 = _softmax_row(_comb_entry(mix_ptr, base_ptr, r, rm, s2, 8, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 9, W),
+                                      _comb_entry(mix_ptr, base_ptr, r, rm, s2, 10, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 11, W))
+    x30, x31, x32, x33 = _softmax_row(_comb_entry(mix_ptr, base_ptr, r, rm, s2, 12, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 13, W),
+                                      _comb_entry(mix_ptr, base_ptr, r, rm, s2, 14, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 15, W))
+    # round 1: the softmax's row sums (eps added after the division), then the column sums
+    x00, x01, x02, x03 = _div_by_sum(x00, x01, x02, x03, eps, True)
+    x10, x11, x12, x13 = _div_by_sum(x10, x11, x12, x13, eps, True)
+    x20, x21, x22, x23 = _div_by_sum(x20, x21, x22, x23, eps, True)
+    x30, x31, x32, x33 = _div_by_sum(x30, x31, x32, x33, eps, True)
+    x00, x10, x20, x30 = _div_by_sum(x00, x10, x20, x30, eps, False)
+    x01, x11, x21, x31 = _div_by_sum(x01, x11, x21, x31, eps, False)
+    x02, x12, x22, x32 = _div_by_sum(x02, x12, x22, x32, eps, False)
+    x03, x13, x23, x33 = _div_by_sum(x03, x13, x23, x33, eps, False)
+    for _ in range(iters - 1):
+        x00, x01, x02, x03 = _div_by_sum(x00, x01, x02, x03, eps, False)
+        x10, x11, x12, x13 = _div_by_sum(x10, x11, x12, x13, eps, False)
+        x20, x21, x22, x23 = _div_by_sum(x20, x21, x22, x23, eps, False)
+        x30, x31, x32, x33 = _div_by_sum(x30, x31, x32, x33, eps, False)
+        x00, x10, x20, x30 = _div_by_sum(x00, x10, x20, x30, eps, False)
+        x01, x11, x21, x31 = _div_by_sum(x01, x11, x21, x31, eps, False)
+        x02, x12, x22, x32 = _div_by_sum(x02, x12, x22, x32, eps, False)
+        x03, x13, x23, x33 = _div_by_sum(x03, x13, x23, x33, eps, False)
+    out = comb_ptr + r * (HC * HC)
+    _store_row(out, 0, x00, x01, x02, x03, rm)
+    _store_row(out, 4, x10, x11, x12, x13, rm)
+    _store_row(out, 8, x20, x21, x22, x23, rm)
+    _store_row(out, 12, x30, x31, x32, x33, rm)
 def mhc_sinkhorn_supported(mixes, scale, base, hc: int) -> bool:
     f32 = torch.float32
     return (mixes.is_cuda and scale.is_cuda and base.is_cuda and mixes.dtype == f32
-            and scale.dtype == f32 and base.dtype == f32 and _pow2(hc)
+            and scale.dtype == f32 and base.dtype == f32 and hc == 4
             and mixes.shape[-1] == (2 + hc) * hc and base.numel() == (2 + hc) * hc
             and scale.numel() >= 3)
 
 
 def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_per_program: int = 32,
-                 num_warps: int = 4):
+                 num_warps: int = 1):
     """mixes [..., (2+hc)*hc] fp32 -> (pre [..., hc], post [..., hc], comb [..., hc, hc])."""
     lead = mixes.shape[:-1]
     m = mixes.reshape(-1, mixes.shape[-1]).contiguous()
