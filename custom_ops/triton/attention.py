@@ -600,15 +600,18 @@ def _split_workspace(out, n, n_split, h, d):
             torch.empty((n, n_split, h, 2), dtype=torch.float32, device=out.device))
 
 
-# The combine's program: 8 heads x 32 (even, odd) column pairs (B = 1, 64 heads, D = 512: 64
-# programs), up to 16 splits' loads in flight at once
-COMBINE_HEADS, COMBINE_PAIRS, COMBINE_SPLITS = 8, 32, 16
+# The combine's program: 8 heads x 32 (even, odd) column pairs for a few tokens (B = 1, 64 heads,
+# D = 512: 64 programs), all D/2 pairs above COMBINE_NARROW_TOKENS tokens (B = 64: 512 programs);
+# splits x pairs loaded at once up to COMBINE_TILE per head (16 splits x 32 pairs, 2 x 256: 167
+# registers offline for sm90, no spill; 16 x 256 spills). Not yet timed on a GPU (twenty-sixth
+# session).
+COMBINE_HEADS, COMBINE_PAIRS, COMBINE_TILE, COMBINE_NARROW_TOKENS = 8, 32, 512, 8
 
 
 def _combine_splits(ws_acc, ws_ml, sink, out, n, h, d, n_split, dtl, is16):
     if n_split == 1:
         return
-    bd = min(COMBINE_PAIRS, d // 2)
+    bd = min(COMBINE_PAIRS, d // 2) if n <= COMBINE_NARROW_TOKENS else d // 2
     _sparse_attn_combine_kernel[(n, triton.cdiv(h, COMBINE_HEADS), d // 2 // bd)](
         ws_acc, ws_ml, sink, out, h, n_split, D=d, D2=d // 2, BH=COMBINE_HEADS, BD=bd,
-        NS=min(triton.next_power_of_2(n_split), COMBINE_SPLITS), DTYPE=dtl, IS16=is16, num_warps=4)
+        NS=min(triton.next_power_of_2(n_split), max(1, COMBINE_TILE // bd)), DTYPE=dtl, IS16=is16, num_warps=4)
