@@ -14,7 +14,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 
-
 # =============================================================================== mHC Sinkhorn
 @triton.jit
 def _exact_sigmoid(x):
@@ -44,13 +43,20 @@ def _softmax_row(a, b, c, d):
 
 
 @triton.jit
-def _comb_entry(mix_ptr, base_ptr, r, rm, s2, k: tl.constexpr, W: tl.constexpr):
-    """Entry k (row-major) of each token's 4 x 4 comb logits: m*s2 + b, [BR]."""
-    return tl.load(mix_ptr + r * W + 8 + k, mask=rm, other=0.0) * s2 + tl.load(base_ptr + 8 + k)
+def _comb_row(mix_ptr, base_ptr, r, rm, s2, i: tl.constexpr, W: tl.constexpr):
+    """Row i of each token's 4 x 4 comb matrix after the softmax: exp(l - max) of the logits
+    l = m*s2 + b, the mixes after pre's and post's 8 ([BR] each)."""
+    k = 8 + 4 * i
+    a = tl.load(mix_ptr + r * W + k, mask=rm, other=0.0) * s2 + tl.load(base_ptr + k)
+    b = tl.load(mix_ptr + r * W + k + 1, mask=rm, other=0.0) * s2 + tl.load(base_ptr + k + 1)
+    c = tl.load(mix_ptr + r * W + k + 2, mask=rm, other=0.0) * s2 + tl.load(base_ptr + k + 2)
+    d = tl.load(mix_ptr + r * W + k + 3, mask=rm, other=0.0) * s2 + tl.load(base_ptr + k + 3)
+    return _softmax_row(a, b, c, d)
 
 
 @triton.jit
 def _store_row(out, k: tl.constexpr, a, b, c, d, rm):
+    """A comb row's four entries at out + k .. k + 3 (row-major, [BR] each)."""
     tl.store(out + k, a, mask=rm)
     tl.store(out + k + 1, b, mask=rm)
     tl.store(out + k + 2, c, mask=rm)
@@ -81,14 +87,10 @@ def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_p
     post = 2.0 * _exact_sigmoid(m_post * s1 + tl.load(base_ptr + HC + c)[None, :])
     tl.store(pre_ptr + r[:, None] * HC + c[None, :], pre, mask=rm[:, None])
     tl.store(post_ptr + r[:, None] * HC + c[None, :], post, mask=rm[:, None])
-    x00, x01, x02, x03 = _softmax_row(_comb_entry(mix_ptr, base_ptr, r, rm, s2, 0, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 1, W),
-                                      _comb_entry(mix_ptr, base_ptr, r, rm, s2, 2, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 3, W))
-    x10, x11, x12, x13 = _softmax_row(_comb_entry(mix_ptr, base_ptr, r, rm, s2, 4, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 5, W),
-                                      _comb_entry(mix_ptr, base_ptr, r, rm, s2, 6, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 7, W))
-    x20, x21, x22, x23 = _softmax_row(_comb_entry(mix_ptr, base_ptr, r, rm, s2, 8, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 9, W),
-                                      _comb_entry(mix_ptr, base_ptr, r, rm, s2, 10, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 11, W))
-    x30, x31, x32, x33 = _softmax_row(_comb_entry(mix_ptr, base_ptr, r, rm, s2, 12, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 13, W),
-                                      _comb_entry(mix_ptr, base_ptr, r, rm, s2, 14, W), _comb_entry(mix_ptr, base_ptr, r, rm, s2, 15, W))
+    x00, x01, x02, x03 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 0, W)
+    x10, x11, x12, x13 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 1, W)
+    x20, x21, x22, x23 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 2, W)
+    x30, x31, x32, x33 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 3, W)
     # round 1: the softmax's row sums (eps added after the division), then the column sums
     x00, x01, x02, x03 = _div_by_sum(x00, x01, x02, x03, eps, True)
     x10, x11, x12, x13 = _div_by_sum(x10, x11, x12, x13, eps, True)
@@ -112,6 +114,8 @@ def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_p
     _store_row(out, 4, x10, x11, x12, x13, rm)
     _store_row(out, 8, x20, x21, x22, x23, rm)
     _store_row(out, 12, x30, x31, x32, x33, rm)
+
+
 def mhc_sinkhorn_supported(mixes, scale, base, hc: int) -> bool:
     f32 = torch.float32
     return (mixes.is_cuda and scale.is_cuda and base.is_cuda and mixes.dtype == f32
