@@ -482,9 +482,10 @@ def _split_k(pairs_per_expert: float) -> int:
     """How many K slices of D the gate_up programs of one weight tile share
     (_gate_up_split_kernel), up to SPLIT_MAX_PAIRS_PER_EXPERT pairs per expert (else 1).
     $V41GRAPH_MOE_SPLIT (an integer; bench.py's v41graph-moesplit variant; read at every call,
-    so a capture takes it) sets it; unset, 1 (no split) until a GPU run shows the split paying
-    in the whole step: at B = 1 (48 experts, top-6) the unsplit gate_up runs 36 x 6 = 216
-    programs on 132 SMs, 40 K steps each."""
+    so a capture takes it) sets it; unset, 1 (no split). At B = 1 (48 experts, top-6) the
+    unsplit gate_up runs 36 x 6 = 216 programs on 132 SMs, 40 K steps each; split 4 took it from
+    95 to 74 us per call on an H100, but that form's separate finish launch ate the gain in the
+    whole step (twenty-sixth session). This one-launch form is not yet timed."""
     value = os.environ.get("V41GRAPH_MOE_SPLIT")
     if not value:
         return 1
