@@ -6,7 +6,7 @@ linear) between device sessions. It says nothing about stalls, occupancy or nume
     python scripts/offline_sass.py moe_gate_up                      # the decode tile
     python scripts/offline_sass.py moe_gate_up BM=64 --warps 4 --dump /tmp/k.sass
     python scripts/offline_sass.py moe_gate_up_blocks BN=128        # the weight rows as the MMA's M side
-    python scripts/offline_sass.py moe_gate_up_split                # one K slice (moe_fp4._split_k)
+    python scripts/offline_sass.py moe_gate_up S=4                  # K split in 4 (moe_fp4._split_k)
     python scripts/offline_sass.py fp8_linear BM=64 BN=64 BK=128
 
 Pointer arguments and the model-width sizes get Triton's divisibility-by-16 hint, as a launch
@@ -38,24 +38,19 @@ _ATTN_SIGNATURE = {"q_ptr": "*i32", "ring_ptr": "*i16", "rsc_ptr": "*u8", "fresh
                    "sink_ptr": "*fp32", "out_ptr": "*i32", "ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32",
                    "H": "i32", "W": "i32", "KG": "i32", "n_ring": "i32", "sm_scale": "fp32",
                    "blocks_per_split": "i32", "n_split": "i32"}
+_MOE_GATE_UP_SIGNATURE = {"xq_ptr": "*bf16", "tok_ptr": "*i32", "pw_ptr": "*fp32", "offs_ptr": "*i32", "w_ptr": "*u8",
+                          "s_ptr": "*u8", "h_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "P": "i32",
+                          "D": "i32", "I": "i32", "K_SPLIT": "i32", "limit": "fp32"}
 # name -> (module under custom_ops/triton, kernel, signature, default constexprs,
 #          weight codes per loop iteration as a function of the constexprs)
 KERNELS = {
-    "moe_gate_up": ("moe_fp4", "_gate_up_kernel",
-                    {"xq_ptr": "*bf16", "tok_ptr": "*i32", "pw_ptr": "*fp32", "offs_ptr": "*i32", "w_ptr": "*u8",
-                     "s_ptr": "*u8", "h_ptr": "*bf16", "D": "i32", "I": "i32", "limit": "fp32"},
-                    {"HAS_LIMIT": True, "BM": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16"},
+    "moe_gate_up": ("moe_fp4", "_gate_up_kernel", _MOE_GATE_UP_SIGNATURE,
+                    {"S": 1, "HAS_LIMIT": True, "BM": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16"},
                     lambda c: 2 * c["BN"] * c["BK"]),
     "moe_down": ("moe_fp4", "_down_kernel",
                  {"h_ptr": "*bf16", "dest_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
                   "out_ptr": "*bf16", "D": "i32", "I": "i32"},
                  {"BM": 16, "BN": 64, "BK": 128}, lambda c: c["BN"] * c["BK"]),
-    "moe_gate_up_split": ("moe_fp4", "_gate_up_split_kernel",
-                          {"xq_ptr": "*bf16", "tok_ptr": "*i32", "pw_ptr": "*fp32", "offs_ptr": "*i32", "w_ptr": "*u8",
-                           "s_ptr": "*u8", "h_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "P": "i32",
-                           "D": "i32", "I": "i32", "K_SPLIT": "i32", "limit": "fp32"},
-                          {"S": 4, "HAS_LIMIT": True, "BM": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16"},
-                          lambda c: 2 * c["BN"] * c["BK"]),
     "moe_gate_up_blocks": ("moe_fp4", "_gate_up_blocks_kernel",
                            {"xc_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "tok_ptr": "*i32", "pw_ptr": "*fp32",
                             "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "hc_ptr": "*fp8e4nv",
@@ -94,7 +89,7 @@ KERNELS = {
                           "DIRECT": False, "STAGES": 1}, lambda c: c["BS"] * c["D"]),
 }
 # the sizes that are multiples of 16 at every launch (M, the token count, is not at decode)
-ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT", "H")
+ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT", "K_SPLIT", "H")
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH = re.compile(r"BRA (0x[0-9a-f]+)")
 

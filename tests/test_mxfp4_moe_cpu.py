@@ -140,7 +140,7 @@ _SPLIT_K_SCRIPT = """
 
 
 def test_split_k_gate_up_matches_the_reference_in_triton_interpreter(tmp_path):
-    """The tokens gate_up with K split over programs (_gate_up_split_kernel: fp32 slices, the
+    """The tokens gate_up with K split over programs (_gate_up_kernel with S > 1: fp32 slices, the
     last program of a tile adds them and runs the epilogue): within fp32 rounding of the
     reference and of the unsplit kernel (the slices add in another order), the same bits when
     run again (the count per tile starts from zero at every call), with an unpicked expert and

@@ -21,7 +21,7 @@
                    (token, slot) position (x's dtype, as the reference's w2 returns)
   split K          at decode sizes, opt-in (_split_k): gate_up's K loop cut into equal slices
                    over a third grid axis; the last program of a weight tile adds the fp32
-                   slices in slice order and runs the epilogue (_gate_up_split_kernel)
+                   slices in slice order and runs the epilogue (_gate_up_kernel with S > 1)
   blocks           the weight rows as the MMA's M side and an expert's few tokens as its N
                    side (a 64-row weight tile fills a Hopper wgmma), in the reference's own
                    arithmetic (reference.blockwise_gemm): per 32-wide K block one FP8 wgmma of
@@ -92,25 +92,67 @@ def _swiglu_h(gate, up, pw, limit, HAS_LIMIT: tl.constexpr, X_DTYPE: tl.constexp
 
 
 @triton.jit
-def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, D, I, limit,
-                    HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    X_DTYPE: tl.constexpr):
+def _store_h(acc_g, acc_u, r, r_mask, n, n_mask, pw_ptr, h_ptr, I, limit, HAS_LIMIT: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, X_DTYPE: tl.constexpr):
+    """gate_up's epilogue for BM pairs x BN columns: _swiglu_h with the pairs' routing weights,
+    h quantized per 32 columns and stored (bf16 holds the quantized values exactly)."""
+    pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
+    h = _qdq_fp8_blocks(_swiglu_h(acc_g, acc_u, pw, limit, HAS_LIMIT, X_DTYPE), BM, BN)
+    tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16),
+             mask=r_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_ptr, count_ptr, P, D, I,
+                    K_SPLIT, limit, S: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, X_DTYPE: tl.constexpr):
+    """Program (column tile, expert, K slice): the slice's dots for each BM pairs of the
+    expert's group. S = 1 (K_SPLIT = D): the epilogue at once (_store_h; ws and count unread).
+    S > 1 (_split_k): the slice's fp32 sums of gate and up go to ws [S, P, 2I] at the pairs'
+    sorted indexes, and the last of a weight tile's S programs (an atomic count per tile) adds
+    the slices in slice order and runs the epilogue: deterministic, and no second launch."""
     e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
+    s = tl.program_id(2)
+    if S == 1:              # the whole of D from a constant start: the unsplit loop as cheap as ever
+        k_lo = 0
+        k_hi = D
+    else:
+        k_lo = tl.multiple_of(s * K_SPLIT, BK)   # slices of whole BK steps: the loads vectorize
+        k_hi = k_lo + K_SPLIT
     gate_rows = e.to(tl.int64) * 2 * I + n           # w1 rows of expert e in the [E*2I] stack
     up_rows = gate_rows + I                          # w3 rows
     for m0 in range(start, end, BM):
         r, r_mask, tok = _pair_tile(tok_ptr, m0, end, BM)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, D, BK):
+        for k0 in range(k_lo, k_hi, BK):
             k = k0 + tl.arange(0, BK)
             a = tl.load(xq_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
             acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
             acc_u = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, up_rows, n_mask, k0, D, BN, BK)), acc_u)
-        pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
-        h = _qdq_fp8_blocks(_swiglu_h(acc_g, acc_u, pw, limit, HAS_LIMIT, X_DTYPE), BM, BN)
-        tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16),
-                 mask=r_mask[:, None] & n_mask[None, :])
+        if S == 1:
+            _store_h(acc_g, acc_u, r, r_mask, n, n_mask, pw_ptr, h_ptr, I, limit, HAS_LIMIT, BM, BN, X_DTYPE)
+        else:
+            at = ws_ptr + (s * P + r[:, None]).to(tl.int64) * (2 * I) + n[None, :]
+            mask = r_mask[:, None] & n_mask[None, :]
+            tl.store(at, acc_g, mask=mask)
+            tl.store(at + I, acc_u, mask=mask)
+    if S > 1:
+        tl.debug_barrier()      # every thread's slice is stored before the count is released
+        done = tl.atomic_add(count_ptr + e * tl.num_programs(0) + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if done == S - 1:
+            for m0 in range(start, end, BM):
+                r = m0 + tl.arange(0, BM)
+                r_mask = r < end
+                mask = r_mask[:, None] & n_mask[None, :]
+                at = ws_ptr + r[:, None].to(tl.int64) * (2 * I) + n[None, :]
+                acc_g = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+                acc_u = tl.load(at + I, mask=mask, other=0.0, cache_modifier=".cg")
+                for j in tl.static_range(1, S):     # fixed order whichever program came last
+                    slice_at = at + (j * P).to(tl.int64) * (2 * I)
+                    acc_g += tl.load(slice_at, mask=mask, other=0.0, cache_modifier=".cg")
+                    acc_u += tl.load(slice_at + I, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_h(acc_g, acc_u, r, r_mask, n, n_mask, pw_ptr, h_ptr, I, limit, HAS_LIMIT, BM, BN, X_DTYPE)
 
 
 @triton.jit
@@ -130,51 +172,6 @@ def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
         dest = tl.load(dest_ptr + r, mask=r_mask, other=0).to(tl.int64)
         tl.store(out_ptr + dest[:, None] * D + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _gate_up_split_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_ptr, count_ptr, P, D, I,
-                          K_SPLIT, limit, S: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr, X_DTYPE: tl.constexpr):
-    """_gate_up_kernel with D cut into S slices of K_SPLIT (program axis 2): each program stores
-    its slice's fp32 sums of gate and up to ws [S, P, 2I] at the pairs' sorted indexes; the last
-    of a weight tile's S programs (an atomic count per tile) adds the slices in slice order and
-    runs the epilogue: deterministic, and no second launch."""
-    e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
-    s = tl.program_id(2)
-    k_lo = tl.multiple_of(s * K_SPLIT, BK)       # slices of whole BK steps: the loads vectorize
-    gate_rows = e.to(tl.int64) * 2 * I + n
-    up_rows = gate_rows + I
-    for m0 in range(start, end, BM):
-        r, r_mask, tok = _pair_tile(tok_ptr, m0, end, BM)
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(k_lo, k_lo + K_SPLIT, BK):
-            k = k0 + tl.arange(0, BK)
-            a = tl.load(xq_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
-            acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
-            acc_u = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, s_ptr, up_rows, n_mask, k0, D, BN, BK)), acc_u)
-        at = ws_ptr + (s * P + r[:, None]).to(tl.int64) * (2 * I) + n[None, :]
-        mask = r_mask[:, None] & n_mask[None, :]
-        tl.store(at, acc_g, mask=mask)
-        tl.store(at + I, acc_u, mask=mask)
-    tl.debug_barrier()          # every thread's slice is stored before the count is released
-    done = tl.atomic_add(count_ptr + e * tl.num_programs(0) + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-    if done == S - 1:
-        for m0 in range(start, end, BM):
-            r = m0 + tl.arange(0, BM)
-            r_mask = r < end
-            mask = r_mask[:, None] & n_mask[None, :]
-            at = ws_ptr + r[:, None].to(tl.int64) * (2 * I) + n[None, :]
-            acc_g = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
-            acc_u = tl.load(at + I, mask=mask, other=0.0, cache_modifier=".cg")
-            for j in tl.static_range(1, S):         # fixed order whichever program came last
-                slice_at = at + (j * P).to(tl.int64) * (2 * I)
-                acc_g += tl.load(slice_at, mask=mask, other=0.0, cache_modifier=".cg")
-                acc_u += tl.load(slice_at + I, mask=mask, other=0.0, cache_modifier=".cg")
-            pw = tl.load(pw_ptr + r, mask=r_mask, other=0.0)
-            h = _qdq_fp8_blocks(_swiglu_h(acc_g, acc_u, pw, limit, HAS_LIMIT, X_DTYPE), BM, BN)
-            tl.store(h_ptr + r[:, None].to(tl.int64) * I + n[None, :], h.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -480,7 +477,7 @@ SPLIT_MAX_PAIRS_PER_EXPERT = 16
 
 def _split_k(pairs_per_expert: float) -> int:
     """How many K slices of D the gate_up programs of one weight tile share
-    (_gate_up_split_kernel), up to SPLIT_MAX_PAIRS_PER_EXPERT pairs per expert (else 1).
+    (_gate_up_kernel's S), up to SPLIT_MAX_PAIRS_PER_EXPERT pairs per expert (else 1).
     $V41GRAPH_MOE_SPLIT (an integer; bench.py's v41graph-moesplit variant; read at every call,
     so a capture takes it) sets it; unset, 1 (no split). At B = 1 (48 experts, top-6) the
     unsplit gate_up runs 36 x 6 = 216 programs on 132 SMs, 40 K steps each; split 4 took it from
@@ -551,14 +548,13 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=No
         xq = quantize_rows(x.contiguous())
         h = torch.empty((n * k, i), device=x.device, dtype=torch.bfloat16)   # quantized values
         width, slices = _split_width(d, split, bk1)
-        if slices == 1:
-            _gate_up_kernel[grid_up](xq, tok, pw, offs, w13, s13, h, d, i, float(limit), HAS_LIMIT=limit > 0,
-                                     BM=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
-        else:   # fp32 slices (rows of held-elsewhere pairs: unwritten, unread), one count per tile
+        if slices == 1:     # workspace and counts never read
+            ws, count = h, offs
+        else:               # fp32 slices (rows of held-elsewhere pairs: unwritten, unread), a count per tile
             ws = torch.empty((slices, n * k, 2 * i), device=x.device, dtype=torch.float32)
             count = torch.zeros(grid_up[0] * grid_up[1], device=x.device, dtype=torch.int32)
-            _gate_up_split_kernel[grid_up + (slices,)](xq, tok, pw, offs, w13, s13, h, ws, count, n * k, d, i, width,
-                                                       float(limit), S=slices, HAS_LIMIT=limit > 0, BM=bm, BN=bn,
-                                                       BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
+        _gate_up_kernel[grid_up + (slices,)](xq, tok, pw, offs, w13, s13, h, ws, count, n * k, d, i, width,
+                                             float(limit), S=slices, HAS_LIMIT=limit > 0, BM=bm, BN=bn, BK=bk1,
+                                             X_DTYPE=_TL_DTYPE[x.dtype], **launch)
         _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
     return combine_pairs(pairs, ids, e, k, routing_kernels)
