@@ -36,6 +36,22 @@ def _div_by_sum(a, b, c, d, eps, EPS_AFTER: tl.constexpr):
 
 
 @triton.jit
+def _sinkhorn_round(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33, eps,
+                    FIRST: tl.constexpr):
+    """One Sinkhorn round on each token's 4 x 4 matrix (x<row><col>, [BR] each): every row
+    divided by its sum, then every column (FIRST: the rows' eps after the division)."""
+    x00, x01, x02, x03 = _div_by_sum(x00, x01, x02, x03, eps, FIRST)
+    x10, x11, x12, x13 = _div_by_sum(x10, x11, x12, x13, eps, FIRST)
+    x20, x21, x22, x23 = _div_by_sum(x20, x21, x22, x23, eps, FIRST)
+    x30, x31, x32, x33 = _div_by_sum(x30, x31, x32, x33, eps, FIRST)
+    x00, x10, x20, x30 = _div_by_sum(x00, x10, x20, x30, eps, False)
+    x01, x11, x21, x31 = _div_by_sum(x01, x11, x21, x31, eps, False)
+    x02, x12, x22, x32 = _div_by_sum(x02, x12, x22, x32, eps, False)
+    x03, x13, x23, x33 = _div_by_sum(x03, x13, x23, x33, eps, False)
+    return x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33
+
+
+@triton.jit
 def _softmax_row(a, b, c, d):
     """exp(x - max) of one row's four entries (the max is exact in any order)."""
     m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
@@ -91,24 +107,14 @@ def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_p
     x10, x11, x12, x13 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 1, W)
     x20, x21, x22, x23 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 2, W)
     x30, x31, x32, x33 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 3, W)
-    # round 1: the softmax's row sums (eps added after the division), then the column sums
-    x00, x01, x02, x03 = _div_by_sum(x00, x01, x02, x03, eps, True)
-    x10, x11, x12, x13 = _div_by_sum(x10, x11, x12, x13, eps, True)
-    x20, x21, x22, x23 = _div_by_sum(x20, x21, x22, x23, eps, True)
-    x30, x31, x32, x33 = _div_by_sum(x30, x31, x32, x33, eps, True)
-    x00, x10, x20, x30 = _div_by_sum(x00, x10, x20, x30, eps, False)
-    x01, x11, x21, x31 = _div_by_sum(x01, x11, x21, x31, eps, False)
-    x02, x12, x22, x32 = _div_by_sum(x02, x12, x22, x32, eps, False)
-    x03, x13, x23, x33 = _div_by_sum(x03, x13, x23, x33, eps, False)
+    # round 1 divides the softmax's rows with eps added after the division; the others before
+    (x00, x01, x02, x03, x10, x11, x12, x13,
+     x20, x21, x22, x23, x30, x31, x32, x33) = _sinkhorn_round(x00, x01, x02, x03, x10, x11, x12, x13,
+                                                              x20, x21, x22, x23, x30, x31, x32, x33, eps, True)
     for _ in range(iters - 1):
-        x00, x01, x02, x03 = _div_by_sum(x00, x01, x02, x03, eps, False)
-        x10, x11, x12, x13 = _div_by_sum(x10, x11, x12, x13, eps, False)
-        x20, x21, x22, x23 = _div_by_sum(x20, x21, x22, x23, eps, False)
-        x30, x31, x32, x33 = _div_by_sum(x30, x31, x32, x33, eps, False)
-        x00, x10, x20, x30 = _div_by_sum(x00, x10, x20, x30, eps, False)
-        x01, x11, x21, x31 = _div_by_sum(x01, x11, x21, x31, eps, False)
-        x02, x12, x22, x32 = _div_by_sum(x02, x12, x22, x32, eps, False)
-        x03, x13, x23, x33 = _div_by_sum(x03, x13, x23, x33, eps, False)
+        (x00, x01, x02, x03, x10, x11, x12, x13,
+         x20, x21, x22, x23, x30, x31, x32, x33) = _sinkhorn_round(x00, x01, x02, x03, x10, x11, x12, x13,
+                                                                  x20, x21, x22, x23, x30, x31, x32, x33, eps, False)
     out = comb_ptr + r * (HC * HC)
     _store_row(out, 0, x00, x01, x02, x03, rm)
     _store_row(out, 4, x10, x11, x12, x13, rm)
