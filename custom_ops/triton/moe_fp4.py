@@ -8,7 +8,7 @@
   x quantized     once, per 32 to FP8 (quant_gemm's row kernel; bf16 holds the values exactly),
                    not once per output tile: at decode sizes the redundant quantization cost
                    about as many instructions per weight code as the FP4 decode itself
-  gate_up kernel   grid (I/BN, E): a program loops over its expert's pairs BM at a time, loads
+  gate_up kernel   grid (I/BN, E, S): a program loops over its expert's pairs BM at a time, loads
                    the tokens' quantized rows (gathered through the pair -> token index),
                    dequantizes the FP4 tiles of w1 and w3 (same rows) to bf16 and runs two dots;
                    the epilogue rounds gate and up to x's dtype as the reference's Linear does,
