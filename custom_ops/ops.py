@@ -219,6 +219,35 @@ def _(x, weight, scale, out_dtype):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
+# ----------------------------------------------------------------------------- MoE
+def _check_moe_gate(x, weight, bias, topk) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"moe_gate: x [N, d] and weight [E, d] must agree on d, got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if bias.shape != (weight.shape[0],):
+        raise ValueError(f"moe_gate: bias shape {tuple(bias.shape)} != ({weight.shape[0]},) (one per expert)")
+    if not 0 < topk <= weight.shape[0]:
+        raise ValueError(f"moe_gate: topk {topk} must be in 1..{weight.shape[0]} (the number of experts)")
+
+
+@custom_op(f"{_NS}::moe_gate", mutates_args=())
+def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int,
+             route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router: (weights [N, topk] fp32, chosen expert ids [N, topk] int64)
+    (reference.moe_gate). One op because it is ~12 kernels when left to the graph (the weight's
+    fp32 cast, the GEMM, softplus, sqrt, the bias, a sort, a gather and the normalization); on
+    CUDA it is two Triton launches."""
+    _check_moe_gate(x, weight, bias, topk)
+    return ref.moe_gate(x, weight, bias, topk, route_scale)
+
+
+@moe_gate.register_fake
+def _(x, weight, bias, topk, route_scale):
+    _check_moe_gate(x, weight, bias, topk)
+    n = x.shape[0]
+    return (x.new_empty((n, topk), dtype=torch.float32), x.new_empty((n, topk), dtype=torch.int64))
+
+
 def _check_mxfp4_moe(x, chosen, w13, s13, w2, s2) -> None:
     stacks = {"w13": w13, "s13": s13, "w2": w2, "s2": s2}
     bad = [n for n, t in stacks.items() if t.dtype != torch.uint8 or t.dim() != 3]

@@ -554,6 +554,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     return h
 
 
+def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int,
+             route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router (MODEL.md §6): scores = sqrt(softplus(x @ weight^T)) in fp32; the top-k
+    of scores + bias (the bias only selects; ties to the lower expert id: a stable sort); their
+    scores normalized to sum 1 and times route_scale. -> (weights [N, topk] fp32, chosen
+    [N, topk] int64, best first)."""
+    scores = F.softplus(F.linear(x.float(), weight.float())).sqrt()
+    chosen = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :topk]
+    weights = scores.gather(1, chosen)
+    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * route_scale
+    return weights, chosen
+
+
 def pairs_by_expert(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int):
     """The N*topk (token, expert) pairs of a routing grouped by expert, with static shapes and
     no host sync (the grouped MoE paths). Returns (ids [N, topk]: each token's experts in

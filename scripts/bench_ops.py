@@ -20,6 +20,7 @@ Needs a CUDA GPU and Triton. Everything is measured side by side in one process:
     rank (48 experts, top-6) vs the model's bf16 torch._grouped_mm path;
   - lightning indexer, decode: a Reindex layer (the P = 16384 listed candidates) vs a Full layer
     (all C positions) at contexts 64K..512K; the Reindex time must not grow with C.
+  - the MoE gate (--only gate): the two-launch router kernels vs the torch form, 384 experts;
   - indexer top-k (--only topk): the one-launch top-512 select vs torch's sorts, N = 1..64,
     C = 2048..16384.
 Each fast result is checked against its baseline before it is timed. Prints a short table last;
@@ -662,6 +663,32 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
                     err=rel(got_b, want) if want is not None else None, bw=bw, note=equal)
 
 
+# =============================================================================== MoE gate
+def bench_gate(bw, quick):
+    """The MoE router at the released widths (384 experts x 5120, bf16 weight, top-6): the
+    moe_gate kernels vs reference.moe_gate (the torch form the model ran before: fp32 cast of the
+    weight, cuBLAS fp32 GEMM, softplus, sqrt, sort, gather, normalization), 1 / 8 / 64 tokens
+    (+ 4096 without --quick); the ids checked equal first. Cold L2 per call (cbench), bytes: the
+    bf16 weight."""
+    from v41graph.custom_ops import reference as ref
+    from v41graph.custom_ops.triton import moe_gate
+    g = torch.Generator(device="cuda").manual_seed(5)
+    e, d = 384, 5120
+    w = (torch.randn(e, d, device="cuda", generator=g) / 64).to(torch.bfloat16)
+    bias = torch.randn(e, device="cuda", generator=g) / 8
+    for n in ((1, 8, 64) if quick else (1, 8, 64, 4096)):
+        x = torch.randn(n, d, device="cuda", generator=g).to(torch.bfloat16)
+        want_w, want_ids = ref.moe_gate(x, w, bias, 6, 2.5)
+        got_w, got_ids = moe_gate.moe_gate(x, w, bias, 6, 2.5)
+        same = torch.equal(got_ids, want_ids)
+        shape = f"gate 384x5120 top-6 N={n}"
+        t_ref = cbench(lambda: ref.moe_gate(x, w, bias, 6, 2.5))
+        row("moe_gate", shape, "torch (reference.moe_gate)", t_ref, e * d * 2, bw=bw)
+        row("moe_gate", shape, f"triton partials + select {moe_gate.gate_config(n, e, d, x.dtype, x.device)}",
+            cbench(lambda: moe_gate.moe_gate(x, w, bias, 6, 2.5)), e * d * 2, base_us=t_ref,
+            err=rel(got_w, want_w), bw=bw, note="same ids" if same else "IDS DIFFER")
+
+
 # =============================================================================== indexer top-k
 def bench_topk(indexer, quick):
     """The lightning indexer's top-512 selection over [N, C] scores: the one-launch Triton select
@@ -697,7 +724,7 @@ def main():
     ap.add_argument("--moe-kernels", default="", help="mxfp4: the kernel families swept (tokens,rows,blocks; default all)")
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="how cold-L2 timings evict L2 (see _flush_l2); write: every run before the 16th session")
-    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,ratio2,fp8,mxfp4 "
+    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,topk,ratio2,fp8,gate,mxfp4 "
                          "(quant = fp8,mxfp4)")
     args = ap.parse_args()
     FP8_SWEEP_KERNELS = tuple(filter(None, args.fp8_sweep.split(",")))
@@ -734,6 +761,7 @@ def main():
                 ("topk", lambda: bench_topk(indexer, args.quick)),
                 ("ratio2", lambda: bench_ratio2(compressor, d2d, args.quick)),
                 ("fp8", lambda: bench_fp8_linear(d2d, args.quick, FP8_ROWS)),
+                ("gate", lambda: bench_gate(d2d, args.quick)),
                 ("mxfp4", lambda: bench_mxfp4_moe(d2d, args.quick, _ints(args.moe_tokens),
                                                   tuple(filter(None, args.moe_kernels.split(",")))))]
     for name, fn in sections:

@@ -539,3 +539,34 @@ def test_indexer_ops_with_kernel_match_reference():
     want_c = ops.indexer_topk_candidates(q, w, kc, ks, cand_rows, cand, 512)
     got_c = ops.indexer_topk_candidates(*[t.to(DEV) for t in (q, w, kc, ks, cand_rows, cand)], 512)
     assert torch.equal(got_c.cpu(), want_c)
+
+
+# ----------------------------------------------------------------------------- MoE gate
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 8, 64, 300])
+def test_moe_gate(n, dtype):
+    """The gate kernels (custom_ops/triton/moe_gate.py) at bench_rank's width (384 experts x
+    5120, top-6): the expert ids of the float64 reference (the draws leave no near ties), weights
+    within 1e-5 of it, and the same ids as the fp32 reference on the same GPU; tied experts to
+    the lower id."""
+    from v41graph.custom_ops.triton import moe_gate
+    g = _rng(n * 7 + (dtype == torch.float32))
+    e, d, topk = 384, 5120, 6
+    x = torch.randn(n, d, generator=g).to(dtype)
+    w = (torch.randn(e, d, generator=g) / 64).to(dtype)
+    w[201] = w[200]                                           # a tie: 200 must come before 201
+    bias = torch.randn(e, generator=g) / 8
+    bias[200] = bias[201] = 30.0
+    x, w, bias = x.to(DEV), w.to(DEV), bias.to(DEV)
+    assert moe_gate.moe_gate_supported(x, w, bias, topk)
+    got_w, got_ids = ops.moe_gate(x, w, bias, topk, 2.5)
+    scores = torch.nn.functional.softplus(x.double() @ w.double().T).sqrt()      # float64 truth
+    want_ids = torch.sort(scores + bias.double(), dim=-1, descending=True, stable=True).indices[:, :topk]
+    want_w = scores.gather(1, want_ids)
+    want_w = want_w / want_w.sum(-1, keepdim=True) * 2.5
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_ids[:, :2].cpu(), torch.tensor([[200, 201]]).expand(n, 2))
+    assert ((got_w.double() - want_w).abs() / want_w.abs()).max().item() < 1e-5
+    fp32_w, fp32_ids = ref.moe_gate(x, w, bias, topk, 2.5)     # today's torch form on this GPU
+    assert torch.equal(got_ids, fp32_ids)
+    assert ((got_w - fp32_w).abs() / fp32_w.abs()).max().item() < 1e-5

@@ -432,3 +432,36 @@ def test_cuda_tiny_model_bf16_same_greedy_tokens(monkeypatch):
     loop2 = _greedy_tokens(model, short, 6)
     set_moe_impl(model, "auto")
     assert torch.equal(_greedy_tokens(compiled, short, 6), loop2)
+
+
+# ----------------------------------------------------------------------------- the gate op
+def test_moe_gate_op_matches_naive_float64():
+    """torch.ops.v41graph.moe_gate (the router the model calls) against a float64 reading of
+    MODEL.md §6: the same expert ids in the same order (a tie to the lower id; a bias that
+    selects an expert whose score is low, while the weight stays its score), weights within
+    1e-6 and summing to route_scale."""
+    g = torch.Generator().manual_seed(4)
+    n, e, d, topk, scale = 9, 24, 64, 4, 2.5
+    x, w, bias = torch.randn(n, d, generator=g), torch.randn(e, d, generator=g) / 8, torch.randn(e, generator=g) / 8
+    w[11] = w[5]
+    bias[5] = bias[11] = 10.0                                # 5 before 11, both chosen first
+    w[17], bias[17] = 0.0, 20.0                              # score sqrt(softplus(0)) = sqrt(ln 2)
+    weights, chosen = torch.ops.v41graph.moe_gate(x, w, bias, topk, scale)
+    scores = torch.nn.functional.softplus(x.double() @ w.double().T).sqrt()
+    want = torch.sort(scores + bias.double(), dim=-1, descending=True, stable=True).indices[:, :topk]
+    assert torch.equal(chosen, want)
+    assert torch.equal(chosen[:, :3], torch.tensor([[17, 5, 11]]).expand(n, 3))
+    picked = scores.gather(1, want)
+    assert torch.allclose(weights.double(), picked / picked.sum(-1, keepdim=True) * scale, rtol=1e-6, atol=0)
+    assert torch.allclose(picked[:, 0], torch.full((n,), 2.0, dtype=torch.float64).log().sqrt(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("x, w, bias, topk, what", [
+    (torch.zeros(2, 8), torch.zeros(4, 6), torch.zeros(4), 2, "must agree on d"),
+    (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(5), 2, r"bias shape \(5,\) != \(4,\)"),
+    (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4), 5, "topk 5 must be in 1..4"),
+    (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4), 0, "topk 0 must be in 1..4"),
+])
+def test_moe_gate_op_refuses_bad_shapes(x, w, bias, topk, what):
+    with pytest.raises(ValueError, match=what):
+        torch.ops.v41graph.moe_gate(x, w, bias, topk, 1.0)

@@ -1,4 +1,4 @@
-"""Stand-ins for our kernels' inline-PTX decodes (and libdevice's exp), in plain Triton ops, so the
+"""Stand-ins for our kernels' inline-PTX decodes (and libdevice's exp and log1p), in plain Triton ops, so the
 whole kernels run in Triton's CPU interpreter (which cannot run inline assembly or libdevice). Each stand-in computes what its PTX
 original's docstring promises, from the codes' definitions; tests/test_ptx_decodes_cpu.py checks
 the PTX itself against the same definitions, so a kernel test with the stand-ins plus that PTX
@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from v41graph.custom_ops.triton import attention, common, mhc, moe_fp4, quant_gemm
+from v41graph.custom_ops.triton import attention, common, mhc, moe_fp4, moe_gate, quant_gemm
 from v41graph.custom_ops.triton.common import _e2m1_decode
 
 
@@ -55,8 +55,15 @@ def _libdevice_exp(x):
     return tl.exp(x)
 
 
+@triton.jit
+def _libdevice_log1p(x):
+    """libdevice.log1p: log(1 + x) in the interpreter (not correctly rounded for small x)."""
+    return tl.log(1.0 + x)
+
+
 class _Libdevice:
     exp = _libdevice_exp
+    log1p = _libdevice_log1p
 
 
 def install() -> None:
@@ -66,4 +73,4 @@ def install() -> None:
         for name, stand_in in _STAND_INS.items():
             if hasattr(module, name):
                 setattr(module, name, stand_in)
-    mhc.libdevice = _Libdevice
+    mhc.libdevice = moe_gate.libdevice = _Libdevice

@@ -54,10 +54,10 @@ Parameter objects of a compiled model only through `pack_experts_()` again.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from v41graph.custom_ops.reference import dense_routing_weights, pairs_by_expert, swiglu
+from v41graph.custom_ops.reference import moe_gate as moe_gate_reference
 
 from .config import V41Config
 from .layers import Linear, weight_fmt
@@ -108,12 +108,12 @@ class Gate(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor):
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
-        # Selection uses score + bias; ties go to the lower expert id (stable sort).
-        chosen = torch.sort(scores + self.bias, dim=-1, descending=True, stable=True).indices[:, : self.topk]
-        weights = scores.gather(1, chosen)
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.route_scale
-        return weights, chosen
+        """-> (routing weights [N, topk] fp32, chosen expert ids [N, topk], best first):
+        reference.moe_gate, through the moe_gate op (one node; two Triton launches on CUDA)
+        unless autograd is to reach the gate's parameters (the op has no backward)."""
+        if torch.is_grad_enabled() and (self.weight.requires_grad or self.bias.requires_grad):
+            return moe_gate_reference(x, self.weight, self.bias, self.topk, self.route_scale)
+        return torch.ops.v41graph.moe_gate(x, self.weight, self.bias, self.topk, self.route_scale)
 
 
 class Expert(nn.Module):
