@@ -11,7 +11,8 @@ indexer ops, indexer_scores and topk_ascending): A/B runs of one kernel inside t
 the next capture.
 
 Registered: fused_wkv_rmsnorm, rms_norm, rope, window_kv_write, global_kv_write, index_k_write,
-sparse_attention, engram_gather, mhc_sinkhorn, fake_quant, moe_gate (the router), fp8_linear and
+sparse_attention, engram_gather, mhc_sinkhorn, mhc_pre and mhc_post (the mHC residual's two sides),
+fake_quant, moe_gate (the router), fp8_linear and
 mxfp4_moe (the released weight formats, dequantized in registers), fused_ratio2_compressor(_update)
 (cuBLAS projections + one Triton kernel for pooling, RMSNorm and the state-ring write); indexer_topk and
 indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place
@@ -93,6 +94,8 @@ _register_triton_first("rms_norm", "norms", 2, lambda x, weight, eps, cast_befor
                        ref.rms_norm(x, weight, eps, cast_before_weight).contiguous())
 _register_triton_first("sparse_attention", "attention", 9, ref.sparse_attention_over_caches)   # all but the scale
 _register_triton_first("mhc_sinkhorn", "mhc", 4, ref.mhc_sinkhorn)
+_register_triton_first("mhc_pre", "mhc", 6, ref.mhc_pre)
+_register_triton_first("mhc_post", "mhc", 4, ref.mhc_post)
 _register_triton_first("fake_quant", "cache_writes", 3, fake_quant_reference)
 _register_triton_first("fp8_linear", "quant_gemm", 3, ref.fp8_linear)
 _register_triton_first("mxfp4_moe", "moe_fp4", 7, ref.mxfp4_moe)

@@ -352,6 +352,60 @@ def _(mixes, scale, base, hc, iters, eps):
             mixes.new_empty((*lead, hc, hc)))
 
 
+def _check_mhc_pre(streams, pre_prev, fn, hc) -> None:
+    d = streams.shape[-1]
+    if streams.dim() < 2 or streams.shape[-2] != hc or tuple(pre_prev.shape) != tuple(streams.shape[:-1]):
+        raise ValueError(f"mhc_pre: streams must be [..., hc={hc}, d] and pre_prev [..., {hc}], got "
+                         f"{tuple(streams.shape)} and {tuple(pre_prev.shape)}")
+    if tuple(fn.shape) != ((2 + hc) * hc, hc * d):
+        raise ValueError(f"mhc_pre: fn shape {tuple(fn.shape)} != ({(2 + hc) * hc}, {hc * d}) "
+                         f"((2 + hc) * hc mixes over hc * d = the flattened streams)")
+
+
+@custom_op(f"{_NS}::mhc_pre", mutates_args=())
+def mhc_pre(streams: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+            base: torch.Tensor, hc: int, iters: int, hc_eps: float,
+            norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sub-layer's mHC input side: (its input, the collapse of the streams with pre_prev;
+    pre, post, comb of its own predictor) (reference.mhc_pre). One op because it is ~13
+    kernels when left to the graph; on CUDA three launches that read the streams once."""
+    _check_mhc_pre(streams, pre_prev, fn, hc)
+    return ref.mhc_pre(streams, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps)
+
+
+@mhc_pre.register_fake
+def _(streams, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps):
+    _check_mhc_pre(streams, pre_prev, fn, hc)
+    lead = streams.shape[:-2]
+    f32 = torch.float32
+    return (streams.new_empty((*lead, streams.shape[-1])), streams.new_empty((*lead, hc), dtype=f32),
+            streams.new_empty((*lead, hc), dtype=f32), streams.new_empty((*lead, hc, hc), dtype=f32))
+
+
+def _check_mhc_post(out, streams, post, comb) -> None:
+    hc = streams.shape[-2] if streams.dim() >= 2 else -1
+    lead = tuple(streams.shape[:-2])
+    if (tuple(out.shape) != lead + (streams.shape[-1],) or tuple(post.shape) != lead + (hc,)
+            or tuple(comb.shape) != lead + (hc, hc)):
+        raise ValueError(f"mhc_post: out [..., d], streams [..., hc, d], post [..., hc] and comb [..., hc, hc] "
+                         f"must agree, got {tuple(out.shape)}, {tuple(streams.shape)}, {tuple(post.shape)}, "
+                         f"{tuple(comb.shape)}")
+
+
+@custom_op(f"{_NS}::mhc_post", mutates_args=())
+def mhc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """A sub-layer's mHC expand, the new streams in out's dtype (reference.mhc_post). One op
+    because it is five kernels when left to the graph; on CUDA one launch."""
+    _check_mhc_post(out, streams, post, comb)
+    return ref.mhc_post(out, streams, post, comb)
+
+
+@mhc_post.register_fake
+def _(out, streams, post, comb):
+    _check_mhc_post(out, streams, post, comb)
+    return streams.new_empty(streams.shape, dtype=out.dtype)
+
+
 # ----------------------------------------------------------------------------- RoPE
 @custom_op(f"{_NS}::rope", mutates_args=())
 def rope(x: torch.Tensor, rotation: torch.Tensor, inverse: bool) -> torch.Tensor:

@@ -487,6 +487,31 @@ def mhc_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h
     return pre, post, comb
 
 
+def mhc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """x = sum_c pre_c X_c in fp32 (streams [..., hc, d], pre [..., hc]), cast to the streams'
+    dtype."""
+    return torch.sum(pre.unsqueeze(-1) * streams.float(), dim=-2).to(streams.dtype)
+
+
+def mhc_pre(streams: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+            base: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """A sub-layer's mHC input side (MODEL.md §3): its input, the collapse of the streams
+    [..., hc, d] with the previous predictor's pre_prev [..., hc], and its own predictor's
+    (pre, post, comb): mixes = (X flattened, fp32) @ fn^T times the RMS scale
+    rsqrt(mean(X^2) + norm_eps), through mhc_sinkhorn."""
+    x = streams.flatten(-2).float()
+    rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = F.linear(x, fn) * rsqrt
+    return (mhc_collapse(streams, pre_prev), *mhc_sinkhorn(mixes, scale, base, hc, iters, hc_eps))
+
+
+def mhc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """A sub-layer's mHC expand: X'_c = post_c * F(x) + sum_c' comb[c', c] X_c' in fp32, in
+    out's dtype (out [..., d], streams [..., hc, d], post [..., hc], comb [..., hc, hc])."""
+    y = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * streams.unsqueeze(-2), dim=-3)
+    return y.to(out.dtype)
+
+
 # ----------------------------------------------------------------------------- quantized GEMMs
 # DeepSeek's reference arithmetic for the checkpoint's FP8 / FP4 weights: the activation is
 # quantized to FP8 E4M3 per 32 along K with a power-of-two (UE8M0) scale, and the GEMM sums

@@ -20,6 +20,7 @@ tiles a kernel decodes per iteration (2 for gate+up); BS x D for the attention's
     python scripts/offline_sass.py sparse_attn_tile --warps 8 --stages 1
     python scripts/offline_sass.py fp8_linear_skinny BN=128      # the skinny FP8 decode kernel
     python scripts/offline_sass.py fp8_linear_blocks BN=128      # per-32-block partials of the codes
+    python scripts/offline_sass.py moe_gate_partials             # the MoE gate's dot products
 """
 from __future__ import annotations
 
@@ -87,6 +88,11 @@ KERNELS = {
     "sparse_attn_tile": ("attention", "_sparse_attn_tile_kernel", _ATTN_SIGNATURE,
                          {"D": 512, "D2": 256, "NB16": 32, "NB32": 16, "BH": 64, "BS": 32, "GLOBAL_FP4": True,
                           "DIRECT": False, "STAGES": 1}, lambda c: c["BS"] * c["D"]),
+    # the MoE gate's partial dot products (16-bit inputs on the tensor cores)
+    "moe_gate_partials": ("moe_gate", "_gate_partials_kernel",
+                          {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "N": "i32", "E": "i32"},
+                          {"D": 5120, "K_SLICE": 1280, "BM": 16, "BE": 32, "BK": 128, "DOT": True},
+                          lambda c: c["BE"] * c["BK"]),
 }
 # the sizes that are multiples of 16 at every launch (M, the token count, is not at decode)
 ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT", "K_SPLIT", "H")

@@ -177,16 +177,22 @@ def test_inductor_segments_compile_each_distinct_segment_once(tiny, traced, monk
     assert all(torch.equal(a, b) for a, b in zip(plain, lowered))
 
 
-def test_mhc_one_op_per_predictor(tiny, traced):
-    """Two mHC predictors per layer (attention, FFN), each one mhc_sinkhorn node: the Sinkhorn
-    rounds (2 fp32 divisions each) no longer appear as graph arithmetic: the whole graph has
-    fewer divisions than the rounds alone would add (the codecs and norms account for the rest)."""
+def test_mhc_one_op_per_side(tiny, traced):
+    """Two mHC sub-layers per layer (attention, FFN), each one mhc_pre node (the collapse and the
+    predictor, Sinkhorn included) and one mhc_post node (the expand): the Sinkhorn rounds (2 fp32
+    divisions each) and the predictor's RMS scale and projection no longer appear as graph
+    arithmetic: the whole graph has fewer divisions than the rounds alone would add (the codecs
+    and norms account for the rest), and no fp32 mm as wide as the flattened streams."""
     vb, *_ = traced
-    predictors = 2 * len(tiny.layers)
+    sides = 2 * len(tiny.layers)
+    width = tiny.config.hc_mult * tiny.config.hidden_size
     for idx in (0, 1):
         g = vb.passed(idx)
-        assert count_ops(g, ops.mhc_sinkhorn.default) == predictors == 20
-        assert count_ops(g, torch.ops.aten.div.Tensor) < 2 * (tiny.config.hc_sinkhorn_iters - 1) * predictors
+        assert count_ops(g, ops.mhc_pre.default) == count_ops(g, ops.mhc_post.default) == sides == 20
+        assert count_ops(g, ops.mhc_sinkhorn.default) == 0
+        assert count_ops(g, torch.ops.aten.div.Tensor) < 2 * (tiny.config.hc_sinkhorn_iters - 1) * sides
+        assert not [n for n in g.graph.nodes if n.target is torch.ops.aten.mm.default
+                    and n.args[0].meta["val"].shape[-1] == width]
 
 
 def test_p1_fuses_each_ratio2_compressor(tiny, traced):

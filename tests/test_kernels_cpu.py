@@ -303,3 +303,42 @@ def test_moe_gate_kernels_in_triton_interpreter(tmp_path):
     rows = [line.split() for line in run_interpreted(_MOE_GATE_SCRIPT, tmp_path)]
     assert len(rows) == 12, rows
     assert all(r[4] == r[6] == "True" and float(r[5]) < 1e-5 for r in rows), rows
+
+
+_MHC_PRE_POST_SCRIPT = """
+    import torch
+    import triton_ptx_doubles
+    triton_ptx_doubles.install()                              # libdevice -> the interpreter's
+    from v41graph.custom_ops import reference
+    from v41graph.custom_ops.triton import mhc
+    g = torch.Generator().manual_seed(9)
+    d, hc = 128, 4
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (1, 5, 20):                                  # 20 tokens: two row blocks, a tail
+            streams = torch.randn(n, hc, d, generator=g).to(dtype)
+            pre_prev = torch.rand(n, hc, generator=g)
+            fn = torch.randn(24, hc * d, generator=g) / 16
+            scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
+            want = reference.mhc_pre(streams, pre_prev, fn, scale, base, hc, 20, 1e-6, 1e-6)
+            for split in (1, 4):
+                got = mhc.mhc_pre(streams, pre_prev, fn, scale, base, hc, 20, 1e-6, 1e-6,
+                                  config=dict(BM=16, BK=32, split=split))
+                coef = max(float((a - b).abs().max()) for a, b in zip(got[1:], want[1:]))
+                print("pre", str(dtype), n, split, bool(torch.equal(got[0], want[0])), coef)
+            out = torch.randn(n, d, generator=g).to(dtype)
+            post, comb = torch.rand(n, hc, generator=g) * 2, torch.rand(n, hc, hc, generator=g)
+            for block in (32, 128):
+                got = mhc.mhc_post(out, streams, post, comb, block=block)
+                print("post", str(dtype), n, block, bool(torch.equal(got, reference.mhc_post(out, streams, post, comb))), 0.0)
+"""
+
+
+def test_mhc_pre_and_post_kernels_in_triton_interpreter(tmp_path):
+    """mhc_pre's kernels (the predictor's K-sliced partial sums with the collapse, the finish,
+    the Sinkhorn kernel) and mhc_post's expand against reference.mhc_pre / mhc_post: the collapse
+    and the expand bit for bit (the same fp32 products and sums in the same order), pre, post
+    and comb within 1e-5 (the dot products sum in another order); bf16 and fp32 streams, one
+    slice and four, two row blocks with a tail, column blocks narrower than d."""
+    rows = [line.split() for line in run_interpreted(_MHC_PRE_POST_SCRIPT, tmp_path)]
+    assert len(rows) == 24, rows
+    assert all(r[4] == "True" and float(r[5]) < 1e-5 for r in rows), rows

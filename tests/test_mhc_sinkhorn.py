@@ -1,6 +1,6 @@
 """The mHC coefficient op (`v41graph::mhc_sinkhorn`): reference vs a naive float64 reading of
 MODEL.md §3, and (CUDA) the Triton kernel vs the reference. Its count in the compiled graph is
-checked in test_compiler.py (test_mhc_one_op_per_predictor).
+checked in test_compiler.py (test_mhc_one_op_per_side).
 
 Error measure: max |out - want| over all entries (the coefficients are O(1): pre in (eps, 1+eps),
 post in (0, 2), comb entries in [0, 1]); fp32 reference vs float64 naive < 1e-5 after 20
@@ -76,3 +76,37 @@ def test_cuda_kernel_matches_reference(n):
     # The dispatcher picks the kernel for CUDA tensors (same result as calling it directly).
     via_op = ops.mhc_sinkhorn(mixes, scale, base, HC, ITERS, EPS)
     assert all(torch.equal(a, b) for a, b in zip(via_op, got))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [1, 8, 64, 300])
+def test_cuda_pre_and_post_kernels_match_reference(n, dtype):
+    """mhc_pre (the collapse + the predictor, three launches) and mhc_post (the expand, one) at
+    the released width d = 5120 against the reference on the same GPU: the collapse and the
+    expand within one rounding of the output dtype (the same products; torch may add its four
+    in another order) and equal in >= 99 % of entries, pre / post / comb within 2e-5 (the
+    predictor's 20480-long dot products sum in another order)."""
+    pytest.importorskip("triton")
+    from v41graph.custom_ops.triton import mhc as tk
+    g = torch.Generator().manual_seed(n)
+    d = 5120
+    streams = torch.randn(n, HC, d, generator=g).to(dtype).cuda()
+    pre_prev = torch.rand(n, HC, generator=g).cuda()
+    fn = (torch.randn((2 + HC) * HC, HC * d, generator=g) / 64).cuda()
+    _, scale, base = _inputs(1, seed=n, device="cuda")
+    assert tk.mhc_pre_supported(streams, pre_prev, fn, scale, base, HC)
+    got = ops.mhc_pre(streams, pre_prev, fn, scale, base, HC, ITERS, EPS, 1e-6)
+    want = ref.mhc_pre(streams, pre_prev, fn, scale, base, HC, ITERS, EPS, 1e-6)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22
+    assert torch.allclose(got[0].float(), want[0].float(), rtol=ulp, atol=64 * ulp ** 2)
+    assert torch.eq(got[0], want[0]).float().mean().item() >= 0.99
+    for name, a, b in zip(("pre", "post", "comb"), got[1:], want[1:]):
+        assert (a - b).abs().max().item() < 2e-5, name
+    out = torch.randn(n, d, generator=g).to(dtype).cuda()
+    post, comb = got[2], got[3]
+    assert tk.mhc_post_supported(out, streams, post, comb)
+    y, y_ref = ops.mhc_post(out, streams, post, comb), ref.mhc_post(out, streams, post, comb)
+    assert torch.allclose(y.float(), y_ref.float(), rtol=ulp, atol=64 * ulp ** 2)
+    assert torch.eq(y, y_ref).float().mean().item() >= 0.99

@@ -144,7 +144,7 @@ def test_the_moe_is_bit_identical_with_and_without_the_pass_and_to_eager(dispatc
 class TPTail(nn.Module):
     """The end of a tensor-parallel attention and the residual mix after it: wo_b's fp32
     partial sums all-reduced, then mHC's expand (its comb x streams part does not read the
-    all-reduce)."""
+    all-reduce; a tensor-parallel Block keeps these torch ops, as_op=False)."""
 
     def __init__(self, state: ParallelState, d: int = 16):
         super().__init__()
@@ -153,7 +153,7 @@ class TPTail(nn.Module):
 
     def forward(self, o, streams, post, comb):
         out = self.state.all_reduce(self.wo_b(o))
-        return expand(out, streams, post, comb)
+        return expand(out, streams, post, comb, as_op=False)
 
 
 def test_the_tp_all_reduce_overlaps_the_residual_mixing_that_does_not_need_it(group):

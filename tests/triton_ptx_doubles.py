@@ -1,4 +1,4 @@
-"""Stand-ins for our kernels' inline-PTX decodes (and libdevice's exp and log1p), in plain Triton ops, so the
+"""Stand-ins for our kernels' inline-PTX decodes (and libdevice's exp, log1p and rsqrt), in plain Triton ops, so the
 whole kernels run in Triton's CPU interpreter (which cannot run inline assembly or libdevice). Each stand-in computes what its PTX
 original's docstring promises, from the codes' definitions; tests/test_ptx_decodes_cpu.py checks
 the PTX itself against the same definitions, so a kernel test with the stand-ins plus that PTX
@@ -61,9 +61,16 @@ def _libdevice_log1p(x):
     return tl.log(1.0 + x)
 
 
+@triton.jit
+def _libdevice_rsqrt(x):
+    """libdevice.rsqrt: 1 / sqrt(x) in the interpreter."""
+    return 1.0 / tl.sqrt(x)
+
+
 class _Libdevice:
     exp = _libdevice_exp
     log1p = _libdevice_log1p
+    rsqrt = _libdevice_rsqrt
 
 
 def install() -> None:

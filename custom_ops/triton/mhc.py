@@ -1,8 +1,13 @@
-"""mHC Sinkhorn kernel (CUDA; imported lazily by cuda_impls.py, never at package import).
+"""mHC kernels (CUDA; imported lazily by cuda_impls.py, never at package import).
 
   mhc_sinkhorn        the mHC predictor's pre/post/comb, all Sinkhorn rounds in registers, one
                       thread per token (one launch instead of ~130 elementwise kernels per call;
                       hc_mult = 4, V4.1's: other widths run the reference).
+  mhc_pre             a sub-layer's input side: the collapse with the previous predictor's pre
+                      and this predictor's mixes (RMS scale, the dot products with fn) from one
+                      read of the streams, K-sliced partials then a finish, then mhc_sinkhorn:
+                      three launches instead of ~13 torch kernels.
+  mhc_post            the expand (post * out + comb^T . streams): one launch instead of five.
 
 It uses libdevice.exp (the accurate exp), which Triton's CPU interpreter cannot run.
 """
@@ -12,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from .common import _TL_DTYPE, _num_sms
 
 
 # =============================================================================== mHC Sinkhorn
@@ -145,3 +152,156 @@ def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_pe
             HC=hc, BR=rows_per_program, num_warps=num_warps,
             enable_fp_fusion=False)   # m*s + b rounded twice, as the reference's two ops
     return pre, post, comb
+
+
+# =============================================================================== predictor + collapse
+@triton.jit
+def _mhc_partials_kernel(x_ptr, pre_ptr, fn_ptr, part_ptr, out_ptr, N, D: tl.constexpr, HC: tl.constexpr,
+                         MIX: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                         BMIX: tl.constexpr):
+    """Program (row block, column slice s): columns s*COLS .. +COLS of every stream of BM tokens
+    (streams x [N, HC, D]). The predictor's partial sums over them: the MIX dot products with
+    fn [MIX, HC*D] (fp32 FMA dots) and the sum of squares, to part[s, row, :MIX] and
+    part[s, row, MIX]; and the collapse of these columns, sum_c pre[row, c] * x[row, c, :] in
+    fp32 added in stream order, stored in x's dtype."""
+    pm, s = tl.program_id(0), tl.program_id(1)
+    rows = pm * BM + tl.arange(0, BM)
+    rmask = rows < N
+    j = tl.arange(0, BMIX)
+    jmask = j < MIX
+    xrow = x_ptr + rows.to(tl.int64)[:, None] * (HC * D)
+    acc = tl.zeros((BM, BMIX), tl.float32)
+    squares = tl.zeros((BM, BK), tl.float32)
+    for k0 in range(s * COLS, s * COLS + COLS, BK):
+        k = k0 + tl.arange(0, BK)
+        collapsed = tl.zeros((BM, BK), tl.float32)
+        for c in tl.static_range(HC):
+            xc = tl.load(xrow + c * D + k[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+            squares += xc * xc
+            w = tl.load(fn_ptr + j[:, None] * (HC * D) + c * D + k[None, :], mask=jmask[:, None], other=0.0)
+            acc = tl.dot(xc, tl.trans(w), acc, input_precision="ieee")
+            weighted = tl.load(pre_ptr + rows * HC + c, mask=rmask, other=0.0)[:, None] * xc
+            if c == 0:
+                collapsed = weighted
+            else:
+                collapsed = collapsed + weighted
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + k[None, :], collapsed.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None])
+    at = part_ptr + (s * N + rows)[:, None] * BMIX
+    acc = tl.where(j[None, :] == MIX, tl.sum(squares, axis=1)[:, None], acc)
+    tl.store(at + j[None, :], acc, mask=rmask[:, None] & (j[None, :] <= MIX))
+
+
+@triton.jit
+def _mhc_finish_kernel(part_ptr, mix_ptr, N, norm_eps, S: tl.constexpr, MIX: tl.constexpr,
+                       INV_K: tl.constexpr, BR: tl.constexpr, BMIX: tl.constexpr):
+    """mixes [N, MIX] = (the S slices' dot products) * rsqrt(mean of squares + eps), the slices
+    added in slice order (all S loads issued at once: S is unrolled)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < N
+    j = tl.arange(0, BMIX)
+    mask = rmask[:, None] & (j[None, :] <= MIX)
+    acc = tl.load(part_ptr + rows[:, None] * BMIX + j[None, :], mask=mask, other=0.0)
+    for s in tl.static_range(1, S):
+        acc += tl.load(part_ptr + (s * N + rows)[:, None] * BMIX + j[None, :], mask=mask, other=0.0)
+    mean_square = tl.sum(tl.where(j[None, :] == MIX, acc, 0.0), axis=1) * INV_K
+    rsqrt = libdevice.rsqrt(mean_square + norm_eps)
+    tl.store(mix_ptr + rows[:, None] * MIX + j[None, :], acc * rsqrt[:, None], mask=rmask[:, None] & (j[None, :] < MIX))
+
+
+# =============================================================================== expand
+@triton.jit
+def _expand_stream(post_ptr, comb_ptr, row, c: tl.constexpr, o, x0, x1, x2, x3, y_ptr, k, kmask, D):
+    """Stream c of the new streams: post_c * out + sum over c' of comb[c', c] * x_c' (added in
+    order c' = 0..3), in fp32, stored in the output's dtype."""
+    mixed = (((tl.load(comb_ptr + row * 16 + c) * x0 + tl.load(comb_ptr + row * 16 + 4 + c) * x1)
+              + tl.load(comb_ptr + row * 16 + 8 + c) * x2) + tl.load(comb_ptr + row * 16 + 12 + c) * x3)
+    y = tl.load(post_ptr + row * 4 + c) * o + mixed
+    tl.store(y_ptr + (row * 4 + c) * D + k, y.to(y_ptr.dtype.element_ty), mask=kmask)
+
+
+@triton.jit
+def _mhc_expand_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, BD: tl.constexpr):
+    """Program (token, column block): the 4 new streams of BD columns (hc_mult = 4)."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BD + tl.arange(0, BD)
+    kmask = k < D
+    o = tl.load(out_ptr + row * D + k, mask=kmask, other=0.0).to(tl.float32)
+    xrow = x_ptr + row * 4 * D + k
+    x0 = tl.load(xrow, mask=kmask, other=0.0).to(tl.float32)
+    x1 = tl.load(xrow + D, mask=kmask, other=0.0).to(tl.float32)
+    x2 = tl.load(xrow + 2 * D, mask=kmask, other=0.0).to(tl.float32)
+    x3 = tl.load(xrow + 3 * D, mask=kmask, other=0.0).to(tl.float32)
+    for c in tl.static_range(4):
+        _expand_stream(post_ptr, comb_ptr, row, c, o, x0, x1, x2, x3, y_ptr, k, kmask, D)
+
+
+def mhc_pre_supported(streams, pre_prev, fn, scale, base, hc: int) -> bool:
+    f32 = torch.float32
+    return (streams.is_cuda and streams.dim() == 3 and streams.shape[1] == hc and streams.dtype in _TL_DTYPE
+            and pre_prev.dtype == f32 and pre_prev.shape == streams.shape[:2] and fn.dtype == f32
+            and fn.shape == ((2 + hc) * hc, hc * streams.shape[2]) and streams.shape[2] % 32 == 0
+            and scale.dtype == base.dtype == f32 and scale.is_cuda and base.is_cuda and hc == 4
+            and base.numel() == (2 + hc) * hc and scale.numel() >= 3)
+
+
+def pre_config(n: int, d: int, device) -> dict:
+    """Rows per program (tl.dot needs 16) and column slices: about one program per SM, at most
+    MAX_SLICES (the finish kernel unrolls one load per slice), each slice whole 32-column steps."""
+    bm = 16 if n <= 16 else 32
+    steps = d // 32
+    blocks = triton.cdiv(n, bm)
+    split = 1
+    while (split * 2 <= MAX_SLICES and steps % (split * 2) == 0
+           and blocks * split * 2 <= _num_sms(device)):
+        split *= 2
+    return dict(BM=bm, BK=32, split=split)
+
+
+MAX_SLICES = 32
+
+
+def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float,
+            *, config: dict | None = None):
+    """streams [N, hc, d], pre_prev [N, hc] fp32, fn [(2+hc)*hc, hc*d] fp32 -> (the collapse
+    [N, d] in the streams' dtype, pre [N, hc], post [N, hc], comb [N, hc, hc]): three launches
+    (partials + collapse, finish, Sinkhorn)."""
+    n, _, d = streams.shape
+    mix = (2 + hc) * hc
+    cfg = dict(config or pre_config(n, d, streams.device))
+    split = cfg.pop("split")
+    if d % (split * cfg["BK"]):
+        raise ValueError(f"mhc_pre: hidden size {d} is not {split} slices of whole {cfg['BK']}-column steps")
+    x = streams.contiguous()
+    collapsed = torch.empty((n, d), dtype=streams.dtype, device=streams.device)
+    mixes = torch.empty((n, mix), dtype=torch.float32, device=streams.device)
+    if n:
+        bmix = triton.next_power_of_2(mix + 1)
+        partials = torch.empty((split, n, bmix), dtype=torch.float32, device=streams.device)
+        _mhc_partials_kernel[(triton.cdiv(n, cfg["BM"]), split)](
+            x, pre_prev.contiguous(), fn.contiguous(), partials, collapsed, n, D=d, HC=hc, MIX=mix,
+            COLS=d // split, BMIX=bmix, **cfg, num_warps=4,
+            enable_fp_fusion=False)     # the collapse's products rounded before the adds, as the reference
+        _mhc_finish_kernel[(triton.cdiv(n, 32),)](
+            partials, mixes, n, norm_eps, S=split, MIX=mix, INV_K=1.0 / (hc * d), BR=32, BMIX=bmix, num_warps=4)
+    return (collapsed, *mhc_sinkhorn(mixes, scale, base, hc, iters, hc_eps))
+
+
+def mhc_post_supported(out, streams, post, comb) -> bool:
+    f32 = torch.float32
+    return (out.is_cuda and streams.dim() == 3 and streams.shape[1] == 4 and out.dim() == 2
+            and out.shape == (streams.shape[0], streams.shape[2]) and out.dtype in _TL_DTYPE
+            and streams.dtype in _TL_DTYPE and post.dtype == comb.dtype == f32
+            and post.shape == streams.shape[:2] and comb.shape == (streams.shape[0], 4, 4))
+
+
+def mhc_post(out, streams, post, comb, *, block: int = 512):
+    """out [N, d], streams [N, 4, d], post [N, 4], comb [N, 4, 4] -> the new streams [N, 4, d]
+    in out's dtype: one launch."""
+    n, _, d = streams.shape
+    y = torch.empty(streams.shape, dtype=out.dtype, device=out.device)
+    if n:
+        _mhc_expand_kernel[(n, triton.cdiv(d, block))](
+            out.contiguous(), streams.contiguous(), post.contiguous(), comb.contiguous(), y, d, BD=block,
+            num_warps=4, enable_fp_fusion=False)   # products rounded before the adds, as the reference
+    return y

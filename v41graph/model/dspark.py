@@ -231,12 +231,11 @@ class DSparkHead(nn.Module):
         pre = (torch.arange(cfg.hc_mult, device=dev) == 0).to(torch.float32).expand(b * k, cfg.hc_mult)
         valid = torch.arange(state.window, device=dev)[None, :] < context_len.clamp_max(state.window)[:, None]
         for i, (stage, ring) in enumerate(zip(self.stages, state.kv)):
-            pre_attn, post, comb = stage.hc_attn(streams)
-            x = stage.attn_norm(collapse(streams, pre))
-            out = stage.attention(x, positions, ring.index_select(0, slots), valid)
+            x, pre_attn, post, comb = stage.hc_attn(streams, pre)
+            out = stage.attention(stage.attn_norm(x), positions, ring.index_select(0, slots), valid)
             streams = expand(out, streams, post, comb)
-            pre_ffn, post, comb = stage.hc_ffn(streams)
-            ffn_in = stage.ffn_norm(collapse(streams, pre_attn))
+            x, pre_ffn, post, comb = stage.hc_ffn(streams, pre_attn)
+            ffn_in = stage.ffn_norm(x)
             out, chosen = stage.ffn(ffn_in)
             if debug is not None:
                 debug[f"moe_gate_indices.stage{i}"] = chosen

@@ -5,22 +5,17 @@ A sub-layer's predictor reads the streams X [N, hc, d] and gives
   post [N, hc]      2*sigma(m*s1 + b)               (expand weights)
   comb [N, hc, hc]  Sinkhorn(softmax_rows(m*s2 + b) + eps)
 V4.1's single-pass shift: a sub-layer COLLAPSES with the `pre` of the previous sub-layer's
-predictor (the block does this bookkeeping), and expands with its own post/comb.
+predictor (the block does this bookkeeping), and expands with its own post/comb. The predictor
+and the collapse read the same streams, so they are one op (mhc_pre), the expand another
+(mhc_post); the math is custom_ops/reference.py's.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import v41graph.custom_ops  # noqa: F401  (registers torch.ops.v41graph.mhc_sinkhorn)
-
-
-def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                   iters: int, eps: float):
-    """mixes [N, (2+hc)*hc] fp32 -> (pre [N,hc], post [N,hc], comb [N,hc,hc]); the math is
-    custom_ops/reference.mhc_sinkhorn, one op (one Triton kernel on CUDA) in the graph."""
-    return torch.ops.v41graph.mhc_sinkhorn(mixes, scale, base, hc, iters, eps)
+import v41graph.custom_ops  # noqa: F401  (registers torch.ops.v41graph.mhc_pre / mhc_post)
+from v41graph.custom_ops import reference as ref
 
 
 class HyperConnection(nn.Module):
@@ -34,19 +29,28 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor):
-        x = streams.flatten(-2).float()
-        rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
-        mixes = F.linear(x, self.fn) * rsqrt
-        return sinkhorn_split(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
+    def forward(self, streams: torch.Tensor, pre_prev: torch.Tensor):
+        """streams [N, hc, d], pre_prev [N, hc] (the previous sub-layer's pre) -> (the sub-layer's
+        input: the streams collapsed with pre_prev, in their dtype; and this predictor's pre,
+        post, comb). reference.mhc_pre, as the mhc_pre op (one node; three Triton launches on
+        CUDA) unless autograd is to reach the predictor's parameters (the op has no backward)."""
+        args = (streams, pre_prev, self.fn, self.scale, self.base, self.hc, self.iters, self.hc_eps, self.norm_eps)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in (self.fn, self.scale, self.base)):
+            return ref.mhc_pre(*args)
+        return torch.ops.v41graph.mhc_pre(*args)
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """x = sum_c pre_c X_c (fp32), cast to the streams' dtype."""
-    return torch.sum(pre.unsqueeze(-1) * streams.float(), dim=-2).to(streams.dtype)
+    """x = sum_c pre_c X_c (fp32), cast to the streams' dtype (the model's output side)."""
+    return ref.mhc_collapse(streams, pre)
 
 
-def expand(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """X'_c = post_c * F(x) + sum_c' comb[c', c] X_c'."""
-    y = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * streams.unsqueeze(-2), dim=-3)
-    return y.to(out.dtype)
+def expand(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+           *, as_op: bool = True) -> torch.Tensor:
+    """X'_c = post_c * F(x) + sum_c' comb[c', c] X_c' (reference.mhc_post): the mhc_post op (one
+    node, one Triton launch on CUDA), or with as_op=False its torch ops in the graph (a
+    tensor-parallel block: the comb part does not read out, so P8 overlaps it with out's
+    all-reduce)."""
+    if as_op:
+        return torch.ops.v41graph.mhc_post(out, streams, post, comb)
+    return ref.mhc_post(out, streams, post, comb)

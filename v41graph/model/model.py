@@ -51,6 +51,8 @@ class Block(nn.Module):
         self.attn = Attention(config, role, parallel)
         self.ffn_norm = RMSNorm(d, config.rms_norm_eps)
         self.ffn = MoE(config, parallel=parallel)
+        # each sub-layer's output is all-reduced: the expands stay torch ops, which P8 overlaps
+        self.tensor_parallel = parallel is not None and parallel.attention == "tp"
 
     def attn_input(self, streams: torch.Tensor, pre_prev: torch.Tensor) -> torch.Tensor:
         """The normalized attention input: collapse with the previous sub-layer's `pre`."""
@@ -58,14 +60,14 @@ class Block(nn.Module):
 
     def forward(self, streams: torch.Tensor, pre_prev: torch.Tensor, ctx: StepContext):
         """streams [N, hc, d]; pre_prev [N, hc] -> (streams, this block's FFN `pre`)."""
-        pre_attn, post, comb = self.hc_attn(streams)
-        out = self.attn(self.attn_input(streams, pre_prev), ctx)
-        streams = expand(out, streams, post, comb)
-        pre_ffn, post, comb = self.hc_ffn(streams)
-        out, chosen = self.ffn(self.ffn_norm(collapse(streams, pre_attn)))
+        x, pre_attn, post, comb = self.hc_attn(streams, pre_prev)
+        out = self.attn(self.attn_norm(x), ctx)
+        streams = expand(out, streams, post, comb, as_op=not self.tensor_parallel)
+        x, pre_ffn, post, comb = self.hc_ffn(streams, pre_attn)
+        out, chosen = self.ffn(self.ffn_norm(x))
         if ctx.debug is not None:
             ctx.debug[f"moe_gate_indices.layer{self.role.layer_id}"] = chosen
-        return expand(out, streams, post, comb), pre_ffn
+        return expand(out, streams, post, comb, as_op=not self.tensor_parallel), pre_ffn
 
 
 class V41Model(nn.Module):
