@@ -94,7 +94,16 @@ _register_triton_first("rms_norm", "norms", 2, lambda x, weight, eps, cast_befor
                        ref.rms_norm(x, weight, eps, cast_before_weight).contiguous())
 _register_triton_first("sparse_attention", "attention", 9, ref.sparse_attention_over_caches)   # all but the scale
 _register_triton_first("mhc_sinkhorn", "mhc", 4, ref.mhc_sinkhorn)
-_register_triton_first("mhc_pre", "mhc", 6, ref.mhc_pre)
+
+
+def _mhc_pre_torch(streams, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps):
+    """mhc_pre's fallback: the reference's torch ops with the Sinkhorn by its own op (its kernel)."""
+    mixes = ref.mhc_mixes(streams, fn, norm_eps)
+    return (ref.mhc_collapse(streams, pre_prev),
+            *torch.ops.v41graph.mhc_sinkhorn(mixes, scale, base, hc, iters, hc_eps))
+
+
+_register_triton_first("mhc_pre", "mhc", 6, _mhc_pre_torch)
 _register_triton_first("mhc_post", "mhc", 4, ref.mhc_post)
 _register_triton_first("fake_quant", "cache_writes", 3, fake_quant_reference)
 _register_triton_first("fp8_linear", "quant_gemm", 3, ref.fp8_linear)

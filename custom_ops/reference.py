@@ -497,12 +497,17 @@ def mhc_pre(streams: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, sca
             base: torch.Tensor, hc: int, iters: int, hc_eps: float, norm_eps: float):
     """A sub-layer's mHC input side (MODEL.md §3): its input, the collapse of the streams
     [..., hc, d] with the previous predictor's pre_prev [..., hc], and its own predictor's
-    (pre, post, comb): mixes = (X flattened, fp32) @ fn^T times the RMS scale
-    rsqrt(mean(X^2) + norm_eps), through mhc_sinkhorn."""
+    (pre, post, comb): mhc_sinkhorn of mhc_mixes."""
+    return (mhc_collapse(streams, pre_prev), *mhc_sinkhorn(mhc_mixes(streams, fn, norm_eps), scale, base, hc,
+                                                           iters, hc_eps))
+
+
+def mhc_mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """The predictor's mixes [..., (2+hc)*hc]: (X flattened, fp32) @ fn^T times
+    rsqrt(mean(X^2) + norm_eps)."""
     x = streams.flatten(-2).float()
     rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = F.linear(x, fn) * rsqrt
-    return (mhc_collapse(streams, pre_prev), *mhc_sinkhorn(mixes, scale, base, hc, iters, hc_eps))
+    return F.linear(x, fn) * rsqrt
 
 
 def mhc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
