@@ -282,8 +282,9 @@ def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: flo
             x, pre_prev.contiguous(), fn.contiguous(), partials, collapsed, n, D=d, HC=hc, MIX=mix,
             COLS=d // split, BMIX=bmix, **cfg, num_warps=4,
             enable_fp_fusion=False)     # the collapse's products rounded before the adds, as the reference
-        _mhc_finish_kernel[(triton.cdiv(n, 32),)](
-            partials, mixes, n, norm_eps, S=split, MIX=mix, INV_K=1.0 / (hc * d), BR=32, BMIX=bmix, num_warps=4)
+        rows = min(32, max(8, 256 // split))     # S x rows x BMIX loads in flight: 32 slices x 32 rows spilled
+        _mhc_finish_kernel[(triton.cdiv(n, rows),)](
+            partials, mixes, n, norm_eps, S=split, MIX=mix, INV_K=1.0 / (hc * d), BR=rows, BMIX=bmix, num_warps=4)
     return (collapsed, *mhc_sinkhorn(mixes, scale, base, hc, iters, hc_eps))
 
 

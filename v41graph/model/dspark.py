@@ -38,7 +38,7 @@ from .attention import Attention
 from .config import V41Config
 from .layer_plan import LayerRole
 from .layers import Linear, RMSNorm, apply_rope, rope_rotation, set_linear_numerics, weight_fmt
-from .mhc import HyperConnection, collapse, expand
+from .mhc import HyperConnection, collapse, expand, first_pre
 from .moe import MoE
 
 ops = torch.ops.v41graph
@@ -228,7 +228,7 @@ class DSparkHead(nn.Module):
         positions = (anchor_pos[:, None] + torch.arange(k, device=dev)).flatten()
         h = embed(ids)
         streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-        pre = (torch.arange(cfg.hc_mult, device=dev) == 0).to(torch.float32).expand(b * k, cfg.hc_mult)
+        pre = first_pre(b * k, cfg.hc_mult, dev)
         valid = torch.arange(state.window, device=dev)[None, :] < context_len.clamp_max(state.window)[:, None]
         for i, (stage, ring) in enumerate(zip(self.stages, state.kv)):
             x, pre_attn, post, comb = stage.hc_attn(streams, pre)

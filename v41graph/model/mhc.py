@@ -40,6 +40,15 @@ class HyperConnection(nn.Module):
         return torch.ops.v41graph.mhc_pre(*args)
 
 
+def first_pre(n: int, hc: int, device) -> torch.Tensor:
+    """The `pre` the first sub-layer collapses with: one-hot [1, 0, ..., 0] per token, [n, hc]
+    fp32. Built by a comparison on the expanded arange (no host scalar write, which a CUDA-graph
+    capture would reject), so it is a fresh contiguous tensor: an expanded one has row stride 0
+    under a traced batch size but 4 in eager at n = 1, and the mhc_pre kernel would compile
+    twice for the two."""
+    return (torch.arange(hc, device=device).expand(n, hc) == 0).to(torch.float32)
+
+
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """x = sum_c pre_c X_c (fp32), cast to the streams' dtype (the model's output side)."""
     return ref.mhc_collapse(streams, pre)

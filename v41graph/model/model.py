@@ -21,7 +21,7 @@ from .engram import Engram
 from .engram_hash import engram_hash_params
 from .layer_plan import LayerRole, build_layer_plan
 from .layers import Linear, RMSNorm, set_linear_numerics
-from .mhc import HyperConnection, collapse, expand
+from .mhc import HyperConnection, collapse, expand, first_pre
 from .moe import MoE
 from v41graph.custom_ops.hooks import layer_hook
 
@@ -217,10 +217,7 @@ class V41Model(nn.Module):
             engram_rows, history = self._engram_rows(input_ids, ctx)
         h = self._embed(input_ids)
         streams = h.unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-        # Block 0 collapses with the one-hot pre [1, 0, 0, 0] (built without a host scalar
-        # write, which a CUDA-graph capture would reject).
-        one_hot = (torch.arange(cfg.hc_mult, device=h.device) == 0).to(torch.float32)
-        pre = one_hot.expand(h.shape[0], cfg.hc_mult)
+        pre = first_pre(h.shape[0], cfg.hc_mult, h.device)
         return streams, pre, engram_rows, history
 
     def _enter_replay(self, block: Block, streams, pre, engram_rows, ctx: StepContext, decoder_replay):
