@@ -12,7 +12,7 @@ the next capture.
 
 Registered: fused_wkv_rmsnorm, rms_norm, rope, window_kv_write, global_kv_write, index_k_write,
 sparse_attention, engram_gather, mhc_sinkhorn, mhc_pre and mhc_post (the mHC residual's two sides),
-fake_quant, moe_gate (the router), fp8_linear and
+fake_quant, moe_gate (the router), swiglu (the shared expert's activation), fp8_linear and
 mxfp4_moe (the released weight formats, dequantized in registers), fused_ratio2_compressor(_update)
 (cuBLAS projections + one Triton kernel for pooling, RMSNorm and the state-ring write); indexer_topk and
 indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place
@@ -109,6 +109,7 @@ _register_triton_first("fake_quant", "cache_writes", 3, fake_quant_reference)
 _register_triton_first("fp8_linear", "quant_gemm", 3, ref.fp8_linear)
 _register_triton_first("mxfp4_moe", "moe_fp4", 7, ref.mxfp4_moe)
 _register_triton_first("moe_gate", "moe_gate", 4, ref.moe_gate)
+_register_triton_first("swiglu", "swiglu", 2, ref.swiglu_in_dtype)
 
 
 def _register_cache_write(op: str, block: int) -> None:

@@ -220,6 +220,29 @@ def _(x, weight, scale, out_dtype):
 
 
 # ----------------------------------------------------------------------------- MoE
+def _check_swiglu(gate, up, limit) -> None:
+    if gate.shape != up.shape or gate.dtype != up.dtype or not gate.dtype.is_floating_point:
+        raise ValueError(f"swiglu: gate and up must be floating tensors of one shape and dtype, got "
+                         f"gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}")
+    if not limit >= 0 or limit == float("inf"):
+        raise ValueError(f"swiglu: limit {limit} must be finite and >= 0 (0: no clamp)")
+
+
+@custom_op(f"{_NS}::swiglu", mutates_args=())
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The shared expert's clamped SwiGLU between its projections, in their dtype
+    (reference.swiglu_in_dtype). One op because it is seven kernels when left to the graph
+    (two upcasts, two clamps, silu, the product, the downcast); on CUDA it is one launch."""
+    _check_swiglu(gate, up, limit)
+    return ref.swiglu_in_dtype(gate, up, limit)
+
+
+@swiglu.register_fake
+def _(gate, up, limit):
+    _check_swiglu(gate, up, limit)
+    return torch.empty_like(gate)
+
+
 def _check_moe_gate(x, weight, bias, topk) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"moe_gate: x [N, d] and weight [E, d] must agree on d, got x {tuple(x.shape)}, "

@@ -584,6 +584,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Ten
     return h
 
 
+def swiglu_in_dtype(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The shared expert's activation (the swiglu op): the clamped SwiGLU of the two
+    projections in fp32, cast back to their dtype (what w2 reads)."""
+    return swiglu(gate.float(), up.float(), limit).to(gate.dtype)
+
+
 def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, topk: int,
              route_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE router (MODEL.md §6): scores = sqrt(softplus(x @ weight^T)) in fp32; the top-k

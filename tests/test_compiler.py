@@ -195,6 +195,18 @@ def test_mhc_one_op_per_side(tiny, traced):
                     and n.args[0].meta["val"].shape[-1] == width]
 
 
+def test_shared_expert_activation_is_one_op(tiny, traced):
+    """Each layer's shared expert runs its clamped SwiGLU as one swiglu node (not its seven
+    casts, clamps, silu and product); the routed experts on this CPU path (the loop, each
+    expert scaled by its routing weight) keep the reference's silu, one per expert per layer."""
+    vb, *_ = traced
+    layers, experts = len(tiny.layers), tiny.config.n_routed_experts
+    for idx in (0, 1):
+        g = vb.passed(idx)
+        assert count_ops(g, ops.swiglu.default) == layers == 10
+        assert count_ops(g, torch.ops.aten.silu.default) == layers * experts
+
+
 def test_p1_fuses_each_ratio2_compressor(tiny, traced):
     """Per ratio-2 Full layer of the plan: the projection pair, the gather from the state ring
     and the pooling + RMSNorm become one fused_ratio2_compressor, and after defunctionalize

@@ -570,3 +570,24 @@ def test_moe_gate(n, dtype):
     fp32_w, fp32_ids = ref.moe_gate(x, w, bias, topk, 2.5)     # today's torch form on this GPU
     assert torch.equal(got_ids, fp32_ids)
     assert ((got_w - fp32_w).abs() / fp32_w.abs()).max().item() < 1e-5
+
+
+# ----------------------------------------------------------------------------- shared expert's SwiGLU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_swiglu(dtype, limit):
+    """The swiglu kernel (custom_ops/triton/swiglu.py) at the shared expert's width (64 tokens x
+    2048, and 3 x 700 for a tail) against the torch form on the same GPU, bit for bit (the same
+    accurate exp, correctly rounded division and single product), NaN included."""
+    from v41graph.custom_ops.triton import swiglu
+    for shape in ((64, 2048), (3, 700)):
+        g = _rng(shape[0] + int(limit) + (dtype == torch.float32))
+        gate, up = (torch.randn(shape, generator=g) * 8).to(dtype), (torch.randn(shape, generator=g) * 8).to(dtype)
+        gate[0, :3], up[0, :3] = torch.tensor([30.0, -30.0, float("nan")]), torch.tensor([-30.0, 30.0, 1.0])
+        gate, up = gate.to(DEV), up.to(DEV)
+        assert swiglu.swiglu_supported(gate, up)
+        got = ops.swiglu(gate, up, limit)
+        want = ref.swiglu_in_dtype(gate, up, limit)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)) and bool(torch.isnan(got[0, 2]))
+        ok = ~torch.isnan(want)
+        assert torch.equal(got[ok], want[ok]), (got[ok] != want[ok]).sum().item()

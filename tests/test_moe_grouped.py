@@ -16,6 +16,7 @@ against the loop, inside a CUDA graph replayed with new inputs, and whole-model 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -465,3 +466,39 @@ def test_moe_gate_op_matches_naive_float64():
 def test_moe_gate_op_refuses_bad_shapes(x, w, bias, topk, what):
     with pytest.raises(ValueError, match=what):
         torch.ops.v41graph.moe_gate(x, w, bias, topk, 1.0)
+
+
+# ----------------------------------------------------------------------------- the swiglu op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_op_matches_naive_float64(dtype):
+    """torch.ops.v41graph.swiglu (the shared expert's activation) against float64 arithmetic
+    of MODEL.md's clamped SwiGLU: gate clamped above at the limit only, up on both sides, a NaN
+    kept; within fp32 rounding, then the dtype's own rounding; limit 0 clamps nothing."""
+    g = torch.Generator().manual_seed(6)
+    gate, up = (torch.randn(5, 96, generator=g) * 8).to(dtype), (torch.randn(5, 96, generator=g) * 8).to(dtype)
+    gate[0, :3], up[0, :3] = torch.tensor([30.0, -30.0, float("nan")]), torch.tensor([-30.0, 30.0, 1.0])
+    for limit in (10.0, 0.0):
+        got = torch.ops.v41graph.swiglu(gate, up, limit)
+        gd, ud = gate.double(), up.double()
+        if limit:
+            gd, ud = torch.where(gd > limit, limit, gd), torch.where(ud > limit, limit, torch.where(ud < -limit, -limit, ud))
+        want = gd * torch.sigmoid(gd) * ud
+        assert got.dtype == dtype and got.shape == gate.shape
+        assert torch.isnan(got[0, 2]) and torch.isnan(want[0, 2])
+        rel = 2 ** -8 if dtype == torch.bfloat16 else 1e-6
+        assert torch.allclose(got.double(), want, rtol=rel, atol=1e-30, equal_nan=True), limit
+    # gate 30 -> 10, up -30 -> -10: silu(10) * -10; gate -30 is not clamped: silu(-30) * 10
+    h = torch.ops.v41graph.swiglu(gate, up, 10.0)[0, :2].double()
+    assert h.tolist() == pytest.approx([-100 / (1 + math.exp(-10)), -300 / (1 + math.exp(30))], rel=1e-2)
+
+
+@pytest.mark.parametrize("gate, up, limit, what", [
+    (torch.zeros(2, 8), torch.zeros(2, 6), 1.0, "one shape and dtype"),
+    (torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.bfloat16), 1.0, "one shape and dtype"),
+    (torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32), 1.0, "floating"),
+    (torch.zeros(2, 8), torch.zeros(2, 8), -1.0, "limit -1.0 must be finite and >= 0"),
+    (torch.zeros(2, 8), torch.zeros(2, 8), float("inf"), "limit inf must be finite"),
+])
+def test_swiglu_op_refuses_bad_inputs(gate, up, limit, what):
+    with pytest.raises(ValueError, match=what):
+        torch.ops.v41graph.swiglu(gate, up, limit)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from v41graph.custom_ops.triton import attention, common, mhc, moe_fp4, moe_gate, quant_gemm
+from v41graph.custom_ops.triton import attention, common, mhc, moe_fp4, moe_gate, quant_gemm, swiglu
 from v41graph.custom_ops.triton.common import _e2m1_decode
 
 
@@ -80,4 +80,4 @@ def install() -> None:
         for name, stand_in in _STAND_INS.items():
             if hasattr(module, name):
                 setattr(module, name, stand_in)
-    mhc.libdevice = moe_gate.libdevice = _Libdevice
+    mhc.libdevice = moe_gate.libdevice = swiglu.libdevice = _Libdevice

@@ -17,10 +17,13 @@ by tests/test_kernels_cuda.py.
   indexer       indexer_scores: lightning-indexer scores from the FP4 index keys in place
                 and topk_ascending: their top-k ids in one launch (no sort)
   engram        engram_gather from a device or pinned host table
-  mhc           mhc_sinkhorn: the mHC predictor's Sinkhorn rounds in registers
+  mhc           mhc_pre (the collapse, the predictor's partial sums, their finish) and
+                mhc_post (the expand); mhc_sinkhorn: the Sinkhorn rounds in registers
   compressor    ratio2_compressor (pooling, RMSNorm, state-ring write after cuBLAS projections)
   quant_gemm    fp8_linear: FP8 block-scaled weights, activation FP8 quantization fused in
   moe_fp4       mxfp4_moe: grouped gate+up+SwiGLU and down GEMMs over stacked MXFP4 experts
+  moe_gate      moe_gate: the router (K-sliced scores, then top-k and normalization per token)
+  swiglu        swiglu: the shared expert's clamped SwiGLU, one elementwise launch
 
 Portability (triton-ascend): the E2M1 encode/decode are integer/bit arithmetic only; the FP8
 conversions use tl.float8e4nv and the wkv kernel uses atomics + cache modifiers, which are the

@@ -125,9 +125,15 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """out_dtype=torch.float32: w2's fp32 partial sums (a tensor-parallel slice of the expert)."""
-        gate, up = self.w1(x).float(), self.w3(x).float()
-        return self.w2(swiglu(gate, up, self.limit, weight).to(x.dtype), out_dtype=out_dtype)
+        """out_dtype=torch.float32: w2's fp32 partial sums (a tensor-parallel slice of the expert).
+        Without a routing weight (the shared expert) the activation is the swiglu op (one node;
+        one launch on CUDA), unless autograd is to reach the projections (it has no backward)."""
+        gate, up = self.w1(x), self.w3(x)
+        if weight is None and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
+            h = torch.ops.v41graph.swiglu(gate, up, self.limit)
+        else:
+            h = swiglu(gate.float(), up.float(), self.limit, weight)
+        return self.w2(h.to(x.dtype), out_dtype=out_dtype)
 
 
 class MoE(nn.Module):
