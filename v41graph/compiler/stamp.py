@@ -366,8 +366,19 @@ class _Stamper:
         self._check_write_backs()
         strip_tags(self.graph)
         self.graph.eliminate_dead_code()
+        self._drop_unread_inputs()
         from .backend import graph_module_like
         return graph_module_like(self.gs, self.graph), self.sources
+
+    def _drop_unread_inputs(self) -> None:
+        """A copy's build of a shared value that an earlier layer had built is dead code; an
+        input made for it alone (the copied layer's own RoPE frequencies, say) is dropped with
+        it, as a full trace would not have lifted it."""
+        for source, node in list(self.inputs.items()):
+            if not node.users and node.name.startswith("stamped_"):
+                self.graph.erase_node(node)
+                self.sources.remove(source)
+                del self.inputs[source]
 
     def _check_write_backs(self) -> None:
         """Every input the traced graph wrote back is written back here too."""

@@ -50,24 +50,40 @@ class Compressor(nn.Module):
         """Latents [N, D] (pre-RoPE) and the group index of each token that completes a group
         (-1 for tokens that do not)."""
         pos = ctx.positions
-        completes = (pos + 1).remainder(self.ratio) == 0
-        group = torch.where(completes, (pos + 1) // self.ratio - 1, -1)
+        group = ctx.shared(("compressed_group", self.ratio), lambda: self._groups(pos))
         if self.ratio == 1:
             return self.norm(self.wkv(x)), group
         xf = x.float()
         rows = torch.cat([self.wkv(xf), self.wgate(xf)], dim=-1)            # [N, 2D] fp32
         state = ctx.caches.compressor_state[layer_id]
         pool = torch.cat([state.view(-1, state.shape[-1]), rows], dim=0)
-        member_pos = pos.unsqueeze(-1) - torch.arange(self.ratio - 1, -1, -1, device=pos.device)
-        member = pool.index_select(0, ctx.fresh_or_ring_rows(member_pos.clamp_min(0), COMPRESSOR_RING)
-                                   .flatten()).view(pos.shape[0], self.ratio, -1)
+        member_rows = ctx.shared(("compressor_member_rows", self.ratio), lambda: self._member_rows(ctx))
+        member = pool.index_select(0, member_rows).view(pos.shape[0], self.ratio, -1)
         kv, score = member.chunk(2, dim=-1)
         latent = (kv * score.softmax(dim=1)).sum(dim=1)
-        # Keep the last ring-size rows of each sequence (the partial group lives there).
-        keep = pos >= ctx.tok_seq_len - COMPRESSOR_RING
-        state_rows = torch.where(keep, ctx.tok_slot * COMPRESSOR_RING + pos.remainder(COMPRESSOR_RING), -1)
-        ops.state_write(state, state_rows, rows)
+        ops.state_write(state, ctx.shared(("compressor_state_rows",), lambda: self._state_rows(ctx)), rows)
         return self.norm(latent.to(x.dtype)), group
+
+    # The index tensors below depend on the step and the ratio only: every Full layer of a
+    # ratio shares them (StepContext.shared).
+    def _groups(self, pos: torch.Tensor) -> torch.Tensor:
+        """The group each token completes (-1 for tokens that complete none)."""
+        completes = (pos + 1).remainder(self.ratio) == 0
+        return torch.where(completes, (pos + 1) // self.ratio - 1, -1)
+
+    def _member_rows(self, ctx: StepContext) -> torch.Tensor:
+        """[N * ratio] rows of (state ring ++ this call's rows): each token's group members."""
+        pos = ctx.positions
+        member_pos = pos.unsqueeze(-1) - torch.arange(self.ratio - 1, -1, -1, device=pos.device)
+        return ctx.fresh_or_ring_rows(member_pos.clamp_min(0), COMPRESSOR_RING).flatten()
+
+    @staticmethod
+    def _state_rows(ctx: StepContext) -> torch.Tensor:
+        """The state ring rows this call's rows go to: the last ring-size rows of each sequence
+        (the partial group lives there), -1 for the others."""
+        pos = ctx.positions
+        keep = pos >= ctx.tok_seq_len - COMPRESSOR_RING
+        return torch.where(keep, ctx.tok_slot * COMPRESSOR_RING + pos.remainder(COMPRESSOR_RING), -1)
 
 
 class Indexer(nn.Module):
@@ -156,10 +172,14 @@ class Attention(nn.Module):
         """Full layers: emit latents for completed groups, write global KV and index keys."""
         latent, group = self.compressor(x, ctx, self.role.layer_id)
         caches, lid, r = ctx.caches, self.role.layer_id, self.role.ratio
-        rows_per_block = caches.block_size // r
-        block = ctx.meta.block_table[ctx.tok_seq, group.clamp_min(0) // rows_per_block]
-        slot = torch.where((group >= 0) & (block >= 0), block * rows_per_block + group.remainder(rows_per_block), -1)
-        rotation = rope_rotation(group.clamp_min(0) * r, self.inv_freqs)
+
+        def slots():
+            rows_per_block = caches.block_size // r
+            block = ctx.meta.block_table[ctx.tok_seq, group.clamp_min(0) // rows_per_block]
+            return torch.where((group >= 0) & (block >= 0), block * rows_per_block + group.remainder(rows_per_block), -1)
+        slot = ctx.shared(("compressed_slot", r), slots)
+        rotation = ctx.shared(("compressed_rotation", self.rope_kind, r),
+                              lambda: rope_rotation(group.clamp_min(0) * r, self.inv_freqs))
         idx = self.indexer
         k = apply_rope(idx.k_norm(idx.wk(latent)), rotation)
         ops.index_k_write(caches.index_k[lid], caches.index_scale[lid], k, slot)
