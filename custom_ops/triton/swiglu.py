@@ -5,9 +5,10 @@
               kernels of the torch form (two upcasts, two clamps, silu, the product, the
               downcast), forty times a decode step.
 
-Bit-identical to the torch form on the GPU: silu is x / (1 + exp(-x)) with libdevice's
-accurate exp and a correctly rounded division, as torch's CUDA silu computes it (tl.exp and
-`/` would take the approximate ex2 and division); the clamps keep NaN, as torch.clamp does.
+Written to give the torch form's bits on the GPU (tests/test_kernels_cuda.py asks for every
+bit; not yet run on a GPU): silu is x / (1 + exp(-x)) with libdevice's accurate exp and a
+correctly rounded division, as torch's CUDA silu computes it (tl.exp and `/` would take the
+approximate ex2 and division); the clamps keep NaN, as torch.clamp does.
 libdevice does not run in Triton's CPU interpreter (tests substitute it).
 """
 from __future__ import annotations
