@@ -21,6 +21,11 @@ tiles a kernel decodes per iteration (2 for gate+up); BS x D for the attention's
     python scripts/offline_sass.py fp8_linear_skinny BN=128      # the skinny FP8 decode kernel
     python scripts/offline_sass.py fp8_linear_blocks BN=128      # per-32-block partials of the codes
     python scripts/offline_sass.py moe_gate_partials             # the MoE gate's dot products
+
+Kernels without a tensor-core loop (the gate's selection, mHC's, the SwiGLU) print their
+registers, stack and spill only: whether they compile for sm90 and fit, without a GPU.
+
+    python scripts/offline_sass.py mhc_finish S=32               # one load per K slice, unrolled
 """
 from __future__ import annotations
 
@@ -42,8 +47,14 @@ _ATTN_SIGNATURE = {"q_ptr": "*i32", "ring_ptr": "*i16", "rsc_ptr": "*u8", "fresh
 _MOE_GATE_UP_SIGNATURE = {"xq_ptr": "*bf16", "tok_ptr": "*i32", "pw_ptr": "*fp32", "offs_ptr": "*i32", "w_ptr": "*u8",
                           "s_ptr": "*u8", "h_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "P": "i32",
                           "D": "i32", "I": "i32", "K_SPLIT": "i32", "limit": "fp32"}
+# launch options of the kernels whose wrappers set them: the sizes hinted as multiples of 16
+# (a token count N is not at decode) and FMA contraction (off where the reference's rounding of
+# each product is kept)
+_TOKEN_KERNEL = {"aligned": ()}
+_NO_FUSION = {"aligned": (), "enable_fp_fusion": False}
 # name -> (module under custom_ops/triton, kernel, signature, default constexprs,
-#          weight codes per loop iteration as a function of the constexprs)
+#          weight codes per loop iteration as a function of the constexprs (None: no tensor-core
+#          loop), [launch options])
 KERNELS = {
     "moe_gate_up": ("moe_fp4", "_gate_up_kernel", _MOE_GATE_UP_SIGNATURE,
                     {"S": 1, "HAS_LIMIT": True, "BM": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16"},
@@ -93,6 +104,28 @@ KERNELS = {
                           {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "N": "i32", "E": "i32"},
                           {"D": 5120, "K_SLICE": 1280, "BM": 16, "BE": 32, "BK": 128, "DOT": True},
                           lambda c: c["BE"] * c["BK"]),
+    # no tensor-core loop: resources only (bench_rank's shapes: 48 experts, top-6, d = 5120)
+    "moe_gate_select": ("moe_gate", "_gate_select_kernel",
+                        {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                         "N": "i32", "E": "i32", "route_scale": "fp32"},
+                        {"S": 8, "TOPK": 6, "BE": 64, "BT": 8, "THRESHOLD": 20.0}, None, _TOKEN_KERNEL),
+    "mhc_partials": ("mhc", "_mhc_partials_kernel",
+                     {"x_ptr": "*bf16", "pre_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32",
+                      "out_ptr": "*bf16", "N": "i32"},
+                     {"D": 5120, "HC": 4, "MIX": 24, "COLS": 640, "BM": 16, "BK": 32, "BMIX": 32}, None, _NO_FUSION),
+    "mhc_finish": ("mhc", "_mhc_finish_kernel",
+                   {"part_ptr": "*fp32", "mix_ptr": "*fp32", "N": "i32", "norm_eps": "fp32"},
+                   {"S": 8, "MIX": 24, "INV_K": 1.0 / 20480, "BR": 32, "BMIX": 32}, None, _TOKEN_KERNEL),
+    "mhc_expand": ("mhc", "_mhc_expand_kernel",
+                   {"out_ptr": "*bf16", "x_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+                    "y_ptr": "*bf16", "D": "i32"}, {"BD": 512}, None, _NO_FUSION),
+    "mhc_sinkhorn": ("mhc", "_mhc_sinkhorn_kernel",
+                     {"mix_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32", "pre_ptr": "*fp32",
+                      "post_ptr": "*fp32", "comb_ptr": "*fp32", "n_rows": "i32", "iters": "i32", "eps": "fp32"},
+                     {"HC": 4, "BR": 32}, None, _NO_FUSION),
+    "swiglu": ("swiglu", "_swiglu_kernel",
+               {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", "numel": "i32", "limit": "fp32"},
+               {"CLAMP": True, "BLOCK": 1024}, None, _NO_FUSION),
 }
 # the sizes that are multiples of 16 at every launch (M, the token count, is not at decode)
 ALIGNED_SIZES = ("D", "I", "N", "K", "K_PER_SPLIT", "K_SPLIT", "H")
@@ -106,17 +139,19 @@ def compile_kernel(name: str, overrides: dict, warps: int, stages: int, maxnreg:
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    module, kernel, signature, constexprs, codes_per_iteration = KERNELS[name]
+    module, kernel, signature, constexprs, codes_per_iteration, *launch = KERNELS[name]
+    launch = dict(launch[0]) if launch else {}
+    aligned_sizes = launch.pop("aligned", ALIGNED_SIZES)
     fn = getattr(importlib.import_module(f"v41graph.custom_ops.triton.{module}"), kernel)
     constexprs = {**constexprs, **overrides}
     constexprs = {k: getattr(tl, v) if isinstance(v, str) else v for k, v in constexprs.items()}
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
     aligned = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-               for a, t in signature.items() if t.startswith("*") or a in ALIGNED_SIZES}
+               for a, t in signature.items() if t.startswith("*") or a in aligned_sizes}
     compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages,
+                              options={"num_warps": warps, "num_stages": stages, **launch,
                                        **({"maxnreg": maxnreg} if maxnreg else {})})
-    return compiled, codes_per_iteration(constexprs)
+    return compiled, (codes_per_iteration(constexprs) if codes_per_iteration else None)
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
@@ -170,6 +205,10 @@ def main() -> int:
     sass = sass_of(compiled.asm["cubin"])
     if args.dump:
         Path(args.dump).write_text(sass)
+    if codes is None:
+        print(f"{args.kernel} {overrides or ''} warps={args.warps} stages={args.stages}: "
+              f"{resources_of(compiled.asm['cubin'])}")
+        return 0
     loop = hottest_loop(sass)
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
     threads = 32 * args.warps
