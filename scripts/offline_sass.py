@@ -103,7 +103,7 @@ KERNELS = {
     "moe_gate_partials": ("moe_gate", "_gate_partials_kernel",
                           {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "N": "i32", "E": "i32"},
                           {"D": 5120, "K_SLICE": 1280, "BM": 16, "BE": 32, "BK": 128, "DOT": True},
-                          lambda c: c["BE"] * c["BK"]),
+                          lambda c: c["BE"] * c["BK"], _TOKEN_KERNEL),
     # no tensor-core loop: resources only (bench_rank's shapes: 48 experts, top-6, d = 5120)
     "moe_gate_select": ("moe_gate", "_gate_select_kernel",
                         {"part_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
