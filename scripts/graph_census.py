@@ -1,8 +1,8 @@
 """Count what a decode step launches, on the CPU: the tiny model in released formats (FP8
 projections, MXFP4 experts packed, numerics "released"), compiled with our passes, one decode
 step at batch 1; the decode graph's call_function nodes, the ones that become kernels on a GPU
-(views, getitem, stream and event bookkeeping and empty allocations left out) and those per
-layer. A proxy for the launches of a CUDA-graph replay between device sessions; it says
+(aliases by their op's schema, stream and event bookkeeping and empty allocations left out) and
+those per layer. A proxy for the launches of a CUDA-graph replay between device sessions; it says
 nothing about their cost.
 
     python scripts/graph_census.py                   # totals and kernel nodes per layer
@@ -19,10 +19,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))      # the pass harness the compiler tests use
 
-# nodes that launch nothing: aliases, tuple items, the stream ops' bookkeeping
-NOT_KERNELS = {"view", "_unsafe_view", "unsqueeze", "getitem", "permute", "t", "squeeze", "expand", "slice",
-               "select", "transpose", "detach", "alias", "empty", "scalar_tensor", "event_record", "event_wait",
-               "stream_enter", "stream_exit", "mark_stream_use"}
+
+def launches(node) -> bool:
+    """Whether a call_function node becomes a kernel on the GPU: not a view or tuple item
+    (passes/base.returns_alias), not a stream op's bookkeeping, not an empty allocation."""
+    import torch
+
+    from v41graph.custom_ops.streams import STREAM_OPS
+    from v41graph.passes.base import returns_alias
+    return not (returns_alias(node) or node.target in STREAM_OPS or node.target is torch.ops.aten.empty.memory_format)
 
 
 def op_name(node) -> str:
@@ -51,12 +56,12 @@ def decode_graph():
     return model, harness.after(len(harness.traced) - 1)
 
 
-def layers_of(nodes, mhc_pre="mhc_pre") -> list[list]:
+def layers_of(nodes) -> list[list]:
     """Kernel nodes split into [before layer 0, layer 0, layer 1, ...]: a layer starts at its
     attention side's mhc_pre (two per layer). Trees older than the mhc_pre op give one list."""
     out, n_pre = [[]], 0
     for n in nodes:
-        if op_name(n) == mhc_pre:
+        if op_name(n) == "mhc_pre":
             n_pre += 1
             if n_pre % 2 == 1:
                 out.append([])
@@ -71,7 +76,7 @@ def main() -> int:
     args = ap.parse_args()
     model, graph = decode_graph()
     calls = [n for n in graph.graph.nodes if n.op == "call_function"]
-    kernels = [n for n in calls if op_name(n) not in NOT_KERNELS]
+    kernels = [n for n in calls if launches(n)]
     layers = layers_of(kernels)
     print(f"decode graph: {len(calls)} call_function nodes, {len(kernels)} kernel nodes "
           f"({len(layers[0])} before layer 0)")

@@ -8,7 +8,10 @@
 Written to give the torch form's bits on the GPU (tests/test_kernels_cuda.py asks for every
 bit; not yet run on a GPU): silu is x / (1 + exp(-x)) with libdevice's accurate exp and a
 correctly rounded division, as torch's CUDA silu computes it (tl.exp and `/` would take the
-approximate ex2 and division); the clamps keep NaN, as torch.clamp does.
+approximate ex2 and division); the clamps keep NaN, as torch.clamp does. The MXFP4 MoE's
+epilogue (moe_fp4._swiglu_h) computes the routed experts' SwiGLU with the fast exp and division
+instead: it is inside a GEMM whose sums already differ from the reference's order, so it is not
+reused here, nor this one there.
 libdevice does not run in Triton's CPU interpreter (tests substitute it).
 """
 from __future__ import annotations
