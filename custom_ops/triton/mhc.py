@@ -194,16 +194,22 @@ def _mhc_partials_kernel(x_ptr, pre_ptr, fn_ptr, part_ptr, out_ptr, N, D: tl.con
 
 @triton.jit
 def _mhc_finish_kernel(part_ptr, mix_ptr, N, norm_eps, S: tl.constexpr, MIX: tl.constexpr,
-                       INV_K: tl.constexpr, BR: tl.constexpr, BMIX: tl.constexpr):
-    """mixes [N, MIX] = (the S slices' dot products) * rsqrt(mean of squares + eps), the slices
-    added in slice order (all S loads issued at once: S is unrolled)."""
+                       INV_K: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr, BMIX: tl.constexpr):
+    """mixes [N, MIX] = (the S slices' dot products) * rsqrt(mean of squares + eps): the slices
+    summed CH at a time as one [BR, CH, BMIX] tile (a fixed tree, so deterministic), the
+    chunks added in slice order. A loop over chunks, not one load per slice: a decode step has
+    up to ~2 slices per SM (pre_config), too many loads to keep in flight unrolled."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < N
     j = tl.arange(0, BMIX)
-    mask = rmask[:, None] & (j[None, :] <= MIX)
-    acc = tl.load(part_ptr + rows[:, None] * BMIX + j[None, :], mask=mask, other=0.0)
-    for s in tl.static_range(1, S):
-        acc += tl.load(part_ptr + (s * N + rows)[:, None] * BMIX + j[None, :], mask=mask, other=0.0)
+    jmask = j <= MIX
+    c = tl.arange(0, CH)
+    acc = tl.zeros((BR, BMIX), tl.float32)
+    for s0 in range(0, S, CH):
+        s = s0 + c
+        at = part_ptr + ((s[None, :, None] * N + rows[:, None, None]) * BMIX + j[None, None, :])
+        mask = rmask[:, None, None] & (s < S)[None, :, None] & jmask[None, None, :]
+        acc += tl.sum(tl.load(at, mask=mask, other=0.0), axis=1)
     mean_square = tl.sum(tl.where(j[None, :] == MIX, acc, 0.0), axis=1) * INV_K
     rsqrt = libdevice.rsqrt(mean_square + norm_eps)
     tl.store(mix_ptr + rows[:, None] * MIX + j[None, :], acc * rsqrt[:, None], mask=rmask[:, None] & (j[None, :] < MIX))
@@ -246,19 +252,24 @@ def mhc_pre_supported(streams, pre_prev, fn, scale, base, hc: int) -> bool:
 
 
 def pre_config(n: int, d: int, device) -> dict:
-    """Rows per program (tl.dot needs 16) and column slices: about one program per SM, at most
-    MAX_SLICES (the finish kernel unrolls one load per slice), each slice whole 32-column steps."""
+    """Rows per program (tl.dot needs 16) and column slices. Each slice is whole 32-column
+    steps, and as many slices as keep about two programs per SM: a decode step's partials are
+    latency-bound (fn, 2 MB of fp32, is read once per row block), so a program should take one
+    or two steps, not a chain of them (32 slices of 5 steps each took 25.6 us at one token on
+    the H100, twenty-ninth session)."""
     bm = 16 if n <= 16 else 32
     steps = d // 32
     blocks = triton.cdiv(n, bm)
-    split = 1
-    while (split * 2 <= MAX_SLICES and steps % (split * 2) == 0
-           and blocks * split * 2 <= _num_sms(device)):
-        split *= 2
+    budget = max(1, 2 * _num_sms(device) // blocks)
+    split = max(s for s in range(1, steps + 1) if steps % s == 0 and s <= budget)
     return dict(BM=bm, BK=32, split=split)
 
 
-MAX_SLICES = 32
+def finish_config(split: int, bmix: int) -> dict:
+    """The finish kernel's tile: CH slices x BR rows x BMIX mixes, at most 4096 values (32
+    fp32 registers a thread at 4 warps)."""
+    ch = min(32, triton.next_power_of_2(split))
+    return dict(CH=ch, BR=max(1, min(64, 4096 // (ch * bmix))))
 
 
 def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float,
@@ -282,9 +293,9 @@ def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: flo
             x, pre_prev.contiguous(), fn.contiguous(), partials, collapsed, n, D=d, HC=hc, MIX=mix,
             COLS=d // split, BMIX=bmix, **cfg, num_warps=4,
             enable_fp_fusion=False)     # the collapse's products rounded before the adds, as the reference
-        rows = min(32, max(8, 256 // split))     # S x rows x BMIX loads in flight: 32 slices x 32 rows spilled
-        _mhc_finish_kernel[(triton.cdiv(n, rows),)](
-            partials, mixes, n, norm_eps, S=split, MIX=mix, INV_K=1.0 / (hc * d), BR=rows, BMIX=bmix, num_warps=4)
+        fin = finish_config(split, bmix)
+        _mhc_finish_kernel[(triton.cdiv(n, fin["BR"]),)](
+            partials, mixes, n, norm_eps, S=split, MIX=mix, INV_K=1.0 / (hc * d), BMIX=bmix, **fin, num_warps=4)
     return (collapsed, *mhc_sinkhorn(mixes, scale, base, hc, iters, hc_eps))
 
 
