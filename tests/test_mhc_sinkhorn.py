@@ -80,6 +80,56 @@ def test_cuda_kernel_matches_reference(n):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_kernel_falls_back_to_div_rn_outside_the_fast_range():
+    """The kernel's branch-free division covers operands in [2^-32, 2^32]; a program with one
+    token outside (an eps of 1e-12 after a peaked softmax leaves entries near 2^-40; a NaN mix)
+    redoes its Sinkhorn with div_rn. Every token, the others of that program included, keeps
+    the GPU reference's bits and NaNs stay where the reference has them."""
+    pytest.importorskip("triton")
+    from v41graph.custom_ops.triton import mhc as tk
+    mixes, scale, base = _inputs(70, seed=5, spread=30.0, device="cuda")
+    mixes[3, 9] = float("nan")
+    for eps in (1e-12, EPS):
+        got = tk.mhc_sinkhorn(mixes, scale, base, HC, ITERS, eps)
+        want = ref.mhc_sinkhorn(mixes, scale, base, HC, ITERS, eps)
+        for name, g, w in zip(("pre", "post", "comb"), got, want):
+            assert torch.equal(torch.isnan(g), torch.isnan(w)), name
+            assert torch.equal(g.nan_to_num(), w.nan_to_num()), f"{name} at eps {eps}"
+        assert torch.isnan(got[2][3]).any() and not torch.isnan(got[2][4:]).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_fast_division_is_ieee_division_in_its_range():
+    """mhc._div_fast (div.rn's fast path without its range check and slow-path call) against
+    torch's CUDA division, which is div.rn: 2^24 operand pairs log-uniform over its range
+    [2^-32, 2^32], plus the range's ends; every quotient bit for bit."""
+    pytest.importorskip("triton")
+    import triton
+    import triton.language as tl
+    from v41graph.custom_ops.triton import mhc as tk
+
+    @triton.jit
+    def divide(a_ptr, b_ptr, q_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        tl.store(q_ptr + i, tk._div_fast(tl.load(a_ptr + i, mask=m, other=1.0), tl.load(b_ptr + i, mask=m, other=1.0)),
+                 mask=m)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 1 << 24
+    a, b = (torch.exp2(torch.rand(n, device="cuda", generator=g) * 64 - 32) for _ in range(2))
+    ends = torch.tensor([2.0 ** -32, 2.0 ** 32, 1.0, 3.0, 0.1], device="cuda")
+    a = torch.cat([a, ends.repeat_interleave(5)])
+    b = torch.cat([b, ends.repeat(5)])
+    q = torch.empty_like(a)
+    divide[(triton.cdiv(a.numel(), 1024),)](a, b, q, a.numel(), BLOCK=1024)
+    want = a / b
+    assert torch.equal(q, want), f"{int((q != want).sum())} of {q.numel()} quotients differ"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1, 8, 64, 300])
 def test_cuda_pre_and_post_kernels_match_reference(n, dtype):

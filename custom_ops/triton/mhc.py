@@ -29,33 +29,72 @@ def _exact_sigmoid(x):
     return tl.math.div_rn(1.0, 1.0 + libdevice.exp(-x))
 
 
+# IEEE division without a call per division. ptxas compiles each div.rn.f32 as a fast path
+# (MUFU.RCP and five FMAs), a range check (FCHK) and a call to a slow path for operands of
+# extreme exponent, each inside its own reconvergence barrier: no two divisions overlap, and the
+# Sinkhorn's 640 divisions per token took 22 us at any batch (H100, twenty-ninth session).
+# _div_fast is that fast path alone, instruction for instruction, so where the range check
+# passes it gives div.rn's bits. The kernel uses it only while every numerator and denominator
+# lies in [2^-32, 2^32], far inside the range check's window, and redoes a program's whole
+# Sinkhorn with div_rn if any does not (NaN and inf included).
+_FAST_DIV_PTX = tl.constexpr("""{
+.reg .f32 r, t, y, q, e, nb;
+rcp.approx.ftz.f32 r, $2;
+neg.f32 nb, $2;
+fma.rn.f32 t, nb, r, 0f3F800000;
+fma.rn.f32 y, r, t, r;
+fma.rn.f32 q, $1, y, 0f00000000;
+fma.rn.f32 e, nb, q, $1;
+fma.rn.f32 $0, y, e, q;
+}""")
+_FAST_LO = tl.constexpr(2.0 ** -32)
+_FAST_HI = tl.constexpr(2.0 ** 32)
+
+
 @triton.jit
-def _div_by_sum(a, b, c, d, eps, EPS_AFTER: tl.constexpr):
+def _div_fast(a, b):
+    """a / b rounded to nearest (div.rn's bits) for a, b in [2^-32, 2^32]; see _FAST_DIV_PTX."""
+    return tl.inline_asm_elementwise(_FAST_DIV_PTX, "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _div4(a, b, c, d, s, ok, FAST: tl.constexpr):
+    """a, b, c, d / s; FAST: by _div_fast, with ok cleared for tokens whose operands leave its
+    range (all entries are >= 0, so the smallest entry and the sum bound them all)."""
+    if FAST:
+        lo = tl.minimum(tl.minimum(a, b), tl.minimum(c, d))
+        ok = ok & (lo >= _FAST_LO) & (s <= _FAST_HI)
+        return _div_fast(a, s), _div_fast(b, s), _div_fast(c, s), _div_fast(d, s), ok
+    return tl.math.div_rn(a, s), tl.math.div_rn(b, s), tl.math.div_rn(c, s), tl.math.div_rn(d, s), ok
+
+
+@triton.jit
+def _div_by_sum(a, b, c, d, eps, ok, EPS_AFTER: tl.constexpr, FAST: tl.constexpr):
     """Four entries (a row or a column of each token's matrix, [BR] each) divided by their sum
     taken left to right, as reference._sum_in_order adds: x / (s + eps), or (EPS_AFTER, the
     first row pass) x / s + eps."""
     s = ((a + b) + c) + d
     if EPS_AFTER:
-        return (tl.math.div_rn(a, s) + eps, tl.math.div_rn(b, s) + eps, tl.math.div_rn(c, s) + eps,
-                tl.math.div_rn(d, s) + eps)
-    s = s + eps
-    return tl.math.div_rn(a, s), tl.math.div_rn(b, s), tl.math.div_rn(c, s), tl.math.div_rn(d, s)
+        a, b, c, d, ok = _div4(a, b, c, d, s, ok, FAST)
+        return a + eps, b + eps, c + eps, d + eps, ok
+    return _div4(a, b, c, d, s + eps, ok, FAST)
 
 
 @triton.jit
-def _sinkhorn_round(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33, eps,
-                    FIRST: tl.constexpr):
+def _sinkhorn_round(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33, eps, ok,
+                    FIRST: tl.constexpr, FAST: tl.constexpr):
     """One Sinkhorn round on each token's 4 x 4 matrix (x<row><col>, [BR] each): every row
-    divided by its sum, then every column (FIRST: the rows' eps after the division)."""
-    x00, x01, x02, x03 = _div_by_sum(x00, x01, x02, x03, eps, FIRST)
-    x10, x11, x12, x13 = _div_by_sum(x10, x11, x12, x13, eps, FIRST)
-    x20, x21, x22, x23 = _div_by_sum(x20, x21, x22, x23, eps, FIRST)
-    x30, x31, x32, x33 = _div_by_sum(x30, x31, x32, x33, eps, FIRST)
-    x00, x10, x20, x30 = _div_by_sum(x00, x10, x20, x30, eps, False)
-    x01, x11, x21, x31 = _div_by_sum(x01, x11, x21, x31, eps, False)
-    x02, x12, x22, x32 = _div_by_sum(x02, x12, x22, x32, eps, False)
-    x03, x13, x23, x33 = _div_by_sum(x03, x13, x23, x33, eps, False)
-    return x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33
+    divided by its sum, then every column (FIRST: the rows' eps after the division, and their
+    division by div_rn: the softmax's entries may be as small as it likes)."""
+    x00, x01, x02, x03, ok = _div_by_sum(x00, x01, x02, x03, eps, ok, FIRST, FAST and not FIRST)
+    x10, x11, x12, x13, ok = _div_by_sum(x10, x11, x12, x13, eps, ok, FIRST, FAST and not FIRST)
+    x20, x21, x22, x23, ok = _div_by_sum(x20, x21, x22, x23, eps, ok, FIRST, FAST and not FIRST)
+    x30, x31, x32, x33, ok = _div_by_sum(x30, x31, x32, x33, eps, ok, FIRST, FAST and not FIRST)
+    x00, x10, x20, x30, ok = _div_by_sum(x00, x10, x20, x30, eps, ok, False, FAST)
+    x01, x11, x21, x31, ok = _div_by_sum(x01, x11, x21, x31, eps, ok, False, FAST)
+    x02, x12, x22, x32, ok = _div_by_sum(x02, x12, x22, x32, eps, ok, False, FAST)
+    x03, x13, x23, x33, ok = _div_by_sum(x03, x13, x23, x33, eps, ok, False, FAST)
+    return x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33, ok
 
 
 @triton.jit
@@ -87,6 +126,29 @@ def _store_row(out, k: tl.constexpr, a, b, c, d, rm):
 
 
 @triton.jit
+def _sinkhorn(mix_ptr, base_ptr, r, rm, s2, iters, eps, W: tl.constexpr, FAST: tl.constexpr):
+    """The comb matrix of each token after the softmax and `iters` Sinkhorn rounds (16 [BR]
+    registers), and whether every division stayed in _div_fast's range (FAST; masked rows
+    count as in range)."""
+    x00, x01, x02, x03 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 0, W)
+    x10, x11, x12, x13 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 1, W)
+    x20, x21, x22, x23 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 2, W)
+    x30, x31, x32, x33 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 3, W)
+    ok = tl.zeros_like(r) == 0
+    # round 1 divides the softmax's rows with eps added after the division; the others before
+    (x00, x01, x02, x03, x10, x11, x12, x13,
+     x20, x21, x22, x23, x30, x31, x32, x33, ok) = _sinkhorn_round(x00, x01, x02, x03, x10, x11, x12, x13,
+                                                                  x20, x21, x22, x23, x30, x31, x32, x33,
+                                                                  eps, ok, True, FAST)
+    for _ in range(iters - 1):
+        (x00, x01, x02, x03, x10, x11, x12, x13,
+         x20, x21, x22, x23, x30, x31, x32, x33, ok) = _sinkhorn_round(x00, x01, x02, x03, x10, x11, x12, x13,
+                                                                      x20, x21, x22, x23, x30, x31, x32, x33,
+                                                                      eps, ok, False, FAST)
+    return x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33, ok | (rm == 0)
+
+
+@triton.jit
 def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, iters,
                          eps, HC: tl.constexpr, BR: tl.constexpr):
     """BR tokens per program, one per thread; each token's (2+HC)*HC mixes -> pre, post and the
@@ -95,7 +157,9 @@ def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_p
     cross-thread reductions (the [BR, 4, 4] tile form took ~36 us per call on the H100, its 160
     reductions in a chain). The arithmetic is the reference's operation by operation (accurate
     exp and division, sums in order; launched without FMA contraction), so the result is
-    bit-identical to the reference run on the GPU."""
+    bit-identical to the reference run on the GPU. The divisions after the first row pass take
+    _div_fast (div.rn's bits without its per-division call); a program that leaves its range
+    runs the Sinkhorn again with div_rn."""
     tl.static_assert(HC == 4, "the register-resident Sinkhorn is written for hc_mult = 4")
     W: tl.constexpr = (2 + HC) * HC
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
@@ -110,18 +174,11 @@ def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_p
     post = 2.0 * _exact_sigmoid(m_post * s1 + tl.load(base_ptr + HC + c)[None, :])
     tl.store(pre_ptr + r[:, None] * HC + c[None, :], pre, mask=rm[:, None])
     tl.store(post_ptr + r[:, None] * HC + c[None, :], post, mask=rm[:, None])
-    x00, x01, x02, x03 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 0, W)
-    x10, x11, x12, x13 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 1, W)
-    x20, x21, x22, x23 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 2, W)
-    x30, x31, x32, x33 = _comb_row(mix_ptr, base_ptr, r, rm, s2, 3, W)
-    # round 1 divides the softmax's rows with eps added after the division; the others before
     (x00, x01, x02, x03, x10, x11, x12, x13,
-     x20, x21, x22, x23, x30, x31, x32, x33) = _sinkhorn_round(x00, x01, x02, x03, x10, x11, x12, x13,
-                                                              x20, x21, x22, x23, x30, x31, x32, x33, eps, True)
-    for _ in range(iters - 1):
+     x20, x21, x22, x23, x30, x31, x32, x33, ok) = _sinkhorn(mix_ptr, base_ptr, r, rm, s2, iters, eps, W, True)
+    if tl.min(ok.to(tl.int32), axis=0) == 0:        # an operand left _div_fast's range: all by div_rn
         (x00, x01, x02, x03, x10, x11, x12, x13,
-         x20, x21, x22, x23, x30, x31, x32, x33) = _sinkhorn_round(x00, x01, x02, x03, x10, x11, x12, x13,
-                                                                  x20, x21, x22, x23, x30, x31, x32, x33, eps, False)
+         x20, x21, x22, x23, x30, x31, x32, x33, ok) = _sinkhorn(mix_ptr, base_ptr, r, rm, s2, iters, eps, W, False)
     out = comb_ptr + r * (HC * HC)
     _store_row(out, 0, x00, x01, x02, x03, rm)
     _store_row(out, 4, x10, x11, x12, x13, rm)
