@@ -377,9 +377,9 @@ _MHC_PRE_POST_SCRIPT = """
     fn = torch.randn(24, hc * d, generator=g) / 32
     scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
     want = reference.mhc_pre(streams, pre_prev, fn, scale, base, hc, 20, 1e-6, 1e-6)
-    for split in (5, 40):                                     # 40 slices: two finish chunks, one part masked
+    for split, ch in ((5, None), (40, None), (40, 32)):      # 40 slices: one chunk of 64, two of 32 (one masked)
         got = mhc.mhc_pre(streams, pre_prev, fn, scale, base, hc, 20, 1e-6, 1e-6,
-                          config=dict(BM=16, BK=32, split=split))
+                          config=dict(BM=16, BK=32, split=split, CH=ch))
         coef = max(float((a - b).abs().max()) for a, b in zip(got[1:], want[1:]))
         print("wide", "torch.bfloat16", 3, split, bool(torch.equal(got[0], want[0])), coef)
 """
@@ -391,7 +391,7 @@ def test_mhc_pre_and_post_kernels_in_triton_interpreter(tmp_path):
     and the expand bit for bit (the same fp32 products and sums in the same order), pre, post
     and comb within 1e-5 (the dot products sum in another order); bf16 and fp32 streams, one
     slice and four, two row blocks with a tail, column blocks narrower than d; 5 and 40 slices
-    of a wider d (the finish sums 32 slices at a time: two chunks, the second part masked)."""
+    of a wider d (the finish's one chunk, masked, and two chunks of 32, the second masked)."""
     rows = [line.split() for line in run_interpreted(_MHC_PRE_POST_SCRIPT, tmp_path)]
-    assert len(rows) == 26, rows
+    assert len(rows) == 27, rows
     assert all(r[4] == "True" and float(r[5]) < 1e-5 for r in rows), rows
