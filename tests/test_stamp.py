@@ -184,18 +184,20 @@ def _run(compiled_or_model, steps=DECODE_STEPS, verify=False):
 
 
 def _verify(compiled, session, streams_of=(13, 14, 15)):
-    """A verify step as speculative decoding calls it (two tokens per sequence, every token's
-    logits, the streams leaving three layers): [logits, *streams]."""
-    got = {}
+    """Two verify steps as speculative decoding calls them (every token's logits, the streams
+    leaving three layers; two tokens per sequence, then 1, 3 and 2: the second must run the
+    first one's graph): [logits, *streams] of each."""
+    got = []
 
     def verify(ids, positions, meta, **kwargs):
         logits, streams = compiled(ids, positions, session.caches, meta, all_logits=True,
                                    return_streams=streams_of)
-        got["out"] = [logits, *streams]
+        got.extend([logits, *streams])
         return logits
     session.call_model = verify
     session.extend([0, 1, 2], [[5, 6], [7, 8], [9, 10]])
-    return got["out"]
+    session.extend([0, 1, 2], [[11], [12, 13, 14], [15, 16]])
+    return got
 
 
 def test_compile_stamps_and_matches_a_full_trace_bit_for_bit(tmp_path):
@@ -204,9 +206,11 @@ def test_compile_stamps_and_matches_a_full_trace_bit_for_bit(tmp_path):
     assert full.traced_by["prefill"] == 1 and "stamp" not in full.notes
     compiled = v41graph.compile(new_model(), backend="cpu", batch_sizes=(4,), compile_cache=tmp_path)
     out, caches = _run(compiled, verify=True)
-    assert len(out) == len(eager) == 1 + DECODE_STEPS + 4
-    # one graph for prefill and decode, one for the verify step: both stamped
+    assert len(out) == len(eager) == 1 + DECODE_STEPS + 2 * 4
+    # one graph for prefill and decode, one for both verify steps: both stamped (the second
+    # verify step runs the first one's stamped graph, no trace of the whole model)
     assert compiled.traced_by["prefill"] == 1 and compiled.traced_by["verify"] == 1
+    assert not any("whole model" in e for e in compiled.compile_events), compiled.compile_events
     assert compiled.traced_by["decode"] == 0
     assert "traced layers [0, 1, 2, 3, 4, 8, 9, 10] of 16" in compiled.notes["stamp"]
     assert compiled.timings["stamp_s"] > 0
