@@ -8,9 +8,10 @@ picked by a rule measured on the GPU (`decode_kernel`):
   the activation tile (from QUANTIZE_FIRST_ROWS rows on, x quantized once by `quantize_rows`;
   below, quantized per 32 in registers, common._qdq_fp8_blocks, which at one real row is
   cheaper than a launch), loads the FP8 weight tile with its block scales, dequantizes it to
-  bf16 (exact) and accumulates a bf16 tensor-core dot in fp32. Split-K partials go to an fp32
-  workspace [S, M, N] summed by torch in a fixed order (deterministic; no atomics), then cast
-  once, as the reference casts once;
+  bf16 (exact) and accumulates a bf16 tensor-core dot in fp32. Split-K shares are added in
+  split order by the tile's last program and cast once, as the reference casts once
+  (deterministic; until the twenty-ninth session torch summed an fp32 workspace: two more
+  launches per call, ~6 us at M = 64 on the H100);
 - the skinny kernel (`_fp8_linear_skinny_kernel`): the same values with the weight rows as the
   MMA's M side and the few tokens as its N side, the E4M3 decode in PTX, and the split-K
   shares added in split order by the tile's last program (deterministic, no second launch);
@@ -63,9 +64,11 @@ def fp8_capable(device: torch.device) -> bool:
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANTIZED: tl.constexpr):
-    """QUANTIZED: x is already FP8-quantized per 32 (quantize_rows); else quantize each tile."""
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, K_PER_SPLIT, n_split,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANTIZED: tl.constexpr,
+                       SPLIT: tl.constexpr):
+    """QUANTIZED: x is already FP8-quantized per 32 (quantize_rows); else quantize each tile.
+    SPLIT: see _store_or_reduce_split."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BM + tl.arange(0, BM)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -82,8 +85,9 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_PER_SPLIT,
             a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
         w = _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN, BK)
         acc = tl.dot(a, tl.trans(w), acc)
-    out = out_ptr + pid_k.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    at = m[:, None].to(tl.int64) * N + n[None, :]
+    _store_or_reduce_split(acc, out_ptr, ws_ptr, count_ptr, at, m_mask[:, None] & n_mask[None, :], pid_n, pid_m,
+                           pid_k, M, N, n_split, BM, BN, SPLIT)
 
 
 @triton.jit
@@ -174,9 +178,10 @@ def _fp8_linear_blocks_kernel(xc_ptr, xs_ptr, w_src, s_ptr, out_ptr, ws_ptr, cou
 @triton.jit
 def _store_or_reduce_split(acc, out_ptr, ws_ptr, count_ptr, at, mask, pid_n, pid_t, pid_k, M, N,
                            n_split, BN: tl.constexpr, BT: tl.constexpr, SPLIT: tl.constexpr):
-    """A [BN, BT] output tile's end. SPLIT: this program's K share goes to the fp32 workspace
-    [n_split, M, N]; the last program of the tile (an atomic count per tile) adds the shares in
-    split order and writes the output: deterministic, and no second launch."""
+    """A [BN, BT] output tile's end (the tiles kernel's [BM, BN]: the shape is all that
+    matters). SPLIT: this program's K share goes to the fp32 workspace [n_split, M, N]; the
+    last program of the tile (an atomic count per tile) adds the shares in split order and
+    writes the output: deterministic, and no second launch."""
     if SPLIT:
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + at, acc, mask=mask)
         tl.debug_barrier()      # every thread's share is stored before the count is released
@@ -376,9 +381,10 @@ def _blocks_config(m: int, n: int, k: int, device: torch.device):
     return bt, bn, bk, split, warps, stages, _capability_at_least(device, 9, 0)
 
 
-def _swapped_launch(m: int, n: int, k: int, bt: int, bn: int, bk: int, split: int, device, out_dtype):
-    """The grid and buffers of the swapped kernels (skinny, blocks): (grid, K per split, out,
-    fp32 workspace, per-tile counts), the split in whole BK steps (_whole_step_split)."""
+def _split_launch(m: int, n: int, k: int, bt: int, bn: int, bk: int, split: int, device, out_dtype):
+    """The grid and buffers of the decode kernels (bt: the token tile, BT or the tiles
+    kernel's BM): (grid, K per split, out, fp32 workspace, per-tile counts), the split in whole
+    BK steps (_whole_step_split)."""
     if bk % 32 or k % bk:
         raise ValueError(f"fp8_linear: the kernel's BK must be a multiple of 32 dividing K={k}, got {bk}")
     k_per_split, split = _whole_step_split(k, bk, split)
@@ -412,7 +418,7 @@ def _fp8_linear_skinny(x2, weight, scale, out_dtype, config):
     m, k = x2.shape
     n = weight.shape[0]
     bt, bn, bk, split, warps, stages, tma = _swapped_config(config or _skinny_config(m, n, k, x2.device), weight)
-    grid, k_per_split, out, ws, count = _swapped_launch(m, n, k, bt, bn, bk, split, x2.device, out_dtype)
+    grid, k_per_split, out, ws, count = _split_launch(m, n, k, bt, bn, bk, split, x2.device, out_dtype)
     quantized = m >= QUANTIZE_FIRST_ROWS
     xq = quantize_rows(x2).view(torch.int32) if quantized else x2
     words = weight.view(torch.int16)
@@ -427,7 +433,7 @@ def _fp8_linear_blocks(x2, weight, scale, out_dtype, config):
     m, k = x2.shape
     n = weight.shape[0]
     bt, bn, bk, split, warps, stages, tma = _swapped_config(config or _blocks_config(m, n, k, x2.device), weight)
-    grid, k_per_split, out, ws, count = _swapped_launch(m, n, k, bt, bn, bk, split, x2.device, out_dtype)
+    grid, k_per_split, out, ws, count = _split_launch(m, n, k, bt, bn, bk, split, x2.device, out_dtype)
     codes, scales = quantize_rows_codes(x2)
     # the descriptor is encoded by Triton's launcher on the host at every launch and passed by
     # value, so a captured graph keeps it (the weight's address never changes)
@@ -459,13 +465,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     if kernel == "blocks":
         return _fp8_linear_blocks(x2, weight, scale, out_dtype, config).view(*x.shape[:-1], n)
     bm, bn, bk, split, warps, stages = config or _config(m, n, k, x.device)
-    k_per_split, split = _whole_step_split(k, bk, split)
-    out = torch.empty((split, m, n) if split > 1 else (m, n), device=x.device,
-                      dtype=torch.float32 if split > 1 else out_dtype)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    grid, k_per_split, out, ws, count = _split_launch(m, n, k, bm, bn, bk, split, x.device, out_dtype)
     quantized = m >= QUANTIZE_FIRST_ROWS
-    _fp8_linear_kernel[grid](quantize_rows(x2) if quantized else x2, weight, scale, out, m, n, k, k_per_split,
-                             BM=bm, BN=bn, BK=bk, QUANTIZED=quantized, num_warps=warps, num_stages=stages)
-    if split > 1:
-        out = out.sum(0).to(out_dtype)
+    _fp8_linear_kernel[grid](quantize_rows(x2) if quantized else x2, weight, scale, out, ws, count, m, n, k,
+                             k_per_split, grid[2], BM=bm, BN=bn, BK=bk, QUANTIZED=quantized, SPLIT=grid[2] > 1,
+                             num_warps=warps, num_stages=stages)
     return out.view(*x.shape[:-1], n)
