@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-import re
 import time
 from collections import defaultdict
 
@@ -255,8 +254,7 @@ class CompiledModel:
         t4 = time.perf_counter()
         try:
             entry = cache.add_stamped(kind, signature, record, guards, sources, gm, graph,
-                                      lambda checks: _without_return_streams(map_checks(checks, self.stamp)),
-                                      streams=len(streams_of))
+                                      lambda checks: map_checks(checks, self.stamp), streams=len(streams_of))
         except NotCacheable as exc:
             cache.note(f"{kind}: not stamped ({exc}); tracing the whole model", logging.WARNING)
             return None
@@ -511,13 +509,6 @@ def resolve_inductor_segments(value, platform: str, cache_on: bool, parallel: bo
     if value == "auto":
         return platform == "cuda" and cache_on and not parallel
     return bool(value)
-
-
-def _without_return_streams(checks: list) -> list:
-    """A stamped graph's checks less those on `return_streams`: the stamping trace ran the
-    call without it (its guards saw the default, ()), and the entry's signature already holds
-    the call's value (a verify entry would otherwise refuse every later verify call)."""
-    return [c for c in checks if not re.match(r"(L\['return_streams'\]|return_streams)(\W|$)", c[1])]
 
 
 class CachedFunction:

@@ -390,12 +390,17 @@ class _Stamper:
             raise StampRefused(f"the traced graph writes back {sorted(missing)[0]}, the stamped one does not")
 
 
+_STAMPING_ONLY = re.compile(r"stamp_layers|^return_streams\b")
+
+
 def map_checks(checks: list, stamp: StampPlan) -> list:
     """Dynamo's guard checks of the traced layers (compile_cache.guards_from_entries) made the
     whole model's: each check naming a traced layer's modules or caches repeated for every
-    layer copied from it, names mapped; checks on `stamp_layers` itself dropped (it is unset
-    when the stamped graph runs)."""
-    kept = [tuple(c) for c in checks if "stamp_layers" not in c[1]]
+    layer copied from it, names mapped; checks on what the stamping call sees otherwise than
+    the stamped graph's calls dropped: `stamp_layers` (unset when the stamped graph runs) and
+    the `return_streams` argument (the stamping call omits it; the entry's signature holds the
+    call's value, so a verify entry would otherwise refuse every later verify step)."""
+    kept = [tuple(c) for c in checks if not _STAMPING_ONLY.search(c[1])]
     out, seen = list(kept), {repr(c) for c in kept}     # expected values may be lists
     naming = {}
     for c in kept:
