@@ -21,6 +21,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import v41graph  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/
+from compile_harness import three_layer_config  # noqa: E402
 from v41graph.model.layers import default_dtype  # noqa: E402
 from v41graph.model.model import V41Model, init_random_  # noqa: E402
 from v41graph.parallel import ParallelConfig, ParallelState, init_parallel, shutdown, spmd  # noqa: E402
@@ -94,6 +96,10 @@ def main():
                     help="one GPU per rank (cuda:LOCAL_RANK), NCCL, compiled shares captured (a multi-GPU machine)")
     ap.add_argument("--compiled", default="",
                     help="LAYOUT,...: also run these layouts' shares through v41graph.compile (first check only)")
+    ap.add_argument("--compiled-plan", choices=("tiny", "three-layer"), default="tiny",
+                    help="the layer plan of the compiled runs: tiny()'s, or compile_harness.three_layer_config's "
+                         "(every compressor, indexer and cache kind at a third of the trace time) with its own "
+                         "whole-model reference")
     ap.add_argument("--noise-floor", action="store_true",
                     help="also run the whole model on each prompt alone (its own batch-composition noise)")
     ap.add_argument("--load", nargs=2, metavar=("RANK0_DIR", "RANK1_DIR"),
@@ -118,16 +124,24 @@ def main():
             result["error"] = str(e)
         args.checks = ""
     compiled = [c for c in args.compiled.split(",") if c]
-    for i, spec in enumerate(filter(None, args.checks.split(";"))):
-        check, layouts = spec.split("=")
+    # (check, plan, [(layout, compiled?)]): the compiled runs join the first check's, or run
+    # alone on their own plan
+    jobs = [(spec.split("=")[0], "tiny", [(name, False) for name in spec.split("=")[1].split(",")])
+            for spec in filter(None, args.checks.split(";"))]
+    if compiled and jobs:
+        runs = [(name, True) for name in compiled]
+        if args.compiled_plan == "tiny":
+            jobs[0][2].extend(runs)
+        else:
+            jobs.append((jobs[0][0], args.compiled_plan, runs))
+    for check, plan, runs in jobs:
         dtype, fmt, numerics, fq = CHECKS[check]
-        cfg = v41graph.V41Config.tiny(moe_intermediate_size=64, torch_dtype=dtype, weight_format=fmt,
-                                      fake_quant=fq)
+        cfg = (v41graph.V41Config.tiny if plan == "tiny" else three_layer_config)(
+            moe_intermediate_size=64, torch_dtype=dtype, weight_format=fmt, fake_quant=fq)
         with default_dtype(getattr(torch, dtype)):      # as a checkpoint of that dtype builds it
             whole = init_random_(V41Model(cfg), seed=0).eval().requires_grad_(False).to(args.device)
         whole.set_numerics(numerics)
         refs = {}
-        runs = [(name, False) for name in layouts.split(",")] + [(name, True) for name in compiled if i == 0]
         for name, compile_it in runs:
             t0 = time.perf_counter()
             layout = LAYOUTS[name]
