@@ -615,17 +615,14 @@ def test_share_all_prefill_first_traces_the_one_graph(small):
     """The default share_decode_graph="all" when a prefill comes before any decode step (a
     serving engine's order): the prefill traces the graph, and decode steps of buckets 1 and 4
     (1 and 3 sequences) and the second prefill run it without tracing again; every logit
-    matches eager. (With share_decode_graph=True the same order traces four graphs: the
-    one-sequence prefill's, bucket 1's static one, the three-sequence prefill's (Dynamo marks
-    the changed sizes dynamic) and the shared one of buckets >= 2.)"""
-    counts = {}
-    for share in ("all", True):
-        compiled = v41graph.compile(small, backend="cpu", batch_sizes=(1, 4), share_decode_graph=share)
-        for n_seqs in (1, 3):
-            _eager_vs_compiled_decodes(small, compiled, n_seqs, 40 + n_seqs, 2)
-        counts[share] = len(compiled.traced)
-        assert compiled.notes["prefill"] == "traced its own graph (no decode graph had been traced before it)"
-    assert counts == {"all": 1, True: 4}
+    matches eager. (share_decode_graph=True would trace four graphs in this order: the
+    one-sequence prefill's, bucket 1's static one, the three-sequence prefill's and the shared
+    one of buckets >= 2; not run here, it is most of this test's time.)"""
+    compiled = v41graph.compile(small, backend="cpu", batch_sizes=(1, 4))
+    for n_seqs in (1, 3):
+        _eager_vs_compiled_decodes(small, compiled, n_seqs, 40 + n_seqs, 2)
+    assert len(compiled.traced) == 1
+    assert compiled.notes["prefill"] == "traced its own graph (no decode graph had been traced before it)"
 
 
 # ---------------------------------------------------------------------------- P1, ratio 2
