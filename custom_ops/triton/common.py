@@ -26,6 +26,25 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Zeroed buffers that kernels leave zeroed, per (name, device, stream): zeroed once, not per
+# call (a torch.zeros per call is a memset node per launch in a captured step). Calls on one
+# stream run one after another; a call on P6's side stream may run beside the main stream's,
+# so each stream has its own buffer (in a capture, the capturing stream's). Buffers are never
+# freed: a captured graph keeps their addresses, so one outgrown stays held.
+_ZEROED: dict[tuple, list[torch.Tensor]] = {}
+
+
+def zeroed_per_stream(name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """`numel` zeroed elements of the buffer `name` for a kernel launched now on the current
+    stream; the kernel must leave them zeroed again."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _ZEROED.setdefault((name, str(device), stream), [])
+    if not held or held[-1].numel() < numel:
+        held.append(torch.zeros(numel, device=device, dtype=dtype))
+    return held[-1][:numel]
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.is_contiguous() else x2.contiguous()

@@ -54,7 +54,7 @@ import triton.language as tl
 from ..reference import pairs_by_expert
 from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_to_fp32, _exp2i, _fp4_block_e4m3,
                      _fp4_weight_tile, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs)
-from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes
+from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes, tile_counts
 
 
 @triton.jit
@@ -153,6 +153,7 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_p
                     acc_g += tl.load(slice_at, mask=mask, other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(slice_at + I, mask=mask, other=0.0, cache_modifier=".cg")
                 _store_h(acc_g, acc_u, r, r_mask, n, n_mask, pw_ptr, h_ptr, I, limit, HAS_LIMIT, BM, BN, X_DTYPE)
+            tl.atomic_xchg(count_ptr + e * tl.num_programs(0) + tl.program_id(0), 0)   # left zeroed (tile_counts)
 
 
 @triton.jit
@@ -552,7 +553,7 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=No
             ws, count = h, offs
         else:               # fp32 slices (rows of held-elsewhere pairs: unwritten, unread), a count per tile
             ws = torch.empty((slices, n * k, 2 * i), device=x.device, dtype=torch.float32)
-            count = torch.zeros(grid_up[0] * grid_up[1], device=x.device, dtype=torch.int32)
+            count = tile_counts(grid_up[0] * grid_up[1], x.device)
         _gate_up_kernel[grid_up + (slices,)](xq, tok, pw, offs, w13, s13, h, ws, count, n * k, d, i, width,
                                              float(limit), S=slices, HAS_LIMIT=limit > 0, BM=bm, BN=bn, BK=bk1,
                                              X_DTYPE=_TL_DTYPE[x.dtype], **launch)

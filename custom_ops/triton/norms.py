@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES, _num_sms, _rows
+from .common import _FLOAT_DTYPES, _num_sms, _rows, zeroed_per_stream
 
 
 # =============================================================================== fused_wkv_rmsnorm
@@ -116,19 +116,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_before_weig
 
 WKV_FUSED_MAX_M = 128          # above: cuBLAS GEMM + one RMSNorm kernel (prefill)
 _WKV_ACC_FLOATS = WKV_FUSED_MAX_M * 1024
-_STATE: dict = {}
 
 
 def _wkv_state(device: torch.device):
     """(fp32 accumulator, int32 counters), zeroed, one pair per (device, stream); the kernel
     leaves both zeroed again after every launch."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    st = _STATE.get(key)
-    if st is None:
-        st = (torch.zeros(_WKV_ACC_FLOATS, dtype=torch.float32, device=device),
-              torch.zeros(1024, dtype=torch.int32, device=device))
-        _STATE[key] = st
-    return st
+    return (zeroed_per_stream("wkv_acc", _WKV_ACC_FLOATS, torch.float32, device),
+            zeroed_per_stream("wkv_counts", 1024, torch.int32, device))
 
 
 def fused_wkv_rmsnorm_supported(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor) -> bool:

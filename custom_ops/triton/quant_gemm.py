@@ -41,7 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (_FLOAT_DTYPES, _bf16_column_halves, _capability_at_least, _e4m3_pairs_to_bf16,
                      _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_weight_tile, _num_sms, _qdq_fp8_blocks,
-                     _quant_fp8_blocks, _rows, _split_pairs)
+                     _quant_fp8_blocks, _rows, _split_pairs, zeroed_per_stream)
 
 _WARNED: set = set()
 
@@ -192,6 +192,7 @@ def _store_or_reduce_split(acc, out_ptr, ws_ptr, count_ptr, at, mask, pid_n, pid
             for s in range(0, n_split):   # fixed order whichever program came last
                 total += tl.load(ws_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + tile, 0)   # left zeroed for the next call (tile_counts)
     else:
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -381,6 +382,13 @@ def _blocks_config(m: int, n: int, k: int, device: torch.device):
     return bt, bn, bk, split, warps, stages, _capability_at_least(device, 9, 0)
 
 
+def tile_counts(tiles: int, device) -> torch.Tensor:
+    """One zeroed int32 count per output tile of a split-K kernel (common.zeroed_per_stream):
+    the tile's last program sets its count back to zero. At least 4096 are held, so the
+    buffer seldom grows."""
+    return zeroed_per_stream("tile_counts", max(tiles, 4096), torch.int32, device)[:tiles]
+
+
 def _split_launch(m: int, n: int, k: int, bt: int, bn: int, bk: int, split: int, device, out_dtype):
     """The grid and buffers of the decode kernels (bt: the token tile, BT or the tiles
     kernel's BM): (grid, K per split, out, fp32 workspace, per-tile counts), the split in whole
@@ -390,9 +398,9 @@ def _split_launch(m: int, n: int, k: int, bt: int, bn: int, bk: int, split: int,
     k_per_split, split = _whole_step_split(k, bk, split)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bt), split)
     out = torch.empty((m, n), device=device, dtype=out_dtype)
-    if split > 1:   # fp32 shares + one zeroed count per output tile (a memset node when captured)
+    if split > 1:   # fp32 shares + one zeroed count per output tile
         ws = torch.empty((split, m, n), device=device, dtype=torch.float32)
-        count = torch.zeros(grid[0] * grid[1], device=device, dtype=torch.int32)
+        count = tile_counts(grid[0] * grid[1], device)
     else:
         ws = count = out    # never read
     return grid, k_per_split, out, ws, count
