@@ -394,3 +394,24 @@ def test_mhc_pre_and_post_kernels_in_triton_interpreter(tmp_path):
     rows = [line.split() for line in run_interpreted(_MHC_PRE_POST_SCRIPT, tmp_path)]
     assert len(rows) == 27, rows
     assert all(r[4] == "True" and float(r[5]) < 1e-5 for r in rows), rows
+
+
+def test_zeroed_workspaces_are_held_per_flow(monkeypatch):
+    """common.zeroed_workspace: one buffer per name and flow, reused while large enough (the
+    kernels leave it zeroed), a larger one when outgrown with the old one still held (captured
+    graphs keep its address); on CUDA every stream but P6's side streams is the main flow (a
+    capture's warm-up and capture streams included), each side stream a flow of its own."""
+    import torch
+    from v41graph.custom_ops.streams import RUNTIME
+    from v41graph.custom_ops.triton import common
+    monkeypatch.setattr(common, "_ZEROED", {})
+    a = common.zeroed_workspace("counts", 8, torch.int32, "cpu")
+    assert common.zeroed_workspace("counts", 4, torch.int32, "cpu").data_ptr() == a.data_ptr()
+    b = common.zeroed_workspace("counts", 16, torch.int32, "cpu")
+    assert b.data_ptr() != a.data_ptr() and not b.any()
+    assert [t.numel() for t in common._ZEROED[("counts", "cpu", "main")]] == [8, 16]
+    side, warm_up, capture = object(), object(), object()
+    monkeypatch.setattr(RUNTIME, "streams", {(0, "indexer"): side})
+    for current, flow in ((side, "indexer"), (warm_up, "main"), (capture, "main")):
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device, s=current: s)
+        assert common._flow(torch.device("cuda", 0)) == flow

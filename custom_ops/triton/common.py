@@ -26,23 +26,38 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Zeroed buffers that kernels leave zeroed, per (name, device, stream): zeroed once, not per
-# call (a torch.zeros per call is a memset node per launch in a captured step). Calls on one
-# stream run one after another; a call on P6's side stream may run beside the main stream's,
-# so each stream has its own buffer (in a capture, the capturing stream's). Buffers are never
-# freed: a captured graph keeps their addresses, so one outgrown stays held.
+# Zeroed buffers that kernels leave zeroed, per (name, device, flow): zeroed once, not per call
+# (a torch.zeros per call is a memset node per launch in a captured step). The main flow's
+# calls run one after another, whichever stream carries them (the default stream, a capture's
+# warm-up stream, the capture stream); a call on one of P6's side streams may run beside them,
+# so each side stream has its own buffer. Keying the main flow by its stream would leave the
+# capture stream's buffer allocated inside the first capture: its memset recorded, not run,
+# and another graph replayed first would read garbage counts. Buffers are never freed: a
+# captured graph keeps their addresses, so one outgrown stays held.
 _ZEROED: dict[tuple, list[torch.Tensor]] = {}
 
 
-def zeroed_per_stream(name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _flow(device: torch.device) -> str:
+    """The tag of the P6 side stream current on `device`, or "main"."""
+    if device.type != "cuda":
+        return "main"
+    from ..streams import RUNTIME
+    current = torch.cuda.current_stream(device)
+    return next((tag for (_, tag), stream in RUNTIME.streams.items() if stream == current), "main")
+
+
+def zeroed_workspace(name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     """`numel` zeroed elements of the buffer `name` for a kernel launched now on the current
     stream; the kernel must leave them zeroed again."""
     device = torch.device(device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    held = _ZEROED.setdefault((name, str(device), stream), [])
-    if not held or held[-1].numel() < numel:
-        held.append(torch.zeros(numel, device=device, dtype=dtype))
-    return held[-1][:numel]
+    held = _ZEROED.setdefault((name, str(device), _flow(device)), [])
+    if held and held[-1].numel() >= numel:
+        return held[-1][:numel]
+    fresh = torch.zeros(numel, device=device, dtype=dtype)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh    # zeroed by this graph's memset node only: not for later graphs' calls
+    held.append(fresh)
+    return fresh
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

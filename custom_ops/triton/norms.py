@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES, _num_sms, _rows, zeroed_per_stream
+from .common import _FLOAT_DTYPES, _num_sms, _rows, zeroed_workspace
 
 
 # =============================================================================== fused_wkv_rmsnorm
@@ -121,8 +121,8 @@ _WKV_ACC_FLOATS = WKV_FUSED_MAX_M * 1024
 def _wkv_state(device: torch.device):
     """(fp32 accumulator, int32 counters), zeroed, one pair per (device, stream); the kernel
     leaves both zeroed again after every launch."""
-    return (zeroed_per_stream("wkv_acc", _WKV_ACC_FLOATS, torch.float32, device),
-            zeroed_per_stream("wkv_counts", 1024, torch.int32, device))
+    return (zeroed_workspace("wkv_acc", _WKV_ACC_FLOATS, torch.float32, device),
+            zeroed_workspace("wkv_counts", 1024, torch.int32, device))
 
 
 def fused_wkv_rmsnorm_supported(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Tensor) -> bool:

@@ -41,7 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (_FLOAT_DTYPES, _bf16_column_halves, _capability_at_least, _e4m3_pairs_to_bf16,
                      _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_weight_tile, _num_sms, _qdq_fp8_blocks,
-                     _quant_fp8_blocks, _rows, _split_pairs, zeroed_per_stream)
+                     _quant_fp8_blocks, _rows, _split_pairs, zeroed_workspace)
 
 _WARNED: set = set()
 
@@ -383,10 +383,10 @@ def _blocks_config(m: int, n: int, k: int, device: torch.device):
 
 
 def tile_counts(tiles: int, device) -> torch.Tensor:
-    """One zeroed int32 count per output tile of a split-K kernel (common.zeroed_per_stream):
+    """One zeroed int32 count per output tile of a split-K kernel (common.zeroed_workspace):
     the tile's last program sets its count back to zero. At least 4096 are held, so the
     buffer seldom grows."""
-    return zeroed_per_stream("tile_counts", max(tiles, 4096), torch.int32, device)[:tiles]
+    return zeroed_workspace("tile_counts", max(tiles, 4096), torch.int32, device)[:tiles]
 
 
 def _split_launch(m: int, n: int, k: int, bt: int, bn: int, bk: int, split: int, device, out_dtype):
