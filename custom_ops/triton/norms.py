@@ -119,8 +119,8 @@ _WKV_ACC_FLOATS = WKV_FUSED_MAX_M * 1024
 
 
 def _wkv_state(device: torch.device):
-    """(fp32 accumulator, int32 counters), zeroed, one pair per (device, stream); the kernel
-    leaves both zeroed again after every launch."""
+    """(fp32 accumulator, int32 counters), zeroed, one pair per device and flow
+    (common.zeroed_workspace); the kernel leaves both zeroed again after every launch."""
     return (zeroed_workspace("wkv_acc", _WKV_ACC_FLOATS, torch.float32, device),
             zeroed_workspace("wkv_counts", 1024, torch.int32, device))
 
