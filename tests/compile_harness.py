@@ -181,4 +181,14 @@ def three_layer_config(**overrides) -> V41Config:
                           dspark_target_layer_ids=[0, 1, 2], **overrides)
 
 
-__all__ = ["PassHarness", "CompiledSession", "count_ops", "three_layer_config"]
+def four_layer_config(**overrides) -> V41Config:
+    """Window, a ratio-1 KV source with Engram and two Reuse layers (the second a copy of the
+    first): the smallest plan the stamper (compiler/stamp.py) copies a layer in, for tests of
+    what does not depend on the plan, at well under half of tiny()'s tracing time (about 3 s
+    per layer traced)."""
+    return V41Config.tiny(num_hidden_layers=4, compress_ratios=[0, 1, 1, 1, 0, 0, 0], kv_source_layer_ids=[1],
+                          index_source_layer_ids=[1], candidate_source_layer_id=1, engram_layer_ids=[1],
+                          engram_num_embeddings=[280], dspark_target_layer_ids=[1, 2, 3], **overrides)
+
+
+__all__ = ["PassHarness", "CompiledSession", "count_ops", "four_layer_config", "three_layer_config"]

@@ -17,6 +17,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 
 import v41graph
+from compile_harness import four_layer_config
 from v41graph.compiler import stamp as st
 from v41graph.compiler.backend import DECOMPOSITIONS
 from v41graph.model.config import V41Config
@@ -232,15 +233,6 @@ def test_compile_stamps_and_matches_a_full_trace_bit_for_bit(tmp_path):
     assert warm.timings["cache_hits"] >= 1 and sum(warm.traced_by.values()) == 0   # (prefill and decode count each)
     for a, b in zip(warm_out, traced):
         assert torch.equal(a, b)
-
-
-def four_layer_config() -> V41Config:
-    """Window, a ratio-1 KV source with Engram and two Reuse layers (the second a copy of the
-    first): the smallest plan the stamper copies a layer in, for what does not depend on the
-    plan, at well under half of tiny()'s tracing time (about 3 s per layer traced)."""
-    return V41Config.tiny(num_hidden_layers=4, compress_ratios=[0, 1, 1, 1, 0, 0, 0], kv_source_layer_ids=[1],
-                          index_source_layer_ids=[1], candidate_source_layer_id=1, engram_layer_ids=[1],
-                          engram_num_embeddings=[280], dspark_target_layer_ids=[1, 2, 3])
 
 
 def test_a_refused_stamp_traces_the_whole_model(monkeypatch):

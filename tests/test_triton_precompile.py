@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 import v41graph
+from compile_harness import four_layer_config
 from v41graph.compiler import compile_workers as cw
 from v41graph.compiler import triton_precompile as tp
 from v41graph.custom_ops.cuda_impls import CUDA_IMPLS
@@ -358,7 +359,7 @@ def test_warmup_precompiles_every_buckets_sizes_when_the_first_one_traces():
 
         def __call__(self, gm, args):
             self.events.append(("run", self.sizes(args)))
-    model = init_random_(V41Model(V41Config.tiny()), seed=0).eval()
+    model = init_random_(V41Model(four_layer_config()), seed=0).eval()    # a stamped plan, quick to trace
     compiled = v41graph.compile(model, backend="cpu", batch_sizes=(1, 2, 4), compile_cache=False)
     compiled.precompile = hook = Recording()
     session = Session(compiled, 3, 48, block_size=16)
