@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import v41graph
+from compile_harness import four_layer_config
+from v41graph.model.model import V41Model, init_random_
 from v41graph.runtime.batch import CacheCapacityError
 from v41graph.runtime.engine import Engine, RequestError
 from v41graph.runtime.sampling import (SamplingParams, accept_rejection, probs_from_logits, sample, verify_greedy)
@@ -271,14 +273,16 @@ def test_waits_for_memory_instead_of_failing(tiny_model, reference_greedy):
     assert _all_free(eng)
 
 
-def test_decode_width_buckets_same_tokens_fewer_blocks(tiny_model):
+def test_decode_width_buckets_same_tokens_fewer_blocks():
     """decode_width_buckets=True cuts a decode step's block tables to its longest context
     (rounded up to a power of two of blocks): the same greedy tokens as full-width tables, with
     widths that grow with the contexts; on a compiled model, every width runs the one shared
-    decode trace."""
+    decode trace. (The four-layer plan: the widths do not depend on the layers, and its trace
+    takes well under half of tiny()'s.)"""
+    model = init_random_(V41Model(four_layer_config()), seed=0).eval()
     prompts = _prompts([5, 9, 12], seed=4)        # contexts up to 42: 2 then 4 of 6 blocks
     params = SamplingParams(max_tokens=30)
-    want = [o.token_ids for o in _engine(tiny_model).generate(prompts, params)]
+    want = [o.token_ids for o in _engine(model).generate(prompts, params)]
     widths = []
 
     class Recording:   # the model contract: a call for any step, decode() for decode steps
@@ -292,13 +296,13 @@ def test_decode_width_buckets_same_tokens_fewer_blocks(tiny_model):
             widths.append(meta.block_table.shape[1])
             return self.model.decode(ids, positions, caches, meta)
 
-    eng = _engine(tiny_model, decode_width_buckets=True)
-    eng.model = Recording(tiny_model)
+    eng = _engine(model, decode_width_buckets=True)
+    eng.model = Recording(model)
     assert [o.token_ids for o in eng.generate(prompts, params)] == want
     full = math.ceil(MAX_SEQ / BLOCK)
     assert min(widths) == 2 and max(widths) < full and widths == sorted(widths)
     assert all(w & (w - 1) == 0 for w in widths)           # powers of two
-    compiled = v41graph.compile(tiny_model, backend="cpu", batch_sizes=(4,))
+    compiled = v41graph.compile(model, backend="cpu", batch_sizes=(4,))
     eng = _engine(compiled, decode_width_buckets=True)
     assert [o.token_ids for o in eng.generate(prompts, params)] == want
     assert {key[2] for key in compiled._decode} == set(widths)
