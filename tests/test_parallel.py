@@ -211,8 +211,9 @@ def test_every_layout_matches_the_whole_model_over_prefill_and_16_decode_steps(t
     SPMD runtime), the decode fed the whole model's greedy tokens; tp2+ep2 also compiled with
     every pass (the collectives are graph nodes, run eagerly by gloo), on the three-layer plan
     (every compressor, indexer and cache kind; tiny()'s trace would be most of this test's
-    time) against its own whole model. Data-parallel layouts are bit-identical in fp32 and in bf16 reference numerics
-    (each expert's output is whole on its rank, the combine adds zeros). Tensor parallelism
+    time) against its own whole model. Data-parallel layouts are bit-identical in fp32 and in
+    bf16 reference numerics (each expert's output is whole on its rank, the combine adds
+    zeros). Tensor parallelism
     sums fp32 partials in another order (wo_b over its split input, the experts over their
     split intermediate size), a few ulps at layer 0 that the FP8/FP4 cache quantization turns
     into larger differences: in fp32 the argmax is the same at every step and logits agree to

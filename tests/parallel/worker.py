@@ -5,7 +5,8 @@ what it measured to {--out}.rank{r}.json; the test compares the numbers. Under t
 parallelism rank 0 drives the share's steps through the SPMD runtime (v41graph.parallel.spmd)
 and the other rank follows, so only rank 0 reports those layouts. All layouts of one job
 share the world-size-2 process group (a ParallelState per layout), so one torchrun start and
-one whole-model reference serve them all."""
+one whole-model reference serve them all (the compiled runs on --compiled-plan three-layer: a
+whole model of that plan of their own)."""
 from __future__ import annotations
 
 import argparse
