@@ -402,7 +402,6 @@ def test_zeroed_workspaces_are_held_per_flow(monkeypatch):
     graphs keep its address); on CUDA every stream but P6's side streams is the main flow (a
     capture's warm-up and capture streams included), each side stream a flow of its own."""
     import torch
-    from v41graph.custom_ops.streams import RUNTIME
     from v41graph.custom_ops.triton import common
     monkeypatch.setattr(common, "_ZEROED", {})
     a = common.zeroed_workspace("counts", 8, torch.int32, "cpu")
@@ -411,7 +410,7 @@ def test_zeroed_workspaces_are_held_per_flow(monkeypatch):
     assert b.data_ptr() != a.data_ptr() and not b.any()
     assert [t.numel() for t in common._ZEROED[("counts", "cpu", "main")]] == [8, 16]
     side, warm_up, capture = object(), object(), object()
-    monkeypatch.setattr(RUNTIME, "streams", {(0, "indexer"): side})
+    monkeypatch.setattr(common.STREAMS, "streams", {(0, "indexer"): side})
     for current, flow in ((side, "indexer"), (warm_up, "main"), (capture, "main")):
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device, s=current: s)
         assert common._flow(torch.device("cuda", 0)) == flow

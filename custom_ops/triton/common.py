@@ -1,7 +1,8 @@
 """Pieces shared by the Triton kernel modules (imported lazily, never at package import).
 
 Host side: the torch -> Triton dtype table, the float dtypes the kernels accept, `_pow2`, the
-device's SM count (grid sizing) and `_rows` (a tensor as contiguous [rows, last dim]).
+device's SM count (grid sizing), `_rows` (a tensor as contiguous [rows, last dim]) and
+`zeroed_workspace` (counters and accumulators zeroed once, which the kernels leave zeroed).
 @triton.jit helpers inlined by several families: exact ceil(log2) and 2^e from the fp32 bits
 (UE8M0 scale exponents) and the FP4 E2M1 encode/decode, used by the cache writes, fake
 quantization, sparse attention and the lightning indexer; a program's rows and their indices
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..streams import RUNTIME as STREAMS
 
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -41,9 +44,8 @@ def _flow(device: torch.device) -> str:
     """The tag of the P6 side stream current on `device`, or "main"."""
     if device.type != "cuda":
         return "main"
-    from ..streams import RUNTIME
     current = torch.cuda.current_stream(device)
-    return next((tag for (_, tag), stream in RUNTIME.streams.items() if stream == current), "main")
+    return next((tag for (_, tag), stream in STREAMS.streams.items() if stream == current), "main")
 
 
 def zeroed_workspace(name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:

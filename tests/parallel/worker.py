@@ -127,8 +127,10 @@ def main():
     compiled = [c for c in args.compiled.split(",") if c]
     # (check, plan, [(layout, compiled?)]): the compiled runs join the first check's, or run
     # alone on their own plan
-    jobs = [(spec.split("=")[0], "tiny", [(name, False) for name in spec.split("=")[1].split(",")])
-            for spec in filter(None, args.checks.split(";"))]
+    jobs = []
+    for spec in filter(None, args.checks.split(";")):
+        check, layouts = spec.split("=")
+        jobs.append((check, "tiny", [(name, False) for name in layouts.split(",")]))
     if compiled and jobs:
         runs = [(name, True) for name in compiled]
         if args.compiled_plan == "tiny":
