@@ -26,6 +26,7 @@ Kernels without a tensor-core loop (the gate's selection, mHC's, the SwiGLU) pri
 registers, stack and spill only: whether they compile for sm90 and fit, without a GPU.
 
     python scripts/offline_sass.py mhc_finish --warps 8          # 160 K slices in one tile
+    python scripts/offline_sass.py sparse_attn_combine --warps 4 # the attention's split combine (B = 64 tiling)
 """
 from __future__ import annotations
 
@@ -99,6 +100,12 @@ KERNELS = {
     "sparse_attn_tile": ("attention", "_sparse_attn_tile_kernel", _ATTN_SIGNATURE,
                          {"D": 512, "D2": 256, "NB16": 32, "NB32": 16, "BH": 64, "BS": 32, "GLOBAL_FP4": True,
                           "DIRECT": False, "STAGES": 1}, lambda c: c["BS"] * c["D"]),
+    # the split combine (no tensor-core loop), B = 64's tiling: whole rows, 2 splits at once
+    "sparse_attn_combine": ("attention", "_sparse_attn_combine_kernel",
+                            {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*i32",
+                             "H": "i32", "n_split": "i32"},
+                            {"D": 512, "D2": 256, "BH": 8, "BD": 256, "NS": 2, "DTYPE": "bfloat16", "IS16": True},
+                            None, _TOKEN_KERNEL),
     # the MoE gate's partial dot products (16-bit inputs on the tensor cores)
     "moe_gate_partials": ("moe_gate", "_gate_partials_kernel",
                           {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "N": "i32", "E": "i32"},

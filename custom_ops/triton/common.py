@@ -153,15 +153,38 @@ def _scaled_tile(v, scale_bytes, BN: tl.constexpr, BK: tl.constexpr):
     return v.to(tl.bfloat16)
 
 
+# Scale prefetch. A decode kernel's K loop loads the E8M0 scale bytes of the step after the one
+# it decodes (a loop-carried value: `u = _fp8_scales(.., k_lo, ..)` before the loop, then in it
+# `u_next = _fp8_scales(.., _next_k(k0, k_hi, BK), ..)` ... `u = u_next`). Triton software-
+# pipelines a loop's loads only where cp.async can move them (4 bytes or more per thread), so a
+# scale byte loaded in the step that uses it is a memory round trip waited on before the step's
+# decode. Offline sm90 SASS (scripts/offline_sass.py), instructions from a scale load to its
+# first read: MoE gate_up 10-17 -> ~700, down ~110 -> ~350, FP8 skinny 129 -> ~340, FP8 tiles
+# ~40 -> ~355, at +3..-15 instructions a step. The values are the same. The FP8 blocks kernel
+# keeps its per-block loads: they already sit ~100 instructions ahead of their use, and taking a
+# prefetched [BN, BK/32] tile apart by columns cost it 39 instructions a step (210 -> 249).
 @triton.jit
-def _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
-    """Rows n [BN] (int64), columns k0..k0+BK of an FP8 E4M3 weight [N, K] with one E8M0 scale
-    per 32x32 block (s_ptr [ceil(N/32), K/32]), dequantized to bf16 [BN, BK]."""
+def _next_k(k0, k_hi, BK: tl.constexpr):
+    """The K step whose scales a loop prefetches while it decodes step k0: k0 + BK, or k0 itself
+    on the last step (an in-bounds load nobody uses, rather than a read past k_hi)."""
+    return tl.minimum(k0 + BK, k_hi - BK)
+
+
+@triton.jit
+def _fp8_scales(s_ptr, n, n_mask, k0, K, BK: tl.constexpr):
+    """E8M0 scale bytes [BN, BK/32] of rows n (int64) and columns k0..k0+BK of an FP8 weight
+    with one scale per 32x32 block (s_ptr [ceil(N/32), K/32]); masked rows read 127 (scale 1)."""
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    return tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
+
+
+@triton.jit
+def _fp8_weight_tile(w_ptr, u, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows n [BN] (int64), columns k0..k0+BK of an FP8 E4M3 weight [N, K], dequantized to bf16
+    [BN, BK] with their scale bytes u (_fp8_scales)."""
     k = k0 + tl.arange(0, BK)
     w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_mask[:, None], other=0)
-    kb = k0 // 32 + tl.arange(0, BK // 32)
-    s = tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
-    return _scaled_tile(w.to(tl.float8e4nv, bitcast=True).to(tl.float32), s, BN, BK)
+    return _scaled_tile(w.to(tl.float8e4nv, bitcast=True).to(tl.float32), u, BN, BK)
 
 
 # The two PTX decodes below share one idea: each code byte goes to the low byte of a 16-bit lane
@@ -217,15 +240,23 @@ def _e8m0_to_bf16(u):
 
 
 @triton.jit
-def _fp4_weight_halves(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+def _fp4_scales(s_ptr, n, n_mask, k0, K, BK: tl.constexpr):
+    """E8M0 scale bytes [BN, BK/32] of rows n (int64) and columns k0..k0+BK of an MXFP4 weight
+    (one scale per 32 along K: s_ptr [N, K/32]); masked rows read 127 (scale 1). A K loop
+    loads them a step ahead (see _next_k)."""
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    return tl.load(s_ptr + n[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
+
+
+@triton.jit
+def _fp4_weight_halves(w_ptr, u, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
     """Rows n [BN] (int64), columns k0..k0+BK of an MXFP4 weight: E2M1 packed [N, K/2] (even
-    column in the low nibble) with one E8M0 scale per 32 along K (s_ptr [N, K/32]), as bf16
-    (even columns, odd columns), each [BN, BK/32, 16]. The bytes are loaded as [BN, BK/32, 16]
-    so each 32-block's 16 bytes share one scale."""
+    column in the low nibble) times their scales (u: _fp4_scales' bytes), as bf16 (even columns,
+    odd columns), each [BN, BK/32, 16]. The bytes are loaded as [BN, BK/32, 16] so each
+    32-block's 16 bytes share one scale."""
     kb = k0 // 32 + tl.arange(0, BK // 32)
     byte = kb[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     p = tl.load(w_ptr + n[:, None, None] * (K // 2) + byte, mask=n_mask[:, None, None], other=0)
-    u = tl.load(s_ptr + n[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
     return _e2m1_bytes_to_bf16(p, _e8m0_to_bf16(u)[:, :, None])
 
 
@@ -269,9 +300,9 @@ def _split_pairs(q, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _fp4_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
+def _fp4_weight_tile(w_ptr, u, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
     """_fp4_weight_halves interleaved: the weight tile as bf16 [BN, BK]."""
-    even, odd = _fp4_weight_halves(w_ptr, s_ptr, n, n_mask, k0, K, BN, BK)
+    even, odd = _fp4_weight_halves(w_ptr, u, n, n_mask, k0, K, BN, BK)
     return tl.reshape(tl.join(even, odd), (BN, BK))
 
 

@@ -40,8 +40,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (_FLOAT_DTYPES, _bf16_column_halves, _capability_at_least, _e4m3_pairs_to_bf16,
-                     _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_weight_tile, _num_sms, _qdq_fp8_blocks,
-                     _quant_fp8_blocks, _rows, _split_pairs, zeroed_workspace)
+                     _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_scales, _fp8_weight_tile, _next_k, _num_sms,
+                     _qdq_fp8_blocks, _quant_fp8_blocks, _rows, _split_pairs, zeroed_workspace)
 
 _WARNED: set = set()
 
@@ -76,15 +76,18 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    u = _fp8_scales(s_ptr, n, n_mask, k_lo, K, BK)
     for k0 in range(k_lo, k_hi, BK):
+        u_next = _fp8_scales(s_ptr, n, n_mask, _next_k(k0, k_hi, BK), K, BK)    # a step ahead
         k = k0 + tl.arange(0, BK)
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=m_mask[:, None], other=0.0)
         if QUANTIZED:
             a = a.to(tl.bfloat16)
         else:
             a = _qdq_fp8_blocks(a.to(tl.float32), BM, BK).to(tl.bfloat16)
-        w = _fp8_weight_tile(w_ptr, s_ptr, n, n_mask, k0, K, BN, BK)
+        w = _fp8_weight_tile(w_ptr, u, n, n_mask, k0, K, BN, BK)
         acc = tl.dot(a, tl.trans(w), acc)
+        u = u_next
     at = m[:, None].to(tl.int64) * N + n[None, :]
     _store_or_reduce_split(acc, out_ptr, ws_ptr, count_ptr, at, m_mask[:, None] & n_mask[None, :], pid_n, pid_m,
                            pid_k, M, N, n_split, BM, BN, SPLIT)
@@ -111,14 +114,15 @@ def _fp8_linear_skinny_kernel(x_ptr, w_src, s_ptr, out_ptr, ws_ptr, count_ptr, M
     acc = tl.zeros([BN, BT], dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    u = _fp8_scales(s_ptr, n, n_mask, k_lo, K, BK)
     for k0 in range(k_lo, k_hi, BK):
+        u_next = _fp8_scales(s_ptr, n, n_mask, _next_k(k0, k_hi, BK), K, BK)    # a step ahead
         kb = k0 // 32 + kb_i
         if TMA:
             words = w_src.load([pid_n * BN, k0 // 32, 0])
         else:
             words = tl.load(w_src + n[:, None, None] * (K // 2) + kb[None, :, None] * 16 + j16[None, None, :],
                             mask=n_mask[:, None, None], other=0)
-        u = tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
         we, wo = _e4m3_pairs_to_bf16(words, _e8m0_to_bf16(u)[:, :, None])
         if QUANTIZED:   # bf16 x from quantize_rows, read as int32 words (columns 2i, 2i+1)
             xe, xo = _bf16_column_halves(x_ptr, t.to(tl.int64), t_mask, k0, K, BT, BK)
@@ -129,6 +133,7 @@ def _fp8_linear_skinny_kernel(x_ptr, w_src, s_ptr, out_ptr, ws_ptr, count_ptr, M
             xe, xo = tl.split(tl.reshape(a, (BT, BK // 2, 2)))
         acc = tl.dot(tl.reshape(we, (BN, BK // 2)), tl.trans(xe), acc)
         acc = tl.dot(tl.reshape(wo, (BN, BK // 2)), tl.trans(xo), acc)
+        u = u_next
     mask = n_mask[:, None] & t_mask[None, :]
     at = t[None, :].to(tl.int64) * N + n[:, None]
     _store_or_reduce_split(acc, out_ptr, ws_ptr, count_ptr, at, mask, pid_n, pid_t, pid_k, M, N,
@@ -249,7 +254,7 @@ def _split_k(tiles: int, steps: int, cover: int, most: int) -> int:
 def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
     n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     k0 = tl.program_id(1) * BK
-    w = _fp8_weight_tile(w_ptr, s_ptr, n, n < N, k0, K, BN, BK)
+    w = _fp8_weight_tile(w_ptr, _fp8_scales(s_ptr, n, n < N, k0, K, BK), n, n < N, k0, K, BN, BK)
     k = k0 + tl.arange(0, BK)
     tl.store(out_ptr + n[:, None] * K + k[None, :], w, mask=(n < N)[:, None])
 
