@@ -47,7 +47,7 @@ _ATTN_SIGNATURE = {"q_ptr": "*i32", "ring_ptr": "*i16", "rsc_ptr": "*u8", "fresh
                    "blocks_per_split": "i32", "n_split": "i32"}
 _MOE_GATE_UP_SIGNATURE = {"xq_ptr": "*bf16", "tok_ptr": "*i32", "pw_ptr": "*fp32", "offs_ptr": "*i32", "w_ptr": "*u8",
                           "s_ptr": "*u8", "h_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "P": "i32",
-                          "D": "i32", "I": "i32", "K_SPLIT": "i32", "limit": "fp32"}
+                          "E": "i32", "D": "i32", "I": "i32", "K_SPLIT": "i32", "limit": "fp32"}
 # launch options of the kernels whose wrappers set them: the sizes hinted as multiples of 16
 # (a token count N is not at decode) and FMA contraction (off where the reference's rounding of
 # each product is kept)
@@ -58,22 +58,22 @@ _NO_FUSION = {"aligned": (), "enable_fp_fusion": False}
 #          loop), [launch options])
 KERNELS = {
     "moe_gate_up": ("moe_fp4", "_gate_up_kernel", _MOE_GATE_UP_SIGNATURE,
-                    {"S": 1, "HAS_LIMIT": True, "BM": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16"},
+                    {"S": 1, "HAS_LIMIT": True, "BM": 16, "BN": 64, "BK": 128, "BE": 64, "X_DTYPE": "bfloat16"},
                     lambda c: 2 * c["BN"] * c["BK"]),
     "moe_down": ("moe_fp4", "_down_kernel",
                  {"h_ptr": "*bf16", "dest_ptr": "*i32", "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
-                  "out_ptr": "*bf16", "D": "i32", "I": "i32"},
-                 {"BM": 16, "BN": 64, "BK": 128}, lambda c: c["BN"] * c["BK"]),
+                  "out_ptr": "*bf16", "E": "i32", "D": "i32", "I": "i32"},
+                 {"BM": 16, "BN": 64, "BK": 128, "BE": 64}, lambda c: c["BN"] * c["BK"]),
     "moe_gate_up_blocks": ("moe_fp4", "_gate_up_blocks_kernel",
                            {"xc_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "tok_ptr": "*i32", "pw_ptr": "*fp32",
                             "offs_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "hc_ptr": "*fp8e4nv",
-                            "hs_ptr": "*fp32", "D": "i32", "I": "i32", "limit": "fp32"},
-                           {"HAS_LIMIT": True, "BT": 16, "BN": 64, "BK": 128, "X_DTYPE": "bfloat16",
+                            "hs_ptr": "*fp32", "E": "i32", "D": "i32", "I": "i32", "limit": "fp32"},
+                           {"HAS_LIMIT": True, "BT": 16, "BN": 64, "BK": 128, "BE": 64, "X_DTYPE": "bfloat16",
                             "SCALE_WORDS": True}, lambda c: 2 * c["BN"] * c["BK"]),
     "moe_down_blocks": ("moe_fp4", "_down_blocks_kernel",
                         {"hc_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "dest_ptr": "*i32", "offs_ptr": "*i32",
-                         "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "D": "i32", "I": "i32"},
-                        {"BT": 16, "BN": 64, "BK": 128, "SCALE_WORDS": True}, lambda c: c["BN"] * c["BK"]),
+                         "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "E": "i32", "D": "i32", "I": "i32"},
+                        {"BT": 16, "BN": 64, "BK": 128, "BE": 64, "SCALE_WORDS": True}, lambda c: c["BN"] * c["BK"]),
     "fp8_linear": ("quant_gemm", "_fp8_linear_kernel",
                    {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                     "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_PER_SPLIT": "i32", "n_split": "i32"},

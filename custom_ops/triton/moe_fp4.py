@@ -8,7 +8,7 @@
   x quantized     once, per 32 to FP8 (quant_gemm's row kernel; bf16 holds the values exactly),
                    not once per output tile: at decode sizes the redundant quantization cost
                    about as many instructions per weight code as the FP4 decode itself
-  gate_up kernel   grid (I/BN, E, S): a program loops over its expert's pairs BM at a time, loads
+  gate_up kernel   grid (I/BN, slots, S): a program loops over its expert's pairs BM at a time, loads
                    the tokens' quantized rows (gathered through the pair -> token index),
                    dequantizes the FP4 tiles of w1 and w3 (same rows) to bf16 and runs two dots;
                    the epilogue rounds gate and up to x's dtype as the reference's Linear does,
@@ -17,8 +17,10 @@
                    bf16, which holds every quantized value exactly (fp16 would not: a block's
                    largest value can round up past 65504). An expert nobody picked reads no
                    weights.
-  down kernel      grid (d/BN, E): the quantized h times w2; each row is stored at its
+  down kernel      grid (d/BN, slots): the quantized h times w2; each row is stored at its
                    (token, slot) position (x's dtype, as the reference's w2 returns)
+  slots            axis 1 of both grids: the experts that have pairs, found from the group ends
+                   in the kernel (_expert_tile), min(E, pairs) slots: 6 at one token, not 48
   split K          at decode sizes, opt-in (_split_k): gate_up's K loop cut into equal slices
                    over a third grid axis; the last program of a weight tile adds the fp32
                    slices in slice order and runs the epilogue (_gate_up_kernel with S > 1)
@@ -58,13 +60,24 @@ from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_code
 
 
 @triton.jit
-def _expert_tile(offs_ptr, N, BN: tl.constexpr):
-    """This program's weight tile: its expert e (program axis 1), the expert's pairs [start,
-    end) in the sorted pair list, and the tile's BN weight rows n of N (axis 0) with their mask."""
-    pid_n, e = tl.program_id(0), tl.program_id(1)
-    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+def _expert_tile(offs_ptr, E, N, BN: tl.constexpr, BE: tl.constexpr):
+    """This program's weight tile: its expert e, the expert's pairs [start, end) in the sorted
+    pair list, and the tile's BN weight rows n of N (axis 0) with their mask. Axis 1 counts the
+    experts that have pairs, not all E (BE >= E): program i takes the i-th of them, so at one
+    token 6 slots of 48 experts are launched, not 48 of which 42 find nothing (the grid is
+    min(E, pairs) wide: _expert_slots). A program past the last busy expert gets e = 0 and an
+    empty pair range."""
+    pid_n, slot = tl.program_id(0), tl.program_id(1)
+    ee = tl.arange(0, BE)
+    ends = tl.load(offs_ptr + ee, mask=ee < E, other=0)
+    starts = tl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
+    busy = ends > starts
+    mine = busy & (tl.cumsum(busy.to(tl.int32), axis=0) == slot + 1)
+    e = tl.sum(tl.where(mine, ee, 0), axis=0)
+    start = tl.sum(tl.where(mine, starts, 0), axis=0)
+    end = tl.sum(tl.where(mine, ends, 0), axis=0)
     n = pid_n * BN + tl.arange(0, BN)
-    return e, start, tl.load(offs_ptr + e), n, n < N
+    return e, start, end, n, n < N
 
 
 @triton.jit
@@ -103,15 +116,15 @@ def _store_h(acc_g, acc_u, r, r_mask, n, n_mask, pw_ptr, h_ptr, I, limit, HAS_LI
 
 
 @triton.jit
-def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_ptr, count_ptr, P, D, I,
+def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_ptr, count_ptr, P, E, D, I,
                     K_SPLIT, limit, S: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, X_DTYPE: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, X_DTYPE: tl.constexpr):
     """Program (column tile, expert, K slice): the slice's dots for each BM pairs of the
     expert's group. S = 1 (K_SPLIT = D): the epilogue at once (_store_h; ws and count unread).
     S > 1 (_split_k): the slice's fp32 sums of gate and up go to ws [S, P, 2I] at the pairs'
     sorted indexes, and the last of a weight tile's S programs (an atomic count per tile) adds
     the slices in slice order and runs the epilogue: deterministic, and no second launch."""
-    e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, E, I, BN, BE)
     s = tl.program_id(2)
     if S == 1:              # the whole of D from a constant start: the unsplit loop as cheap as ever
         k_lo = 0
@@ -144,7 +157,7 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_p
             tl.store(at + I, acc_u, mask=mask)
     if S > 1:
         tl.debug_barrier()      # every thread's slice is stored before the count is released
-        done = tl.atomic_add(count_ptr + e * tl.num_programs(0) + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        done = tl.atomic_add(count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if done == S - 1:
             for m0 in range(start, end, BM):
                 r = m0 + tl.arange(0, BM)
@@ -158,13 +171,13 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_p
                     acc_g += tl.load(slice_at, mask=mask, other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(slice_at + I, mask=mask, other=0.0, cache_modifier=".cg")
                 _store_h(acc_g, acc_u, r, r_mask, n, n_mask, pw_ptr, h_ptr, I, limit, HAS_LIMIT, BM, BN, X_DTYPE)
-            tl.atomic_xchg(count_ptr + e * tl.num_programs(0) + tl.program_id(0), 0)   # left zeroed (tile_counts)
+            tl.atomic_xchg(count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), 0)   # left zeroed (tile_counts)
 
 
 @triton.jit
-def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, start, end, n, n_mask = _expert_tile(offs_ptr, D, BN)
+def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, E, D, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, E, D, BN, BE)
     rows = e.to(tl.int64) * D + n                    # w2 rows of expert e in the [E*d] stack
     for m0 in range(start, end, BM):
         r = m0 + tl.arange(0, BM)
@@ -255,12 +268,12 @@ def _block_partial(w_ptr, rows, row_mask, kb, K, u, a, sa, acc, BN: tl.constexpr
 
 
 @triton.jit
-def _gate_up_blocks_kernel(xc_ptr, xs_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, hc_ptr, hs_ptr, D, I,
+def _gate_up_blocks_kernel(xc_ptr, xs_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, hc_ptr, hs_ptr, E, D, I,
                            limit, HAS_LIMIT: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, X_DTYPE: tl.constexpr, SCALE_WORDS: tl.constexpr):
+                           BK: tl.constexpr, BE: tl.constexpr, X_DTYPE: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """The rows-first gate_up in the reference's own arithmetic (_block_partial): x as E4M3
     codes (split-pairs order) + scales, h stored the same way for the down kernel."""
-    e, start, end, n, n_mask = _expert_tile(offs_ptr, I, BN)
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, E, I, BN, BE)
     gate_rows = e.to(tl.int64) * 2 * I + n
     up_rows = gate_rows + I
     for m0 in range(start, end, BT):
@@ -290,11 +303,12 @@ def _gate_up_blocks_kernel(xc_ptr, xs_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_p
 
 
 @triton.jit
-def _down_blocks_kernel(hc_ptr, hs_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, D, I,
-                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALE_WORDS: tl.constexpr):
+def _down_blocks_kernel(hc_ptr, hs_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, E, D, I,
+                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+                        SCALE_WORDS: tl.constexpr):
     """The rows-first down kernel in the reference's own arithmetic (_block_partial) over h's
     codes and scales."""
-    e, start, end, n, n_mask = _expert_tile(offs_ptr, D, BN)
+    e, start, end, n, n_mask = _expert_tile(offs_ptr, E, D, BN, BE)
     rows = e.to(tl.int64) * D + n
     for m0 in range(start, end, BT):
         r = m0 + tl.arange(0, BT)
@@ -512,6 +526,13 @@ def _split_width(k: int, splits: int, bk: int) -> tuple[int, int]:
     return k // splits, splits
 
 
+def _expert_slots(n_experts: int, pairs: int) -> int:
+    """The width of the expert kernels' axis 1: no more experts can have pairs than there are
+    pairs (_expert_tile gives each busy expert one slot). A static size, so decode still
+    captures: at one token x top-6 it is 6 of 48."""
+    return max(1, min(n_experts, pairs))
+
+
 def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=None):
     """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, kernel]) overrides the
     table; kernel is one of KERNELS ("tokens" when left out). `split`: the tokens gate_up's K
@@ -542,16 +563,17 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=No
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
     pairs = torch.empty((n * k, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
     launch = dict(num_warps=warps, num_stages=stages)
-    grid_up, grid_down = (triton.cdiv(i, bn), e), (triton.cdiv(d, bn), e)
+    slots, be = _expert_slots(e, n * k), triton.next_power_of_2(e)
+    grid_up, grid_down = (triton.cdiv(i, bn), slots), (triton.cdiv(d, bn), slots)
     if kernel == "blocks":  # codes + scales in, codes + scales between the two kernels
         xc, xs = quantize_rows_codes(x.contiguous(), torch.float8_e4m3fn, split_pairs=True)
         bk1, bk2 = min(bk1, 128), min(bk2, 128)     # one scale word per row and K step
         hc = torch.empty((n * k, i), device=x.device, dtype=torch.float8_e4m3fn)
         hs = torch.empty((n * k, i // 32), device=x.device, dtype=torch.float32)
-        _gate_up_blocks_kernel[grid_up](xc, xs, tok, pw, offs, w13, s13, hc, hs, d, i, float(limit),
-                                        HAS_LIMIT=limit > 0, BT=bm, BN=bn, BK=bk1, X_DTYPE=_TL_DTYPE[x.dtype],
+        _gate_up_blocks_kernel[grid_up](xc, xs, tok, pw, offs, w13, s13, hc, hs, e, d, i, float(limit),
+                                        HAS_LIMIT=limit > 0, BT=bm, BN=bn, BK=bk1, BE=be, X_DTYPE=_TL_DTYPE[x.dtype],
                                         SCALE_WORDS=_scale_words(s13, d, bk1), **launch)
-        _down_blocks_kernel[grid_down](hc, hs, dest, offs, w2, s2, pairs, d, i, BT=bm, BN=bn, BK=bk2,
+        _down_blocks_kernel[grid_down](hc, hs, dest, offs, w2, s2, pairs, e, d, i, BT=bm, BN=bn, BK=bk2, BE=be,
                                        SCALE_WORDS=_scale_words(s2, i, bk2), **launch)
     else:
         xq = quantize_rows(x.contiguous())
@@ -562,8 +584,8 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=No
         else:               # fp32 slices (rows of held-elsewhere pairs: unwritten, unread), a count per tile
             ws = torch.empty((slices, n * k, 2 * i), device=x.device, dtype=torch.float32)
             count = tile_counts(grid_up[0] * grid_up[1], x.device)
-        _gate_up_kernel[grid_up + (slices,)](xq, tok, pw, offs, w13, s13, h, ws, count, n * k, d, i, width,
+        _gate_up_kernel[grid_up + (slices,)](xq, tok, pw, offs, w13, s13, h, ws, count, n * k, e, d, i, width,
                                              float(limit), S=slices, HAS_LIMIT=limit > 0, BM=bm, BN=bn, BK=bk1,
-                                             X_DTYPE=_TL_DTYPE[x.dtype], **launch)
-        _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, d, i, BM=bm, BN=bn, BK=bk2, **launch)
+                                             BE=be, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
+        _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, e, d, i, BM=bm, BN=bn, BK=bk2, BE=be, **launch)
     return combine_pairs(pairs, ids, e, k, routing_kernels)
