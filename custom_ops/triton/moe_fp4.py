@@ -584,8 +584,11 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=No
         else:               # fp32 slices (rows of held-elsewhere pairs: unwritten, unread), a count per tile
             ws = torch.empty((slices, n * k, 2 * i), device=x.device, dtype=torch.float32)
             count = tile_counts(grid_up[0] * grid_up[1], x.device)
+        # split: at most 2 stages. With 3 the split kernel compiles to 224 registers for sm90
+        # (2 programs per SM), with 2 to 167 like the unsplit one (offline SASS; not yet timed)
+        up_launch = launch if slices == 1 else dict(launch, num_stages=min(stages, 2))
         _gate_up_kernel[grid_up + (slices,)](xq, tok, pw, offs, w13, s13, h, ws, count, n * k, e, d, i, width,
                                              float(limit), S=slices, HAS_LIMIT=limit > 0, BM=bm, BN=bn, BK=bk1,
-                                             BE=be, X_DTYPE=_TL_DTYPE[x.dtype], **launch)
+                                             BE=be, X_DTYPE=_TL_DTYPE[x.dtype], **up_launch)
         _down_kernel[grid_down](h, dest, offs, w2, s2, pairs, e, d, i, BM=bm, BN=bn, BK=bk2, BE=be, **launch)
     return combine_pairs(pairs, ids, e, k, routing_kernels)
