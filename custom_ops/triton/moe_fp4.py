@@ -119,7 +119,7 @@ def _store_h(acc_g, acc_u, r, r_mask, n, n_mask, pw_ptr, h_ptr, I, limit, HAS_LI
 def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_ptr, count_ptr, P, E, D, I,
                     K_SPLIT, limit, S: tl.constexpr, HAS_LIMIT: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, X_DTYPE: tl.constexpr):
-    """Program (column tile, expert, K slice): the slice's dots for each BM pairs of the
+    """Program (column tile, expert slot, K slice): the slice's dots for each BM pairs of the
     expert's group. S = 1 (K_SPLIT = D): the epilogue at once (_store_h; ws and count unread).
     S > 1 (_split_k): the slice's fp32 sums of gate and up go to ws [S, P, 2I] at the pairs'
     sorted indexes, and the last of a weight tile's S programs (an atomic count per tile) adds
@@ -157,7 +157,8 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_p
             tl.store(at + I, acc_u, mask=mask)
     if S > 1:
         tl.debug_barrier()      # every thread's slice is stored before the count is released
-        done = tl.atomic_add(count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if done == S - 1:
             for m0 in range(start, end, BM):
                 r = m0 + tl.arange(0, BM)
@@ -171,7 +172,7 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_p
                     acc_g += tl.load(slice_at, mask=mask, other=0.0, cache_modifier=".cg")
                     acc_u += tl.load(slice_at + I, mask=mask, other=0.0, cache_modifier=".cg")
                 _store_h(acc_g, acc_u, r, r_mask, n, n_mask, pw_ptr, h_ptr, I, limit, HAS_LIMIT, BM, BN, X_DTYPE)
-            tl.atomic_xchg(count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), 0)   # left zeroed (tile_counts)
+            tl.atomic_xchg(count_ptr + tile, 0)   # left zeroed (tile_counts)
 
 
 @triton.jit
