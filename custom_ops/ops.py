@@ -391,7 +391,7 @@ def mhc_pre(streams: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, sca
             norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A sub-layer's mHC input side: (its input, the collapse of the streams with pre_prev;
     pre, post, comb of its own predictor) (reference.mhc_pre). One op because it is ~13
-    kernels when left to the graph; on CUDA three launches that read the streams once."""
+    kernels when left to the graph; on CUDA two launches that read the streams once."""
     _check_mhc_pre(streams, pre_prev, fn, hc)
     return ref.mhc_pre(streams, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps)
 

@@ -25,7 +25,7 @@ tiles a kernel decodes per iteration (2 for gate+up); BS x D for the attention's
 Kernels without a tensor-core loop (the gate's selection, mHC's, the SwiGLU) print their
 registers, stack and spill only: whether they compile for sm90 and fit, without a GPU.
 
-    python scripts/offline_sass.py mhc_finish --warps 8          # 160 K slices in one tile
+    python scripts/offline_sass.py mhc_finish --warps 8          # 160 K slices in one tile, then the Sinkhorn
     python scripts/offline_sass.py sparse_attn_combine --warps 4 # the attention's split combine (B = 64 tiling)
 """
 from __future__ import annotations
@@ -120,9 +120,12 @@ KERNELS = {
                      {"x_ptr": "*bf16", "pre_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32",
                       "out_ptr": "*bf16", "N": "i32"},
                      {"D": 5120, "HC": 4, "MIX": 24, "COLS": 32, "BM": 16, "BK": 32, "BMIX": 32}, None, _NO_FUSION),
-    "mhc_finish": ("mhc", "_mhc_finish_kernel",
-                   {"part_ptr": "*fp32", "mix_ptr": "*fp32", "N": "i32", "norm_eps": "fp32"},
-                   {"S": 160, "MIX": 24, "INV_K": 1.0 / 20480, "BR": 1, "CH": 256, "BMIX": 32}, None, _TOKEN_KERNEL),
+    "mhc_finish": ("mhc", "_mhc_finish_sinkhorn_kernel",
+                   {"part_ptr": "*fp32", "mix_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32",
+                    "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "N": "i32", "iters": "i32",
+                    "norm_eps": "fp32", "hc_eps": "fp32"},
+                   {"S": 160, "MIX": 24, "INV_K": 1.0 / 20480, "HC": 4, "BR": 1, "CH": 256, "BMIX": 32}, None,
+                   _NO_FUSION),
     "mhc_expand": ("mhc", "_mhc_expand_kernel",
                    {"out_ptr": "*bf16", "x_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32",
                     "y_ptr": "*bf16", "D": "i32"}, {"BD": 512}, None, _NO_FUSION),

@@ -371,8 +371,8 @@ _MHC_PRE_POST_SCRIPT = """
                 got = mhc.mhc_post(out, streams, post, comb, block=block)
                 print("post", str(dtype), n, block, bool(torch.equal(got, reference.mhc_post(out, streams, post, comb))), 0.0)
     d = 1280                                                  # 40 steps of 32 columns
-    streams = torch.randn(3, hc, d, generator=g).to(torch.bfloat16)
-    pre_prev = torch.rand(3, hc, generator=g)
+    streams = torch.randn(9, hc, d, generator=g).to(torch.bfloat16)   # 40 slices: 3 finish programs
+    pre_prev = torch.rand(9, hc, generator=g)
     fn = torch.randn(24, hc * d, generator=g) / 32
     scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
     want = reference.mhc_pre(streams, pre_prev, fn, scale, base, hc, 20, 1e-6, 1e-6)
@@ -380,13 +380,13 @@ _MHC_PRE_POST_SCRIPT = """
         got = mhc.mhc_pre(streams, pre_prev, fn, scale, base, hc, 20, 1e-6, 1e-6,
                           config=dict(BM=16, BK=32, split=split, CH=ch))
         coef = max(float((a - b).abs().max()) for a, b in zip(got[1:], want[1:]))
-        print("wide", "torch.bfloat16", 3, split, bool(torch.equal(got[0], want[0])), coef)
+        print("wide", "torch.bfloat16", 9, split, bool(torch.equal(got[0], want[0])), coef)
 """
 
 
 def test_mhc_pre_and_post_kernels_in_triton_interpreter(tmp_path):
-    """mhc_pre's kernels (the predictor's K-sliced partial sums with the collapse, the finish,
-    the Sinkhorn kernel) and mhc_post's expand against reference.mhc_pre / mhc_post: the collapse
+    """mhc_pre's kernels (the predictor's K-sliced partial sums with the collapse, the finish
+    with its tokens' Sinkhorn) and mhc_post's expand against reference.mhc_pre / mhc_post: the collapse
     and the expand bit for bit (the same fp32 products and sums in the same order), pre, post
     and comb within 1e-5 (the dot products sum in another order); bf16 and fp32 streams, one
     slice and four, two row blocks with a tail, column blocks narrower than d; 5 and 40 slices

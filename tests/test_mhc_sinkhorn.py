@@ -133,7 +133,7 @@ def test_cuda_fast_division_is_ieee_division_in_its_range():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1, 8, 64, 300])
 def test_cuda_pre_and_post_kernels_match_reference(n, dtype):
-    """mhc_pre (the collapse + the predictor, three launches) and mhc_post (the expand, one) at
+    """mhc_pre (the collapse + the predictor, two launches) and mhc_post (the expand, one) at
     the released width d = 5120 against the reference on the same GPU: the collapse and the
     expand within one rounding of the output dtype (the same products; torch may add its four
     in another order) and equal in >= 99 % of entries, pre / post / comb within 2e-5 (the

@@ -5,8 +5,9 @@
                       hc_mult = 4, V4.1's: other widths run the reference).
   mhc_pre             a sub-layer's input side: the collapse with the previous predictor's pre
                       and this predictor's mixes (RMS scale, the dot products with fn) from one
-                      read of the streams, K-sliced partials then a finish, then mhc_sinkhorn:
-                      three launches instead of ~13 torch kernels.
+                      read of the streams, K-sliced partials, then a finish that runs the
+                      Sinkhorn of its tokens in the same program: two launches instead of ~13
+                      torch kernels.
   mhc_post            the expand (post * out + comb^T . streams): one launch instead of five.
 
 It uses libdevice.exp (the accurate exp), which Triton's CPU interpreter cannot run.
@@ -149,10 +150,10 @@ def _sinkhorn(mix_ptr, base_ptr, r, rm, s2, iters, eps, W: tl.constexpr, FAST: t
 
 
 @triton.jit
-def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, iters,
-                         eps, HC: tl.constexpr, BR: tl.constexpr):
-    """BR tokens per program, one per thread; each token's (2+HC)*HC mixes -> pre, post and the
-    HC x HC comb matrix (HC = 4, V4.1's hc_mult). The comb matrix lives as 16 per-token
+def _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, r, rm, iters, eps,
+                   HC: tl.constexpr):
+    """Tokens r [BR] (int64; rm: in range), one per thread; each token's (2+HC)*HC mixes -> pre,
+    post and the HC x HC comb matrix (HC = 4, V4.1's hc_mult). The comb matrix lives as 16 per-token
     registers (x<row><col>), so each Sinkhorn round is additions and divisions in one thread: no
     cross-thread reductions (the [BR, 4, 4] tile form took ~36 us per call on the H100, its 160
     reductions in a chain). The arithmetic is the reference's operation by operation (accurate
@@ -162,8 +163,6 @@ def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_p
     runs the Sinkhorn again with div_rn."""
     tl.static_assert(HC == 4, "the register-resident Sinkhorn is written for hc_mult = 4")
     W: tl.constexpr = (2 + HC) * HC
-    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    rm = r < n_rows
     c = tl.arange(0, HC)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
@@ -184,6 +183,14 @@ def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_p
     _store_row(out, 4, x10, x11, x12, x13, rm)
     _store_row(out, 8, x20, x21, x22, x23, rm)
     _store_row(out, 12, x30, x31, x32, x33, rm)
+
+
+@triton.jit
+def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, iters,
+                         eps, HC: tl.constexpr, BR: tl.constexpr):
+    """BR tokens per program: _sinkhorn_rows."""
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, r, r < n_rows, iters, eps, HC)
 
 
 def mhc_sinkhorn_supported(mixes, scale, base, hc: int) -> bool:
@@ -250,11 +257,15 @@ def _mhc_partials_kernel(x_ptr, pre_ptr, fn_ptr, part_ptr, out_ptr, N, D: tl.con
 
 
 @triton.jit
-def _mhc_finish_kernel(part_ptr, mix_ptr, N, norm_eps, S: tl.constexpr, MIX: tl.constexpr,
-                       INV_K: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr, BMIX: tl.constexpr):
-    """mixes [N, MIX] = (the S slices' dot products) * rsqrt(mean of squares + eps): the slices
-    summed CH at a time as one [BR, CH, BMIX] tile (a fixed tree, so deterministic), the
-    chunks added in slice order (finish_config makes one chunk of every slice up to 256)."""
+def _mhc_finish_sinkhorn_kernel(part_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, N, iters,
+                                norm_eps, hc_eps, S: tl.constexpr, MIX: tl.constexpr, INV_K: tl.constexpr,
+                                HC: tl.constexpr, BR: tl.constexpr, CH: tl.constexpr, BMIX: tl.constexpr):
+    """BR tokens: mixes [N, MIX] = (the S slices' dot products) * rsqrt(mean of squares + eps),
+    the slices summed CH at a time as one [BR, CH, BMIX] tile (a fixed tree, so deterministic),
+    the chunks added in slice order (finish_config makes one chunk of every slice up to 256);
+    then, in the same program, those tokens' Sinkhorn (_sinkhorn_rows) from the mixes it just
+    wrote: one launch where the finish and mhc_sinkhorn took two (5.9 + 6.0 us a call at one
+    token on the H100, twenty-ninth session), each mostly waiting."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < N
     j = tl.arange(0, BMIX)
@@ -269,6 +280,9 @@ def _mhc_finish_kernel(part_ptr, mix_ptr, N, norm_eps, S: tl.constexpr, MIX: tl.
     mean_square = tl.sum(tl.where(j[None, :] == MIX, acc, 0.0), axis=1) * INV_K
     rsqrt = libdevice.rsqrt(mean_square + norm_eps)
     tl.store(mix_ptr + rows[:, None] * MIX + j[None, :], acc * rsqrt[:, None], mask=rmask[:, None] & (j[None, :] < MIX))
+    tl.debug_barrier()      # the program's mixes are written (block-level visibility) before its threads read them
+    r = rows.to(tl.int64)
+    _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, r, rmask, iters, hc_eps, HC)
 
 
 # =============================================================================== expand
@@ -322,7 +336,7 @@ def pre_config(n: int, d: int, device) -> dict:
 
 
 def finish_config(split: int, bmix: int, ch: int | None = None) -> dict:
-    """The finish kernel's tile: CH slices x BR rows x BMIX mixes. All of a decode step's
+    """The finish + Sinkhorn kernel's tile: CH slices x BR rows x BMIX mixes. All of a decode step's
     slices in one chunk (one round trip to L2; a loop of 32-slice chunks took 5.9 us at 160
     slices on the H100), up to 8192 values at 8 warps."""
     ch = ch or min(256, triton.next_power_of_2(split))
@@ -333,9 +347,9 @@ def finish_config(split: int, bmix: int, ch: int | None = None) -> dict:
 def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float,
             *, config: dict | None = None):
     """streams [N, hc, d], pre_prev [N, hc] fp32, fn [(2+hc)*hc, hc*d] fp32 -> (the collapse
-    [N, d] in the streams' dtype, pre [N, hc], post [N, hc], comb [N, hc, hc]): three launches
-    (partials + collapse, finish, Sinkhorn). config: pre_config's keys (BM, BK, split), and
-    optionally the finish's CH (slices per chunk; tests)."""
+    [N, d] in the streams' dtype, pre [N, hc], post [N, hc], comb [N, hc, hc]): two launches
+    (partials + collapse, then finish + Sinkhorn). config: pre_config's keys (BM, BK, split),
+    and optionally the finish's CH (slices per chunk; tests)."""
     n, _, d = streams.shape
     mix = (2 + hc) * hc
     cfg = dict(config or pre_config(n, d, streams.device))
@@ -343,8 +357,10 @@ def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: flo
     if d % (split * cfg["BK"]):
         raise ValueError(f"mhc_pre: hidden size {d} is not {split} slices of whole {cfg['BK']}-column steps")
     x = streams.contiguous()
+    f32 = dict(dtype=torch.float32, device=streams.device)
     collapsed = torch.empty((n, d), dtype=streams.dtype, device=streams.device)
-    mixes = torch.empty((n, mix), dtype=torch.float32, device=streams.device)
+    mixes = torch.empty((n, mix), **f32)
+    pre, post, comb = torch.empty((n, hc), **f32), torch.empty((n, hc), **f32), torch.empty((n, hc, hc), **f32)
     if n:
         bmix = triton.next_power_of_2(mix + 1)
         partials = torch.empty((split, n, bmix), dtype=torch.float32, device=streams.device)
@@ -353,9 +369,11 @@ def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: flo
             COLS=d // split, BMIX=bmix, **cfg, num_warps=4,
             enable_fp_fusion=False)     # the collapse's products rounded before the adds, as the reference
         fin = finish_config(split, bmix, finish_ch)
-        _mhc_finish_kernel[(triton.cdiv(n, fin["BR"]),)](
-            partials, mixes, n, norm_eps, S=split, MIX=mix, INV_K=1.0 / (hc * d), BMIX=bmix, **fin)
-    return (collapsed, *mhc_sinkhorn(mixes, scale, base, hc, iters, hc_eps))
+        _mhc_finish_sinkhorn_kernel[(triton.cdiv(n, fin["BR"]),)](
+            partials, mixes, scale.contiguous(), base.contiguous(), pre, post, comb, n, iters, norm_eps, hc_eps,
+            S=split, MIX=mix, INV_K=1.0 / (hc * d), HC=hc, BMIX=bmix, **fin,
+            enable_fp_fusion=False)     # the Sinkhorn's m*s + b rounded twice, as the reference's two ops
+    return collapsed, pre, post, comb
 
 
 def mhc_post_supported(out, streams, post, comb) -> bool:
