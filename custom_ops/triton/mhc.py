@@ -372,7 +372,7 @@ def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: flo
         _mhc_finish_sinkhorn_kernel[(triton.cdiv(n, fin["BR"]),)](
             partials, mixes, scale.contiguous(), base.contiguous(), pre, post, comb, n, iters, norm_eps, hc_eps,
             S=split, MIX=mix, INV_K=1.0 / (hc * d), HC=hc, BMIX=bmix, **fin,
-            enable_fp_fusion=False)     # the Sinkhorn's m*s + b rounded twice, as the reference's two ops
+            enable_fp_fusion=False)     # m*s + b and mean*(1/K) + eps rounded twice, as the reference's ops
     return collapsed, pre, post, comb
 
 
