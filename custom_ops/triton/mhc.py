@@ -153,10 +153,10 @@ def _sinkhorn(mix_ptr, base_ptr, r, rm, s2, iters, eps, W: tl.constexpr, FAST: t
 def _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, r, rm, iters, eps,
                    HC: tl.constexpr):
     """Tokens r [BR] (int64; rm: in range), one per thread; each token's (2+HC)*HC mixes -> pre,
-    post and the HC x HC comb matrix (HC = 4, V4.1's hc_mult). The comb matrix lives as 16 per-token
-    registers (x<row><col>), so each Sinkhorn round is additions and divisions in one thread: no
-    cross-thread reductions (the [BR, 4, 4] tile form took ~36 us per call on the H100, its 160
-    reductions in a chain). The arithmetic is the reference's operation by operation (accurate
+    post and the HC x HC comb matrix (HC = 4, V4.1's hc_mult). The comb matrix lives as 16
+    per-token registers (x<row><col>), so each Sinkhorn round is additions and divisions in one
+    thread: no cross-thread reductions (the [BR, 4, 4] tile form took ~36 us per call on the
+    H100, its 160 reductions in a chain). The arithmetic is the reference's operation by operation (accurate
     exp and division, sums in order; launched without FMA contraction), so the result is
     bit-identical to the reference run on the GPU. The divisions after the first row pass take
     _div_fast (div.rn's bits without its per-division call); a program that leaves its range
@@ -336,9 +336,9 @@ def pre_config(n: int, d: int, device) -> dict:
 
 
 def finish_config(split: int, bmix: int, ch: int | None = None) -> dict:
-    """The finish + Sinkhorn kernel's tile: CH slices x BR rows x BMIX mixes. All of a decode step's
-    slices in one chunk (one round trip to L2; a loop of 32-slice chunks took 5.9 us at 160
-    slices on the H100), up to 8192 values at 8 warps."""
+    """The finish + Sinkhorn kernel's tile: CH slices x BR rows x BMIX mixes. All of a decode
+    step's slices in one chunk (one round trip to L2; a loop of 32-slice chunks took 5.9 us at
+    160 slices on the H100), up to 8192 values at 8 warps."""
     ch = ch or min(256, triton.next_power_of_2(split))
     br = max(1, min(64, 8192 // (ch * bmix)))
     return dict(CH=ch, BR=br, num_warps=8 if ch * bmix * br > 4096 else 4)
