@@ -115,3 +115,29 @@ def test_offline_sass_finds_the_innermost_mma_loop():
     ])
     loop = load_script("offline_sass").hottest_loop(sass)
     assert loop == ["HMMA.16816.F32.BF16 R8, R4, R6, R8", "IADD3 R1, R1, 0x1, RZ", "@!P0 BRA 0x20"]
+
+
+def test_profile_diff_lines_up_two_stored_profiles(capsys):
+    """scripts/profile_diff.py on the twenty-ninth session's two H100 profiles (docs/): each
+    kernel's time per call recomputed here from the raw rows, largest kernels first, and a
+    file with two profiled variants per row refused without --variant."""
+    profile_diff = load_script("profile_diff")
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    old_path, new_path = docs / "bench_rank_h100_s29_profile.json", docs / "bench_rank_h100_s29_mhc.json"
+
+    def sinkhorn_us(path, batch):
+        [row] = [r for r in json.loads(path.read_text())["rows"]
+                 if r["variant"] == "v41graph" and r["batch"] == batch and r.get("profile")]
+        [k] = [k for k in row["profile"]["top_kernels"] if k["name"] == "_mhc_sinkhorn_kernel"]
+        return 1000 * k["ms_per_step"] / k["calls_per_step"]
+
+    assert profile_diff.main([str(old_path), str(new_path), "--variant", "v41graph", "--top", "8"]) == 0
+    blocks = capsys.readouterr().out.split("\n\n")
+    assert [b.splitlines()[0].split(":")[0] for b in blocks] == ["decode ctx 4096 batch 1", "decode ctx 4096 batch 64"]
+    for block, batch in zip(blocks, (1, 64)):
+        [line] = [ln for ln in block.splitlines() if ln.endswith(" _mhc_sinkhorn_kernel")]
+        assert line.split()[-3:-1] == [f"{sinkhorn_us(old_path, batch):.1f}", f"{sinkhorn_us(new_path, batch):.1f}"]
+        largest = [max(float(ln.split()[0]), float(ln.split()[1])) for ln in block.splitlines()[2:]]
+        assert len(largest) == 8 and largest == sorted(largest, reverse=True)
+    with pytest.raises(SystemExit, match="name one with --variant"):
+        profile_diff.main([str(new_path), str(new_path)])
