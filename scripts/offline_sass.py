@@ -6,7 +6,7 @@ linear) between device sessions. It says nothing about stalls, occupancy or nume
     python scripts/offline_sass.py moe_gate_up                      # the decode tile
     python scripts/offline_sass.py moe_gate_up BM=64 --warps 4 --dump /tmp/k.sass
     python scripts/offline_sass.py moe_gate_up_blocks BN=128        # the weight rows as the MMA's M side
-    python scripts/offline_sass.py moe_gate_up S=4                  # K split in 4 (moe_fp4._split_k)
+    python scripts/offline_sass.py moe_gate_up S=4 --stages 2       # K split in 4 (moe_fp4._split_k; launched at <= 2 stages)
     python scripts/offline_sass.py fp8_linear BM=64 BN=64 BK=128
 
 Pointer arguments and the model-width sizes get Triton's divisibility-by-16 hint, as a launch
