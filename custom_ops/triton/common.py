@@ -6,7 +6,8 @@ device's SM count (grid sizing), `_rows` (a tensor as contiguous [rows, last dim
 @triton.jit helpers inlined by several families: exact ceil(log2) and 2^e from the fp32 bits
 (UE8M0 scale exponents) and the FP4 E2M1 encode/decode, used by the cache writes, fake
 quantization, sparse attention and the lightning indexer; a program's rows and their indices
-(cache writes, Engram gather).
+(cache writes, Engram gather); the weight tiles of the FP8 and MXFP4 kernels and their E8M0
+scale loads, which a K loop issues one step ahead (_next_k).
 """
 from __future__ import annotations
 
