@@ -31,9 +31,9 @@ class KernelRow:
     old_calls: float
     new_calls: float
 
-    @staticmethod
-    def per_call_us(ms: float, calls: float) -> float | None:
-        return 1000.0 * ms / calls if calls else None
+
+def per_call_us(ms: float, calls: float) -> float | None:
+    return 1000.0 * ms / calls if calls else None
 
 
 def _kernels(row: dict) -> dict[str, tuple[float, float]]:
@@ -49,8 +49,14 @@ def _key(row: dict) -> tuple:
 def profiled_rows(path: Path, variant: str | None) -> dict[tuple, dict]:
     """The rows of one bench.json that carry a profile, by (kind, context, batch), of one variant
     (None: the file must hold one variant per key)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"profile_diff: cannot read {path} as JSON: {e}")
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise SystemExit(f"profile_diff: {path} is not a scripts/bench.py result (no 'rows' list)")
     rows: dict[tuple, dict] = {}
-    for row in json.loads(Path(path).read_text())["rows"]:
+    for row in data["rows"]:
         if not row.get("profile") or (variant is not None and row["variant"] != variant):
             continue
         if _key(row) in rows:
@@ -84,8 +90,8 @@ def report(old: dict, new: dict, top: int) -> str:
              f"{'us/call old':>11} {'new':>7}  kernel"]
     for r in diff(old, new)[:top]:
         lines.append(f"  {r.old_ms:11.3f} {r.new_ms:7.3f} {r.new_ms - r.old_ms:+7.3f} {r.old_calls:9.1f} "
-                     f"{r.new_calls:6.1f} {_us(KernelRow.per_call_us(r.old_ms, r.old_calls)):>11} "
-                     f"{_us(KernelRow.per_call_us(r.new_ms, r.new_calls)):>7}  {r.name[:90]}")
+                     f"{r.new_calls:6.1f} {_us(per_call_us(r.old_ms, r.old_calls)):>11} "
+                     f"{_us(per_call_us(r.new_ms, r.new_calls)):>7}  {r.name[:90]}")
     return "\n".join(lines)
 
 
@@ -100,9 +106,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.top < 1:
         ap.error(f"--top must be at least 1, got {args.top}")
-    for path in (args.old, args.new):
-        if not path.is_file():
-            ap.error(f"no such file: {path}")
     old = profiled_rows(args.old, args.old_variant or args.variant)
     new = profiled_rows(args.new, args.new_variant or args.variant)
     common = sorted(set(old) & set(new), key=str)

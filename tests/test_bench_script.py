@@ -117,10 +117,11 @@ def test_offline_sass_finds_the_innermost_mma_loop():
     assert loop == ["HMMA.16816.F32.BF16 R8, R4, R6, R8", "IADD3 R1, R1, 0x1, RZ", "@!P0 BRA 0x20"]
 
 
-def test_profile_diff_lines_up_two_stored_profiles(capsys):
+def test_profile_diff_lines_up_two_stored_profiles(capsys, tmp_path):
     """scripts/profile_diff.py on the twenty-ninth session's two H100 profiles (docs/): each
-    kernel's time per call recomputed here from the raw rows, largest kernels first, and a
-    file with two profiled variants per row refused without --variant."""
+    kernel's time per call recomputed here from the raw rows, largest kernels first; a file
+    with two profiled variants per row refused without --variant, and files that are not
+    bench.py results refused by name."""
     profile_diff = load_script("profile_diff")
     docs = Path(__file__).resolve().parents[1] / "docs"
     old_path, new_path = docs / "bench_rank_h100_s29_profile.json", docs / "bench_rank_h100_s29_mhc.json"
@@ -141,3 +142,9 @@ def test_profile_diff_lines_up_two_stored_profiles(capsys):
         assert len(largest) == 8 and largest == sorted(largest, reverse=True)
     with pytest.raises(SystemExit, match="name one with --variant"):
         profile_diff.main([str(new_path), str(new_path)])
+    with pytest.raises(SystemExit, match=r"cannot read .*test_bench_script\.py as JSON"):
+        profile_diff.main([__file__, str(new_path)])
+    not_bench = tmp_path / "other.json"
+    not_bench.write_text('{"results": []}')
+    with pytest.raises(SystemExit, match=r"other\.json is not a scripts/bench\.py result \(no 'rows' list\)"):
+        profile_diff.main([str(not_bench), str(new_path)])

@@ -155,8 +155,8 @@ def _scaled_tile(v, scale_bytes, BN: tl.constexpr, BK: tl.constexpr):
 
 
 # Scale prefetch. A decode kernel's K loop loads the E8M0 scale bytes of the step after the one
-# it decodes (a loop-carried value: `u = _fp8_scales(.., k_lo, ..)` before the loop, then in it
-# `u_next = _fp8_scales(.., _next_k(k0, k_hi, BK), ..)` ... `u = u_next`). Triton software-
+# it decodes (a loop-carried value: `u = _e8m0_scales(.., k_lo, ..)` before the loop, then in
+# it `u_next = _e8m0_scales(.., _next_k(k0, k_hi, BK), ..)` ... `u = u_next`). Triton software-
 # pipelines a loop's loads only where cp.async can move them (4 bytes or more per thread), so a
 # scale byte loaded in the step that uses it is a memory round trip waited on before the step's
 # decode. Offline sm90 SASS (scripts/offline_sass.py), instructions from a scale load to its
@@ -172,17 +172,18 @@ def _next_k(k0, k_hi, BK: tl.constexpr):
 
 
 @triton.jit
-def _fp8_scales(s_ptr, n, n_mask, k0, K, BK: tl.constexpr):
-    """E8M0 scale bytes [BN, BK/32] of rows n (int64) and columns k0..k0+BK of an FP8 weight
-    with one scale per 32x32 block (s_ptr [ceil(N/32), K/32]); masked rows read 127 (scale 1)."""
+def _e8m0_scales(s_ptr, rows, row_mask, k0, K, BK: tl.constexpr):
+    """E8M0 scale bytes [R, BK/32] of scale rows `rows` (int64 [R]; K/32 bytes each) for the K
+    blocks of k0..k0+BK; masked rows read 127 (scale 1). An MXFP4 weight [N, K] has one scale
+    row per weight row (rows = n), an FP8 weight one per 32 weight rows (rows = n // 32)."""
     kb = k0 // 32 + tl.arange(0, BK // 32)
-    return tl.load(s_ptr + (n // 32)[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
+    return tl.load(s_ptr + rows[:, None] * (K // 32) + kb[None, :], mask=row_mask[:, None], other=127)
 
 
 @triton.jit
 def _fp8_weight_tile(w_ptr, u, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
     """Rows n [BN] (int64), columns k0..k0+BK of an FP8 E4M3 weight [N, K], dequantized to bf16
-    [BN, BK] with their scale bytes u (_fp8_scales)."""
+    [BN, BK] with their scale bytes u (_e8m0_scales of rows n // 32)."""
     k = k0 + tl.arange(0, BK)
     w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_mask[:, None], other=0)
     return _scaled_tile(w.to(tl.float8e4nv, bitcast=True).to(tl.float32), u, BN, BK)
@@ -241,18 +242,9 @@ def _e8m0_to_bf16(u):
 
 
 @triton.jit
-def _fp4_scales(s_ptr, n, n_mask, k0, K, BK: tl.constexpr):
-    """E8M0 scale bytes [BN, BK/32] of rows n (int64) and columns k0..k0+BK of an MXFP4 weight
-    (one scale per 32 along K: s_ptr [N, K/32]); masked rows read 127 (scale 1). A K loop
-    loads them a step ahead (see _next_k)."""
-    kb = k0 // 32 + tl.arange(0, BK // 32)
-    return tl.load(s_ptr + n[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None], other=127)
-
-
-@triton.jit
 def _fp4_weight_halves(w_ptr, u, n, n_mask, k0, K, BN: tl.constexpr, BK: tl.constexpr):
     """Rows n [BN] (int64), columns k0..k0+BK of an MXFP4 weight: E2M1 packed [N, K/2] (even
-    column in the low nibble) times their scales (u: _fp4_scales' bytes), as bf16 (even columns,
+    column in the low nibble) times their scales (u: _e8m0_scales of rows n), as bf16 (even columns,
     odd columns), each [BN, BK/32, 16]. The bytes are loaded as [BN, BK/32, 16] so each
     32-block's 16 bytes share one scale."""
     kb = k0 // 32 + tl.arange(0, BK // 32)

@@ -156,11 +156,11 @@ def _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, r,
     post and the HC x HC comb matrix (HC = 4, V4.1's hc_mult). The comb matrix lives as 16
     per-token registers (x<row><col>), so each Sinkhorn round is additions and divisions in one
     thread: no cross-thread reductions (the [BR, 4, 4] tile form took ~36 us per call on the
-    H100, its 160 reductions in a chain). The arithmetic is the reference's operation by operation (accurate
-    exp and division, sums in order; launched without FMA contraction), so the result is
-    bit-identical to the reference run on the GPU. The divisions after the first row pass take
-    _div_fast (div.rn's bits without its per-division call); a program that leaves its range
-    runs the Sinkhorn again with div_rn."""
+    H100, its 160 reductions in a chain). The arithmetic is the reference's operation by
+    operation (accurate exp and division, sums in order; launched without FMA contraction), so
+    the result is bit-identical to the reference run on the GPU. The divisions after the first
+    row pass take _div_fast (div.rn's bits without its per-division call); a program that leaves
+    its range runs the Sinkhorn again with div_rn."""
     tl.static_assert(HC == 4, "the register-resident Sinkhorn is written for hc_mult = 4")
     W: tl.constexpr = (2 + HC) * HC
     c = tl.arange(0, HC)

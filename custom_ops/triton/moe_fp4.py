@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ..reference import pairs_by_expert
-from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_to_fp32, _exp2i, _fp4_block_e4m3, _fp4_scales,
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_scales, _e8m0_to_fp32, _exp2i, _fp4_block_e4m3,
                      _fp4_weight_tile, _next_k, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs)
 from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes, tile_counts
 
@@ -138,11 +138,11 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_p
         r, r_mask, tok = _pair_tile(tok_ptr, m0, end, BM)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        u_g = _fp4_scales(s_ptr, gate_rows, n_mask, k_lo, D, BK)
-        u_u = _fp4_scales(s_ptr, up_rows, n_mask, k_lo, D, BK)
+        u_g = _e8m0_scales(s_ptr, gate_rows, n_mask, k_lo, D, BK)
+        u_u = _e8m0_scales(s_ptr, up_rows, n_mask, k_lo, D, BK)
         for k0 in range(k_lo, k_hi, BK):
-            u_g_next = _fp4_scales(s_ptr, gate_rows, n_mask, _next_k(k0, k_hi, BK), D, BK)   # a step ahead
-            u_u_next = _fp4_scales(s_ptr, up_rows, n_mask, _next_k(k0, k_hi, BK), D, BK)
+            u_g_next = _e8m0_scales(s_ptr, gate_rows, n_mask, _next_k(k0, k_hi, BK), D, BK)   # a step ahead
+            u_u_next = _e8m0_scales(s_ptr, up_rows, n_mask, _next_k(k0, k_hi, BK), D, BK)
             k = k0 + tl.arange(0, BK)
             a = tl.load(xq_ptr + tok[:, None] * D + k[None, :], mask=r_mask[:, None], other=0.0)
             acc_g = tl.dot(a, tl.trans(_fp4_weight_tile(w_ptr, u_g, gate_rows, n_mask, k0, D, BN, BK)), acc_g)
@@ -184,9 +184,9 @@ def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, E, D, I,
         r = m0 + tl.arange(0, BM)
         r_mask = r < end
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        u = _fp4_scales(s_ptr, rows, n_mask, 0, I, BK)
+        u = _e8m0_scales(s_ptr, rows, n_mask, 0, I, BK)
         for k0 in range(0, I, BK):
-            u_next = _fp4_scales(s_ptr, rows, n_mask, _next_k(k0, I, BK), I, BK)   # a step ahead
+            u_next = _e8m0_scales(s_ptr, rows, n_mask, _next_k(k0, I, BK), I, BK)   # a step ahead
             k = k0 + tl.arange(0, BK)
             a = tl.load(h_ptr + r[:, None].to(tl.int64) * I + k[None, :], mask=r_mask[:, None], other=0.0)
             a = a.to(tl.bfloat16)                     # quantized by the gate_up epilogue, bf16

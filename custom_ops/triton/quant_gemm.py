@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (_FLOAT_DTYPES, _bf16_column_halves, _capability_at_least, _e4m3_pairs_to_bf16,
-                     _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_scales, _fp8_weight_tile, _next_k, _num_sms,
+                     _e8m0_scales, _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_weight_tile, _next_k, _num_sms,
                      _qdq_fp8_blocks, _quant_fp8_blocks, _rows, _split_pairs, zeroed_workspace)
 
 _WARNED: set = set()
@@ -76,9 +76,10 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    u = _fp8_scales(s_ptr, n, n_mask, k_lo, K, BK)
+    s_rows = n // 32                                        # one scale row per 32 weight rows
+    u = _e8m0_scales(s_ptr, s_rows, n_mask, k_lo, K, BK)
     for k0 in range(k_lo, k_hi, BK):
-        u_next = _fp8_scales(s_ptr, n, n_mask, _next_k(k0, k_hi, BK), K, BK)    # a step ahead
+        u_next = _e8m0_scales(s_ptr, s_rows, n_mask, _next_k(k0, k_hi, BK), K, BK)    # a step ahead
         k = k0 + tl.arange(0, BK)
         a = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=m_mask[:, None], other=0.0)
         if QUANTIZED:
@@ -114,9 +115,10 @@ def _fp8_linear_skinny_kernel(x_ptr, w_src, s_ptr, out_ptr, ws_ptr, count_ptr, M
     acc = tl.zeros([BN, BT], dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    u = _fp8_scales(s_ptr, n, n_mask, k_lo, K, BK)
+    s_rows = n // 32                                        # one scale row per 32 weight rows
+    u = _e8m0_scales(s_ptr, s_rows, n_mask, k_lo, K, BK)
     for k0 in range(k_lo, k_hi, BK):
-        u_next = _fp8_scales(s_ptr, n, n_mask, _next_k(k0, k_hi, BK), K, BK)    # a step ahead
+        u_next = _e8m0_scales(s_ptr, s_rows, n_mask, _next_k(k0, k_hi, BK), K, BK)    # a step ahead
         kb = k0 // 32 + kb_i
         if TMA:
             words = w_src.load([pid_n * BN, k0 // 32, 0])
@@ -254,7 +256,7 @@ def _split_k(tiles: int, steps: int, cover: int, most: int) -> int:
 def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
     n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     k0 = tl.program_id(1) * BK
-    w = _fp8_weight_tile(w_ptr, _fp8_scales(s_ptr, n, n < N, k0, K, BK), n, n < N, k0, K, BN, BK)
+    w = _fp8_weight_tile(w_ptr, _e8m0_scales(s_ptr, n // 32, n < N, k0, K, BK), n, n < N, k0, K, BN, BK)
     k = k0 + tl.arange(0, BK)
     tl.store(out_ptr + n[:, None] * K + k[None, :], w, mask=(n < N)[:, None])
 
