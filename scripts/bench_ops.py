@@ -240,9 +240,10 @@ def bench_writes(tk, bw, quick):
 
 
 # =============================================================================== sparse attention
-def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)):
+def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3), batches=()):
     from v41graph import custom_ops  # noqa: F401
     from v41graph.custom_ops import codecs
+    import triton.language as tl
     from v41graph.custom_ops import reference as ref
     h, d, w, kg = 64, 512, 128, 512
     scale = d ** -0.5
@@ -251,6 +252,8 @@ def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)
     if quick:
         cases = [(1, 65536), (64, 65536)]
     cases.append(("prefill", 4096))
+    if batches:     # --attn-batches: decode batch sizes, "prefill" for the prefill case
+        cases = [(int(b), 65536) if b != "prefill" else ("prefill", 4096) for b in batches]
     for b, ctx in cases:
         prefill = b == "prefill"
         nseq = 1 if prefill else b
@@ -346,6 +349,16 @@ def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3)
                         best[group] = r
                 except Exception as ex:   # noqa: BLE001
                     say(f"  FAILED {fmt} {name}: {type(ex).__name__}: " + str(ex)[-600:])
+        n_split = tk.tile_config(ntok, w, kg, q.device)[1]
+        if not prefill and n_split > 1:     # the op's split combine alone, on its workspace's shapes
+            ws_acc = torch.randn(ntok, n_split, h, d, device="cuda")
+            ws_ml = torch.randn(ntok, n_split, h, 2, device="cuda")
+            out = torch.empty(ntok, h, d, device="cuda", dtype=torch.bfloat16)
+            t = cbench(lambda: tk._combine_splits(ws_acc, ws_ml, sink, out.view(torch.int32), ntok, h, d, n_split,
+                                                  tl.bfloat16, True))
+            row("sparse_attention", shape, f"the tile kernel's split combine alone (split={n_split})", t,
+                ws_acc.numel() * 4 + ws_ml.numel() * 4 + out.numel() * 2, bw=bw)
+            del ws_acc, ws_ml, out
         for (fa, ka), (fb, kb), what in ((("fp4", "tile"), ("fp4", "heads"), "tile vs heads kernel (FP4)"),
                                          (("fp4", "tile"), ("bf16", "tile"), "FP4 vs BF16 cache (tile)"),
                                          (("fp4", "heads"), ("bf16", "heads"), "FP4 vs BF16 cache (heads)")):
@@ -512,7 +525,8 @@ def _fp8_sweep_configs(m: int, quick: bool, kernel: str = "tiles"):
                 for stages in ((3, 5) if quick else (3, 4, 5, 6)) for tma in (False, True)]
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
     if m > 64:
-        return [(128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3), (64, 128, 128, 1, 4, 3)]
+        return ([(128, 256, 64, split, 8, 3) for split in (1, 2, 4, 8, 16)]
+                + [(64, 64, 128, split, 4, 4) for split in (1, 2, 4, 8, 16)] + [(128, 128, 64, 1, 8, 3)])
     out = []
     for bn in ((64, 128) if quick else (32, 64, 128)):
         for bk in (128, 256):
@@ -567,6 +581,7 @@ def bench_fp8_linear(bw, quick, rows=None):
                     except Exception as e:   # noqa: BLE001  (a config Triton cannot build: skip it)
                         say(f"  config {kernel} {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
                         continue
+                    say(f"  sweep {shape} {kernel} {cfg}: {t:.2f} us")
                     if best is None or t < best[0]:
                         best = (t, cfg)
                 if best is not None:
@@ -717,6 +732,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes (fp8: fewer configs)")
     ap.add_argument("--attn-rows", default="16,32,64", help="attn: the tile kernel's rows per block to sweep")
     ap.add_argument("--attn-stages", default="1,2,3", help="attn: the tile kernel's pipelining depths to sweep")
+    ap.add_argument("--attn-batches", default="", help="attn: decode batch sizes and/or 'prefill' "
+                    "(default 1,8,32,64,prefill; --quick 1,64,prefill)")
     ap.add_argument("--fp8-rows", default="", help="fp8: the token counts (default 1,8,64 and 4096 for three shapes)")
     ap.add_argument("--fp8-sweep", default=",".join(FP8_SWEEP_KERNELS),
                     help="fp8: the kernels whose tile tables are swept (blocks,skinny,tiles; empty: none)")
@@ -755,7 +772,8 @@ def main():
     sections = [("wkv", lambda: bench_wkv(norms, d2d, args.quick)),
                 ("writes", lambda: bench_writes(cache_writes, d2d, args.quick)),
                 ("attn", lambda: bench_attention(attention, d2d, args.quick, _ints(args.attn_rows),
-                                                 _ints(args.attn_stages))),
+                                                 _ints(args.attn_stages),
+                                                 tuple(filter(None, args.attn_batches.split(","))))),
                 ("engram", lambda: bench_engram(engram, d2d, h2d, args.quick)),
                 ("indexer", lambda: bench_indexer(indexer, d2d, args.quick)),
                 ("topk", lambda: bench_topk(indexer, args.quick)),
