@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e2m1_bytes_to_bf16, _e2m1_decode, _e4m3_pairs_to_bf16,
-                     _e8m0_to_bf16, _num_sms, _pow2)
+                     _e8m0_to_bf16, _num_sms, _pow2, _wait_for_inputs, pdl)
 
 
 # =============================================================================== sparse attention
@@ -253,6 +253,7 @@ def _sparse_attn_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_ptr, 
     [window rows ++ global rows] in split sp. All BH heads share each loaded KV block. Window
     rows < n_ring are FP8 ring rows (ring_ptr: int16 words, rsc_ptr: UE8M0 bytes), the others
     rows of fresh_ptr (this call's rows, q's dtype)."""
+    _wait_for_inputs()
     n = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -313,6 +314,7 @@ def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_s
     loaded at once (one memory round trip per NS splits, not one per split: at B = 1 the
     per-split loop took ~29 us on the H100), rescaled to the largest m, summed, the sink term
     added to the denominator."""
+    _wait_for_inputs()
     n = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < H
@@ -359,6 +361,7 @@ def _sparse_attn_tile_kernel(q_ptr, ring_ptr, rsc_ptr, fresh_ptr, wrows_ptr, gc_
     per SM); the register prefetch of _sparse_attn_kernel would not fit. STAGES > 1 lets Triton
     software-pipeline the row loops (cp.async gathers into shared memory); measured slower, so
     the launch rule uses 1."""
+    _wait_for_inputs()
     n = tl.program_id(0)
     sp = tl.program_id(1)
     heads = tl.arange(0, BH)
@@ -563,7 +566,7 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
             qc.view(torch.int32), ring, rsc, fresh.view(torch.int32), wrows, gc, gs, grows, sink,
             out.view(torch.int32), ws_acc, ws_ml, h, w, kg, n_ring, float(softmax_scale), per,
             n_split, D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, GLOBAL_FP4=fp4,
-            DIRECT=n_split == 1, STAGES=n_stages, num_warps=TILE_WARPS, num_stages=1)
+            DIRECT=n_split == 1, STAGES=n_stages, num_warps=TILE_WARPS, num_stages=1, launch_pdl=pdl(qc.device))
         _combine_splits(ws_acc, ws_ml, sink, out.view(torch.int32), n, h, d, n_split, tl.bfloat16, True)
         return out
     if kernel != "heads":
@@ -586,7 +589,7 @@ def sparse_attention(q, window_kv, window_scale, fresh_kv, window_rows, global_c
         i32(out), ws_acc, ws_ml, h, w, kg, n_ring, float(softmax_scale), per, n_split,
         D=d, D2=d // 2, NB16=d // 16, NB32=d // 32, BH=bh, BS=bs, DTYPE=dtl, IS16=is16, GLOBAL_FP4=fp4,
         IEEE=(dt == torch.float32), DIRECT=direct, PREFETCH=bool(prefetch), PTX=ptx_decode,
-        num_warps=warps, num_stages=1)
+        num_warps=warps, num_stages=1, launch_pdl=pdl(qc.device))
     _combine_splits(ws_acc, ws_ml, sink, i32(out), n, h, d, n_split, dtl, is16)
     return out
 
@@ -614,4 +617,5 @@ def _combine_splits(ws_acc, ws_ml, sink, out, n, h, d, n_split, dtl, is16):
     bd = min(COMBINE_PAIRS, d // 2) if n <= COMBINE_NARROW_TOKENS else d // 2
     _sparse_attn_combine_kernel[(n, triton.cdiv(h, COMBINE_HEADS), d // 2 // bd)](
         ws_acc, ws_ml, sink, out, h, n_split, D=d, D2=d // 2, BH=COMBINE_HEADS, BD=bd,
-        NS=min(triton.next_power_of_2(n_split), max(1, COMBINE_TILE // bd)), DTYPE=dtl, IS16=is16, num_warps=4)
+        NS=min(triton.next_power_of_2(n_split), max(1, COMBINE_TILE // bd)), DTYPE=dtl, IS16=is16, num_warps=4,
+        launch_pdl=pdl(ws_acc.device))

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import (_FLOAT_DTYPES, _TL_DTYPE, _ceil_log2, _e2m1_decode, _e2m1_encode, _exp2i,
-                     _pow2, _program_rows, _rows)
+                     _pow2, _program_rows, _rows, _wait_for_inputs, pdl)
 
 
 # =============================================================================== cache writes
@@ -22,6 +22,7 @@ from .common import (_FLOAT_DTYPES, _TL_DTYPE, _ceil_log2, _e2m1_decode, _e2m1_e
 def _fp8_ue8m0_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
                             D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
                             BR: tl.constexpr):
+    _wait_for_inputs()
     r, rmask, slot = _program_rows(slot_ptr, N, -1, BR)
     valid = rmask & (slot >= 0)
     b = tl.arange(0, NB)
@@ -44,6 +45,7 @@ def _fp8_ue8m0_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
 def _fp4_write_kernel(x_ptr, slot_ptr, cache_ptr, scale_ptr, N,
                       D: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, HALF: tl.constexpr,
                       E4M3_SCALE: tl.constexpr, BR: tl.constexpr):
+    _wait_for_inputs()
     r, rmask, slot = _program_rows(slot_ptr, N, -1, BR)
     valid = rmask & (slot >= 0)
     b = tl.arange(0, NB)
@@ -92,7 +94,7 @@ def window_kv_write(cache, scale, kv, slot_mapping, *, rows_per_program: int = 4
         return
     _fp8_ue8m0_write_kernel[(triton.cdiv(n, rows_per_program),)](
         x, slot_mapping, cache, scale.view(torch.uint8), n, D=d, BLOCK=32, NB=d // 32,
-        BR=rows_per_program, num_warps=4)
+        BR=rows_per_program, num_warps=4, launch_pdl=pdl(x.device))
 
 
 def _fp4_write(cache, scale, x, slot_mapping, block: int, e4m3_scale: bool, rows_per_program: int):
@@ -102,7 +104,7 @@ def _fp4_write(cache, scale, x, slot_mapping, block: int, e4m3_scale: bool, rows
         return
     _fp4_write_kernel[(triton.cdiv(n, rows_per_program),)](
         x, slot_mapping, cache, scale.view(torch.uint8), n, D=d, BLOCK=block, NB=d // block,
-        HALF=block // 2, E4M3_SCALE=e4m3_scale, BR=rows_per_program, num_warps=4)
+        HALF=block // 2, E4M3_SCALE=e4m3_scale, BR=rows_per_program, num_warps=4, launch_pdl=pdl(x.device))
 
 
 def global_kv_write(cache, scale, kv, slot_mapping, *, rows_per_program: int = 4) -> None:
@@ -122,6 +124,7 @@ def _fake_quant_kernel(x_ptr, out_ptr, n_rows, D: tl.constexpr, BLOCK: tl.conste
                        OUT_DTYPE: tl.constexpr):
     """Quantize + dequantize BR rows in registers, the same arithmetic as the cache-write
     kernels (so the values equal what a cache would hold, bit for bit)."""
+    _wait_for_inputs()
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     rmask = r < n_rows
     b = tl.arange(0, NB)
@@ -154,5 +157,5 @@ def fake_quant(x, fmt: str, block: int, *, rows_per_program: int = 4):
     if n:
         _fake_quant_kernel[(triton.cdiv(n, rows_per_program),)](
             x2, out, n, D=d, BLOCK=block, NB=d // block, FP4=fmt == "fp4_ue8m0",
-            BR=rows_per_program, OUT_DTYPE=_TL_DTYPE[x.dtype], num_warps=4)
+            BR=rows_per_program, OUT_DTYPE=_TL_DTYPE[x.dtype], num_warps=4, launch_pdl=pdl(x2.device))
     return out.view(x.shape)

@@ -2,7 +2,8 @@
 
 Host side: the torch -> Triton dtype table, the float dtypes the kernels accept, `_pow2`, the
 device's SM count (grid sizing), `_rows` (a tensor as contiguous [rows, last dim]) and
-`zeroed_workspace` (counters and accumulators zeroed once, which the kernels leave zeroed).
+`zeroed_workspace` (counters and accumulators zeroed once, which the kernels leave zeroed),
+`pdl` with `_wait_for_inputs` (programmatic dependent launch: every kernel's first statement).
 @triton.jit helpers inlined by several families: exact ceil(log2) and 2^e from the fp32 bits
 (UE8M0 scale exponents) and the FP4 E2M1 encode/decode, used by the cache writes, fake
 quantization, sparse attention and the lightning indexer; a program's rows and their indices
@@ -10,6 +11,8 @@ quantization, sparse attention and the lightning indexer; a program's rows and t
 scale loads, which a K loop issues one step ahead (_next_k).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -340,3 +343,29 @@ def _e4m3_pairs_to_bf16(words, scale):
 
 def _capability_at_least(device: torch.device, major: int, minor: int) -> bool:
     return torch.cuda.get_device_capability(device) >= (major, minor)
+
+
+# Programmatic dependent launch (sm90+). A decode step is ~2200 launches of a few µs each at
+# B = 1, so the gap between one kernel's end and the next one's start is a real part of the
+# step. Launched with PDL, a kernel's programs may be placed while the kernel before it on the
+# stream still finishes; each waits at _wait_for_inputs until that kernel has completed and its
+# writes are visible. So every kernel here calls it before touching memory, in every program
+# (one that exited without waiting would let the kernel complete early, and the next one's
+# wait would not cover the kernel before). A kernel that never triggers early, as ours, lets
+# the next start as its last programs exit. CUDA graphs keep the launch attribute (a
+# programmatic edge); kernels of other libraries before or after ours are unaffected.
+@triton.jit
+def _wait_for_inputs():
+    if tl.target_info.cuda_capability_geq(9, 0):    # griddepcontrol is sm90+ PTX
+        tl.extra.cuda.gdc_wait()
+
+
+def pdl(device) -> bool:
+    """Whether to launch with programmatic dependent launch on `device`: sm90+, unless
+    $V41GRAPH_PDL is "0" (the A/B switch of scripts/bench.py's v41graph-nopdl; read at every
+    launch, so a capture takes it)."""
+    value = os.environ.get("V41GRAPH_PDL") or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"V41GRAPH_PDL must be '0' or '1', got {value!r}")
+    device = torch.device(device)
+    return value == "1" and device.type == "cuda" and _capability_at_least(device, 9, 0)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES
+from .common import _FLOAT_DTYPES, _wait_for_inputs, pdl
 
 
 # =============================================================================== ratio-2 compressor
@@ -32,6 +32,7 @@ def _ratio2_pool_kernel(kv_ptr, sc_ptr, state_ptr, member_ptr, srow_ptr, nw_ptr,
     writer skips its write, and the reader, which owns R's old value, writes w's row after
     reading. Both sides search their partner among the N_K = N // RING + 1 candidates at the
     same offsets (integer loads only), so a skipped write is always written by its reader."""
+    _wait_for_inputs()
     t = tl.program_id(0)
     d = tl.arange(0, BD)
     dm = d < D
@@ -116,5 +117,6 @@ def ratio2_compressor(x, wkv, wgate, state, member_rows, norm_weight, eps, out_d
         _ratio2_pool_kernel[(n,)](
             kv, sc, state, members, srows, norm_weight, out,
             N=n, N_K=n // state.shape[1] + 1, RING_ROWS=state.shape[0] * state.shape[1], eps=float(eps),
-            D=d, RING=state.shape[1], BD=max(16, triton.next_power_of_2(d)), WRITE=write, num_warps=4)
+            D=d, RING=state.shape[1], BD=max(16, triton.next_power_of_2(d)), WRITE=write, num_warps=4,
+            launch_pdl=pdl(kv.device))
     return out, kv, sc

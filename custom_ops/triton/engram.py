@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _TL_DTYPE, _pow2, _program_rows
+from .common import _TL_DTYPE, _pow2, _program_rows, _wait_for_inputs, pdl
 
 
 class _HostPtr:
@@ -28,6 +28,7 @@ class _HostPtr:
 def _engram_gather_kernel(table_ptr, scale_ptr, ids_ptr, out_ptr, n_rows,
                           DH: tl.constexpr, NB: tl.constexpr, BR: tl.constexpr,
                           OUT_DTYPE: tl.constexpr):
+    _wait_for_inputs()
     r, rm, ids = _program_rows(ids_ptr, n_rows, 0, BR)
     b = tl.arange(0, NB)
     e = tl.arange(0, 32)
@@ -68,5 +69,5 @@ def engram_gather(table, scale, row_ids, out_dtype, *, rows_per_program: int = 4
         t8, s8 = _HostPtr(t8), _HostPtr(s8)
     _engram_gather_kernel[(triton.cdiv(n_rows, rows_per_program),)](
         t8, s8, ids, out, n_rows, DH=dh, NB=dh // 32, BR=rows_per_program, OUT_DTYPE=_TL_DTYPE[out_dtype],
-        num_warps=2 if rows_per_program * dh <= 1024 else 4)
+        num_warps=2 if rows_per_program * dh <= 1024 else 4, launch_pdl=pdl(out.device))
     return out

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _TL_DTYPE, _e2m1_decode, _exp2i, _pow2
+from .common import _TL_DTYPE, _e2m1_decode, _exp2i, _pow2, _wait_for_inputs, pdl
 
 
 # =============================================================================== lightning indexer
@@ -40,6 +40,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, kc_ptr, ks_ptr, rows_ptr, vis_ptr, out_
     as reference.indexer_scores, step for step: exact fp32 dot products (FP4 x FP4), rounded to
     the query dtype, ReLU, times the head weight in that dtype, the head sum in fp32 in the
     reference's pairwise order (x[:H/2] + x[H/2:], repeated), rounded, -inf where invisible."""
+    _wait_for_inputs()
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
@@ -103,7 +104,7 @@ def indexer_scores(q, weights, key_cache, key_scale, key_rows, visible, *, block
         F32_DOT=f32_dot or q.dtype == torch.float32, DTYPE=_TL_DTYPE[q.dtype], num_warps=4,
         # no fused multiply-add: in fp32 `relu(dot) * w` then the head sum would contract into
         # FMAs (one rounding instead of two) and differ from the reference in the last bit
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, launch_pdl=pdl(q.device))
     return out
 
 
@@ -120,6 +121,7 @@ def _topk_ascending_kernel(s_ptr, out_ptr, C, K, stride, BC: tl.constexpr, KP: t
     compacted in column order with a prefix sum: no sort, one launch for all rows. NaN scores
     are not expected: +NaN ranks first, as in the reference's sort, but a NaN with the sign bit
     set ranks below -inf here (the sort puts every NaN first)."""
+    _wait_for_inputs()
     n = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
     x = tl.load(s_ptr + n * stride + c, mask=c < C, other=float("-inf"))
@@ -156,5 +158,6 @@ def topk_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
         return out
     bc = triton.next_power_of_2(c)
     _topk_ascending_kernel[(n,)](scores, out, c, k, scores.stride(0), BC=bc,
-                                 KP=triton.next_power_of_2(k), num_warps=max(4, min(16, bc // 512)))
+                                 KP=triton.next_power_of_2(k), num_warps=max(4, min(16, bc // 512)),
+                                 launch_pdl=pdl(scores.device))
     return out

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import _TL_DTYPE, _num_sms
+from .common import _TL_DTYPE, _num_sms, _wait_for_inputs, pdl
 
 
 # =============================================================================== mHC Sinkhorn
@@ -189,6 +189,7 @@ def _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, r,
 def _mhc_sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, n_rows, iters,
                          eps, HC: tl.constexpr, BR: tl.constexpr):
     """BR tokens per program: _sinkhorn_rows."""
+    _wait_for_inputs()
     r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
     _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, r, r < n_rows, iters, eps, HC)
 
@@ -214,7 +215,7 @@ def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_pe
         _mhc_sinkhorn_kernel[(triton.cdiv(n, rows_per_program),)](
             m, scale.contiguous(), base.contiguous(), pre, post, comb, n, iters, eps,
             HC=hc, BR=rows_per_program, num_warps=num_warps,
-            enable_fp_fusion=False)   # m*s + b rounded twice, as the reference's two ops
+            enable_fp_fusion=False, launch_pdl=pdl(m.device))   # m*s + b rounded twice, as the reference's two ops
     return pre, post, comb
 
 
@@ -228,6 +229,7 @@ def _mhc_partials_kernel(x_ptr, pre_ptr, fn_ptr, part_ptr, out_ptr, N, D: tl.con
     fn [MIX, HC*D] (fp32 FMA dots) and the sum of squares, to part[s, row, :MIX] and
     part[s, row, MIX]; and the collapse of these columns, sum_c pre[row, c] * x[row, c, :] in
     fp32 added in stream order, stored in x's dtype."""
+    _wait_for_inputs()
     pm, s = tl.program_id(0), tl.program_id(1)
     rows = pm * BM + tl.arange(0, BM)
     rmask = rows < N
@@ -266,6 +268,7 @@ def _mhc_finish_sinkhorn_kernel(part_ptr, mix_ptr, scale_ptr, base_ptr, pre_ptr,
     then, in the same program, those tokens' Sinkhorn (_sinkhorn_rows) from the mixes it just
     wrote: one launch where the finish and mhc_sinkhorn took two (5.9 + 6.0 us a call at one
     token on the H100, twenty-ninth session), each mostly waiting."""
+    _wait_for_inputs()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < N
     j = tl.arange(0, BMIX)
@@ -299,6 +302,7 @@ def _expand_stream(post_ptr, comb_ptr, row, c: tl.constexpr, o, x0, x1, x2, x3, 
 @triton.jit
 def _mhc_expand_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, BD: tl.constexpr):
     """Program (token, column block): the 4 new streams of BD columns (hc_mult = 4)."""
+    _wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BD + tl.arange(0, BD)
     kmask = k < D
@@ -366,12 +370,12 @@ def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: flo
         partials = torch.empty((split, n, bmix), dtype=torch.float32, device=streams.device)
         _mhc_partials_kernel[(triton.cdiv(n, cfg["BM"]), split)](
             x, pre_prev.contiguous(), fn.contiguous(), partials, collapsed, n, D=d, HC=hc, MIX=mix,
-            COLS=d // split, BMIX=bmix, **cfg, num_warps=4,
+            COLS=d // split, BMIX=bmix, **cfg, num_warps=4, launch_pdl=pdl(x.device),
             enable_fp_fusion=False)     # the collapse's products rounded before the adds, as the reference
         fin = finish_config(split, bmix, finish_ch)
         _mhc_finish_sinkhorn_kernel[(triton.cdiv(n, fin["BR"]),)](
             partials, mixes, scale.contiguous(), base.contiguous(), pre, post, comb, n, iters, norm_eps, hc_eps,
-            S=split, MIX=mix, INV_K=1.0 / (hc * d), HC=hc, BMIX=bmix, **fin,
+            S=split, MIX=mix, INV_K=1.0 / (hc * d), HC=hc, BMIX=bmix, **fin, launch_pdl=pdl(partials.device),
             enable_fp_fusion=False)     # m*s + b and mean*(1/K) + eps rounded twice, as the reference's ops
     return collapsed, pre, post, comb
 
@@ -392,5 +396,6 @@ def mhc_post(out, streams, post, comb, *, block: int = 512):
     if n:
         _mhc_expand_kernel[(n, triton.cdiv(d, block))](
             out.contiguous(), streams.contiguous(), post.contiguous(), comb.contiguous(), y, d, BD=block,
-            num_warps=4, enable_fp_fusion=False)   # products rounded before the adds, as the reference
+            num_warps=4,
+            launch_pdl=pdl(out.device), enable_fp_fusion=False)   # products rounded before the adds, as the reference
     return y

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from ..reference import pairs_by_expert
 from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_scales, _e8m0_to_fp32, _exp2i, _fp4_block_e4m3,
-                     _fp4_weight_tile, _next_k, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs)
+                     _fp4_weight_tile, _next_k, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs, _wait_for_inputs, pdl)
 from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes, tile_counts
 
 
@@ -124,6 +124,7 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_p
     S > 1 (_split_k): the slice's fp32 sums of gate and up go to ws [S, P, 2I] at the pairs'
     sorted indexes, and the last of a weight tile's S programs (an atomic count per tile) adds
     the slices in slice order and runs the epilogue: deterministic, and no second launch."""
+    _wait_for_inputs()
     e, start, end, n, n_mask = _expert_tile(offs_ptr, E, I, BN, BE)
     s = tl.program_id(2)
     if S == 1:              # the whole of D from a constant start: the unsplit loop as cheap as ever
@@ -178,6 +179,7 @@ def _gate_up_kernel(xq_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_ptr, h_ptr, ws_p
 @triton.jit
 def _down_kernel(h_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_ptr, E, D, I,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+    _wait_for_inputs()
     e, start, end, n, n_mask = _expert_tile(offs_ptr, E, D, BN, BE)
     rows = e.to(tl.int64) * D + n                    # w2 rows of expert e in the [E*d] stack
     for m0 in range(start, end, BM):
@@ -274,6 +276,7 @@ def _gate_up_blocks_kernel(xc_ptr, xs_ptr, tok_ptr, pw_ptr, offs_ptr, w_ptr, s_p
                            BK: tl.constexpr, BE: tl.constexpr, X_DTYPE: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """The rows-first gate_up in the reference's own arithmetic (_block_partial): x as E4M3
     codes (split-pairs order) + scales, h stored the same way for the down kernel."""
+    _wait_for_inputs()
     e, start, end, n, n_mask = _expert_tile(offs_ptr, E, I, BN, BE)
     gate_rows = e.to(tl.int64) * 2 * I + n
     up_rows = gate_rows + I
@@ -309,6 +312,7 @@ def _down_blocks_kernel(hc_ptr, hs_ptr, dest_ptr, offs_ptr, w_ptr, s_ptr, out_pt
                         SCALE_WORDS: tl.constexpr):
     """The rows-first down kernel in the reference's own arithmetic (_block_partial) over h's
     codes and scales."""
+    _wait_for_inputs()
     e, start, end, n, n_mask = _expert_tile(offs_ptr, E, D, BN, BE)
     rows = e.to(tl.int64) * D + n
     for m0 in range(start, end, BT):
@@ -341,6 +345,7 @@ def _route_kernel(chosen_ptr, weights_ptr, tok_ptr, pw_ptr, dest_ptr, ids_ptr, o
     dest = token * K + its rank among the token's ids (ascending, ties by slot: the combine
     order). ids [P]: each pair index's expert (the combine masks experts held elsewhere).
     Program 0 also writes offs [E]: #{q : id(q) <= e}, the groups' ends."""
+    _wait_for_inputs()
     q = tl.program_id(0) * BQ + tl.arange(0, BQ)
     q_mask = q < P
     e = tl.load(chosen_ptr + q, mask=q_mask, other=0).to(tl.int64)
@@ -377,6 +382,7 @@ def _combine_kernel(pairs_ptr, ids_ptr, y_ptr, D, E, K: tl.constexpr, BD: tl.con
     """y[t] = the token's K pair rows (x's dtype) summed in fp32 from +0, pair by pair in their
     order (ascending expert): the reference's loop, add for add. A pair whose expert is held
     elsewhere (id >= E) adds +0, as the reference's zero row does."""
+    _wait_for_inputs()
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_mask = d < D
@@ -425,7 +431,8 @@ def route_pairs(weights: torch.Tensor, chosen: torch.Tensor, n_experts: int, use
     offs = torch.empty(n_experts, device=dev, dtype=torch.int32)
     bq = 64
     _route_kernel[(triton.cdiv(p, bq),)](chosen.contiguous(), weights.contiguous(), tok, pw, dest, ids, offs,
-                                         p, n_experts, K=k, BQ=bq, BP=64, BE=64, num_warps=4)
+                                         p, n_experts, K=k, BQ=bq, BP=64, BE=64, num_warps=4,
+                                         launch_pdl=pdl(chosen.device))
     return tok, pw, dest, ids, offs
 
 
@@ -444,7 +451,8 @@ def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: 
         return y
     y = torch.empty((n, d), device=pairs.device, dtype=torch.float32)
     bd = 1024
-    _combine_kernel[(n, triton.cdiv(d, bd))](pairs, ids, y, d, n_experts, K=topk, BD=bd, num_warps=4)
+    _combine_kernel[(n, triton.cdiv(d, bd))](pairs, ids, y, d, n_experts, K=topk, BD=bd, num_warps=4,
+    launch_pdl=pdl(pairs.device))
     return y
 
 
@@ -563,7 +571,7 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=No
     tok, pw, dest, ids, offs = route_pairs(weights, chosen, e, routing_kernels)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
     pairs = torch.empty((n * k, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
-    launch = dict(num_warps=warps, num_stages=stages)
+    launch = dict(num_warps=warps, num_stages=stages, launch_pdl=pdl(x.device))
     slots, be = _expert_slots(e, n * k), triton.next_power_of_2(e)
     grid_up, grid_down = (triton.cdiv(i, bn), slots), (triton.cdiv(d, bn), slots)
     if kernel == "blocks":  # codes + scales in, codes + scales between the two kernels

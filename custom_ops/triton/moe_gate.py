@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import _TL_DTYPE, _num_sms
+from .common import _TL_DTYPE, _num_sms, _wait_for_inputs, pdl
 
 SOFTPLUS_THRESHOLD = 20.0      # F.softplus's default: x itself above it
 
@@ -36,6 +36,7 @@ SOFTPLUS_THRESHOLD = 20.0      # F.softplus's default: x itself above it
 def _gate_partials_kernel(x_ptr, w_ptr, part_ptr, N, E, D: tl.constexpr, K_SLICE: tl.constexpr,
                           BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     """part[s, n, e] = sum over k in slice s of x[n, k] * w[e, k], fp32."""
+    _wait_for_inputs()
     pe, pm, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pm * BM + tl.arange(0, BM)
     experts = pe * BE + tl.arange(0, BE)
@@ -57,6 +58,7 @@ def _gate_partials_kernel(x_ptr, w_ptr, part_ptr, N, E, D: tl.constexpr, K_SLICE
 def _gate_select_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, N, E, route_scale,
                         S: tl.constexpr, TOPK: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
                         THRESHOLD: tl.constexpr):
+    _wait_for_inputs()
     n = tl.program_id(0)
     e = tl.arange(0, BE)
     emask = e < E
@@ -123,9 +125,9 @@ def moe_gate(x, weight, bias, topk: int, route_scale: float, *, config: dict | N
     x, weight = x.contiguous(), weight.contiguous()
     partials = torch.empty((split, n, e), dtype=torch.float32, device=x.device)
     _gate_partials_kernel[(triton.cdiv(e, cfg["BE"]), triton.cdiv(n, cfg["BM"]), split)](
-        x, weight, partials, n, e, D=d, K_SLICE=d // split, **cfg, num_warps=4)
+        x, weight, partials, n, e, D=d, K_SLICE=d // split, **cfg, num_warps=4, launch_pdl=pdl(x.device))
     _gate_select_kernel[(n,)](
         partials, bias.contiguous(), weights, chosen, n, e, float(route_scale), S=split, TOPK=topk,
         BE=triton.next_power_of_2(e), BT=triton.next_power_of_2(topk), THRESHOLD=SOFTPLUS_THRESHOLD,
-        num_warps=4)
+        num_warps=4, launch_pdl=pdl(partials.device))
     return weights, chosen

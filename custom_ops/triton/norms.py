@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES, _num_sms, _rows, zeroed_workspace
+from .common import _FLOAT_DTYPES, _num_sms, _rows, zeroed_workspace, _wait_for_inputs, pdl
 
 
 # =============================================================================== fused_wkv_rmsnorm
@@ -26,6 +26,7 @@ def _wkv_rmsnorm_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, acc_ptr, cnt_ptr,
     adds its fp32 tile into a zeroed accumulator (relaxed atomics), then bumps the row block's
     counter; the program that arrives last reads the finished rows, re-zeroes the accumulator,
     applies the RMSNorm and resets the counter (no spinning, reusable across launches)."""
+    _wait_for_inputs()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -80,6 +81,7 @@ def _wkv_rmsnorm_kernel(x_ptr, w_ptr, nw_ptr, out_ptr, acc_ptr, cnt_ptr,
 @triton.jit
 def _rmsnorm_rows_kernel(y_ptr, nw_ptr, out_ptr, M, N, eps, BR: tl.constexpr, NP2: tl.constexpr,
                          CAST_BEFORE_WEIGHT: tl.constexpr):
+    _wait_for_inputs()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, NP2)
     msk = (rows < M)[:, None] & (cols < N)[None, :]
@@ -110,7 +112,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_before_weig
         rows = 1 if np2 >= 2048 else 4
         _rmsnorm_rows_kernel[(triton.cdiv(m, rows),)](
             x2, weight, out, m, n, float(eps), BR=rows, NP2=np2, CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-            num_warps=8 if np2 >= 4096 else 4)
+            num_warps=8 if np2 >= 4096 else 4, launch_pdl=pdl(x2.device))
     return out
 
 
@@ -174,7 +176,8 @@ def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Ten
         y = torch.nn.functional.linear(x2, w)
         br = 4
         _rmsnorm_rows_kernel[(triton.cdiv(m, br),)](y, norm_weight, out, m, n, float(eps),
-                                                   BR=br, NP2=np2, CAST_BEFORE_WEIGHT=False, num_warps=4)
+                                                   BR=br, NP2=np2, CAST_BEFORE_WEIGHT=False, num_warps=4,
+                                                   launch_pdl=pdl(y.device))
         return out
     bm, bn, bk, np2, split, nbn, warps, stages = wkv_config(m, k, n, x.dtype, x.device, split,
                                                             block_n)
@@ -185,5 +188,5 @@ def fused_wkv_rmsnorm(x: torch.Tensor, wkv: torch.Tensor, norm_weight: torch.Ten
     _wkv_rmsnorm_kernel[(n_mb, nbn, split)](
         x2, w, norm_weight, out, acc, cnt, m, k, n, float(eps), tiles, nbn * split,
         BM=bm, BN=bn, BK=bk, NP2=np2, IEEE=(x.dtype == torch.float32), DIRECT=direct,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, launch_pdl=pdl(x2.device))
     return out

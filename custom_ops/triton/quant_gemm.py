@@ -41,7 +41,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import (_FLOAT_DTYPES, _bf16_column_halves, _capability_at_least, _e4m3_pairs_to_bf16,
                      _e8m0_scales, _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_weight_tile, _next_k, _num_sms,
-                     _qdq_fp8_blocks, _quant_fp8_blocks, _rows, _split_pairs, zeroed_workspace)
+                     _qdq_fp8_blocks, _quant_fp8_blocks, _rows, _split_pairs, zeroed_workspace, _wait_for_inputs, pdl)
 
 _WARNED: set = set()
 
@@ -69,6 +69,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, count_ptr, M, N, K,
                        SPLIT: tl.constexpr):
     """QUANTIZED: x is already FP8-quantized per 32 (quantize_rows); else quantize each tile.
     SPLIT: see _store_or_reduce_split."""
+    _wait_for_inputs()
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BM + tl.arange(0, BM)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -106,6 +107,7 @@ def _fp8_linear_skinny_kernel(x_ptr, w_src, s_ptr, out_ptr, ws_ptr, count_ptr, M
     _fp8_weight_tile); the even and odd columns go through two dots, x split the same way.
     TMA: w_src is a descriptor of the int16 weight as [N, K/32, 16] (see the blocks kernel);
     else the int16 weight's pointer. SPLIT: see _store_or_reduce_split."""
+    _wait_for_inputs()
     pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     t = pid_t * BT + tl.arange(0, BT)
@@ -155,6 +157,7 @@ def _fp8_linear_blocks_kernel(xc_ptr, xs_ptr, w_src, s_ptr, out_ptr, ws_ptr, cou
     fp32 scales per 32). TMA: w_src is a host tensor descriptor of the weight with [BN, 32]
     boxes, so the copy engine moves the weight (0-8 % faster than cp.async on the H100); else
     w_src is the weight's pointer. SPLIT: see _store_or_reduce_split."""
+    _wait_for_inputs()
     pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     t = pid_t * BT + tl.arange(0, BT)
@@ -259,6 +262,7 @@ def _split_k(tiles: int, steps: int, cover: int, most: int) -> int:
 
 @triton.jit
 def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    _wait_for_inputs()
     n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     k0 = tl.program_id(1) * BK
     w = _fp8_weight_tile(w_ptr, _e8m0_scales(s_ptr, n // 32, n < N, k0, K, BK), n, n < N, k0, K, BN, BK)
@@ -268,6 +272,7 @@ def _fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, BK: tl.co
 
 @triton.jit
 def _qdq_rows_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    _wait_for_inputs()
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     offs = m[:, None].to(tl.int64) * K + k[None, :]
@@ -278,6 +283,7 @@ def _qdq_rows_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _quant_rows_kernel(x_ptr, codes_ptr, scale_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr,
                        SPLIT_PAIRS: tl.constexpr):
+    _wait_for_inputs()
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     x = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=(m < M)[:, None], other=0.0)
@@ -300,7 +306,7 @@ def quantize_rows(x2: torch.Tensor) -> torch.Tensor:
     m, k = x2.shape
     bk = _block_k(k, 128)
     a = torch.empty((m, k), device=x2.device, dtype=torch.bfloat16)
-    _qdq_rows_kernel[(triton.cdiv(m, 32), k // bk)](x2, a, m, k, BM=32, BK=bk, num_warps=4)
+    _qdq_rows_kernel[(triton.cdiv(m, 32), k // bk)](x2, a, m, k, BM=32, BK=bk, num_warps=4, launch_pdl=pdl(x2.device))
     return a
 
 
@@ -318,7 +324,7 @@ def quantize_rows_codes(x2: torch.Tensor, codes_dtype: torch.dtype = torch.float
     codes = torch.empty((m, k), device=x2.device, dtype=codes_dtype)
     scales = torch.empty((m, k // 32), device=x2.device, dtype=torch.float32)
     _quant_rows_kernel[(triton.cdiv(m, 16), k // bk)](x2, codes, scales, m, k, BM=16, BK=bk, SPLIT_PAIRS=split_pairs,
-                                                      num_warps=4)
+                                                      num_warps=4, launch_pdl=pdl(x2.device))
     return codes, scales
 
 
@@ -329,7 +335,8 @@ def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     n, k = weight.shape
     bk = _block_k(k, 128)
     dense = torch.empty((n, k), device=x2.device, dtype=torch.bfloat16)
-    _fp8_dequant_kernel[(triton.cdiv(n, 64), k // bk)](weight, scale, dense, n, k, BN=64, BK=bk, num_warps=4)
+    _fp8_dequant_kernel[(triton.cdiv(n, 64), k // bk)](weight, scale, dense, n, k, BN=64, BK=bk, num_warps=4,
+    launch_pdl=pdl(weight.device))
     return torch.nn.functional.linear(quantize_rows(x2), dense)
 
 
@@ -445,7 +452,8 @@ def _fp8_linear_skinny(x2, weight, scale, out_dtype, config):
     w_src = TensorDescriptor(words, [n, k // 32, 16], [k // 2, 16, 1], [bn, bk // 32, 16]) if tma else words
     _fp8_linear_skinny_kernel[grid](xq, w_src, scale, out, ws, count, m, n, k,
                                     k_per_split, grid[2], BT=bt, BN=bn, BK=bk, QUANTIZED=quantized,
-                                    SPLIT=grid[2] > 1, TMA=tma, num_warps=warps, num_stages=stages)
+                                    SPLIT=grid[2] > 1, TMA=tma, num_warps=warps, num_stages=stages,
+                                    launch_pdl=pdl(xq.device))
     return out
 
 
@@ -460,7 +468,7 @@ def _fp8_linear_blocks(x2, weight, scale, out_dtype, config):
     w_src = TensorDescriptor(weight, [n, k], [k, 1], [bn, 32]) if tma else weight
     _fp8_linear_blocks_kernel[grid](codes, scales, w_src, scale, out, ws, count, m, n, k, k_per_split,
                                     grid[2], BT=bt, BN=bn, BK=bk, SPLIT=grid[2] > 1, TMA=tma,
-                                    num_warps=warps, num_stages=stages)
+                                    num_warps=warps, num_stages=stages, launch_pdl=pdl(codes.device))
     return out
 
 
@@ -489,5 +497,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_d
     quantized = m >= QUANTIZE_FIRST_ROWS
     _fp8_linear_kernel[grid](quantize_rows(x2) if quantized else x2, weight, scale, out, ws, count, m, n, k,
                              k_per_split, grid[2], BM=bm, BN=bn, BK=bk, QUANTIZED=quantized, SPLIT=grid[2] > 1,
-                             num_warps=warps, num_stages=stages)
+                             num_warps=warps, num_stages=stages, launch_pdl=pdl(x2.device))
     return out.view(*x.shape[:-1], n)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES
+from .common import _FLOAT_DTYPES, _wait_for_inputs, pdl
 
 
 # =============================================================================== rope
@@ -20,6 +20,7 @@ def _rope_kernel(x_ptr, rot_ptr, out_ptr, M, D, HEAD, P, INVERSE: tl.constexpr,
                  BH: tl.constexpr, BP: tl.constexpr):
     """One row of x (program axis 0 over N*M rows): copy its first HEAD channels, rotate the
     P interleaved pairs after them by the row's token rotation (cos, sin), fp32 math."""
+    _wait_for_inputs()
     row = tl.program_id(0).to(tl.int64)
     n = row // M
     base = row * D
@@ -58,5 +59,5 @@ def rope(x: torch.Tensor, rotation: torch.Tensor, inverse: bool) -> torch.Tensor
         head = d - 2 * p
         _rope_kernel[(rows,)](x3, rot, out, x3.shape[1], d, head, p, INVERSE=bool(inverse),
                               BH=max(16, triton.next_power_of_2(max(head, 1))),
-                              BP=max(16, triton.next_power_of_2(p)), num_warps=2)
+                              BP=max(16, triton.next_power_of_2(p)), num_warps=2, launch_pdl=pdl(x3.device))
     return out

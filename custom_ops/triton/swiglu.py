@@ -21,11 +21,12 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import _TL_DTYPE
+from .common import _TL_DTYPE, _wait_for_inputs, pdl
 
 
 @triton.jit
 def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, numel, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    _wait_for_inputs()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -50,5 +51,5 @@ def swiglu(gate, up, limit: float, *, block: int = 1024):
     if numel:
         _swiglu_kernel[(triton.cdiv(numel, block),)](
             gate, up, out, numel, float(limit), CLAMP=limit > 0, BLOCK=block, num_warps=4,
-            enable_fp_fusion=False)    # the product rounded alone, as torch's mul
+            enable_fp_fusion=False, launch_pdl=pdl(gate.device))    # the product rounded alone, as torch's mul
     return out
