@@ -12,6 +12,7 @@ scale loads, which a K loop issues one step ahead (_next_k).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -367,5 +368,9 @@ def pdl(device) -> bool:
     value = os.environ.get("V41GRAPH_PDL") or "1"
     if value not in ("0", "1"):
         raise ValueError(f"V41GRAPH_PDL must be '0' or '1', got {value!r}")
-    device = torch.device(device)
-    return value == "1" and device.type == "cuda" and _capability_at_least(device, 9, 0)
+    return value == "1" and _pdl_capable(torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device: torch.device) -> bool:     # once per device: pdl runs at every launch
+    return device.type == "cuda" and _capability_at_least(device, 9, 0)
