@@ -58,7 +58,7 @@ VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1",
             "v41graph-noP6", "v41graph-noRMS", "v41graph-inductor", "v41graph-bf16cache",
             "v41graph-engram-host", "v41graph-sorttopk", "v41graph-headsattn",
             "v41graph-tilesfp8", "v41graph-blocksfp8", "v41graph-torchrouting", "v41graph-moesplit",
-            "v41graph-torchgate", "v41graph-torchmhc", "v41graph-torchswiglu", "v41graph-nopdl")
+            "v41graph-torchgate", "v41graph-torchmhc", "v41graph-torchswiglu", "v41graph-pdl")
 # variant -> the environment it runs under (read by the CUDA ops at every call, so a capture
 # takes it): one kernel's share of the whole step, before / after in one run. sorttopk: the
 # indexer's top-k as the torch reference; headsattn: sparse attention by the head-tile kernel
@@ -68,7 +68,7 @@ VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1",
 # over programs (moe_fp4._split_k); torchgate: the MoE gate as torch ops (reference.moe_gate) instead
 # of its two kernels; torchmhc: mHC's two sides as torch ops (the Sinkhorn still one kernel) instead of
 # the mhc_pre / mhc_post kernels; torchswiglu: the shared expert's activation as torch ops instead of
-# the swiglu kernel; nopdl: our kernels launched without programmatic dependent launch
+# the swiglu kernel; pdl: our kernels launched with programmatic dependent launch
 VARIANT_ENV = {"v41graph-sorttopk": {"V41GRAPH_DISABLE_TRITON": "topk_ascending"},
                "v41graph-headsattn": {"V41GRAPH_ATTN_KERNEL": "heads"},
                "v41graph-tilesfp8": {"V41GRAPH_FP8_KERNEL": "tiles"},
@@ -78,7 +78,7 @@ VARIANT_ENV = {"v41graph-sorttopk": {"V41GRAPH_DISABLE_TRITON": "topk_ascending"
                "v41graph-torchgate": {"V41GRAPH_DISABLE_TRITON": "moe_gate"},
                "v41graph-torchmhc": {"V41GRAPH_DISABLE_TRITON": "mhc_pre,mhc_post"},
                "v41graph-torchswiglu": {"V41GRAPH_DISABLE_TRITON": "swiglu"},
-               "v41graph-nopdl": {"V41GRAPH_PDL": "0"}}
+               "v41graph-pdl": {"V41GRAPH_PDL": "1"}}
 DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",),
            "v41graph-noRMS": ("fuse_rmsnorm",)}
 # v41graph with its stream-free segments compiled by Inductor (compile(inductor_segments=True))

@@ -55,6 +55,8 @@ def test_pdl_switch(monkeypatch):
     pytest.importorskip("triton")
     from v41graph.custom_ops.triton.common import pdl
     monkeypatch.delenv("V41GRAPH_PDL", raising=False)
+    assert pdl("cpu") is False
+    monkeypatch.setenv("V41GRAPH_PDL", "1")
     assert pdl("cpu") is False                              # a CUDA launch attribute only
     monkeypatch.setenv("V41GRAPH_PDL", "yes")
     with pytest.raises(ValueError, match="V41GRAPH_PDL must be '0' or '1', got 'yes'"):

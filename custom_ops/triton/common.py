@@ -362,10 +362,11 @@ def _wait_for_inputs():
 
 
 def pdl(device) -> bool:
-    """Whether to launch with programmatic dependent launch on `device`: sm90+, unless
-    $V41GRAPH_PDL is "0" (the A/B switch of scripts/bench.py's v41graph-nopdl; read at every
-    launch, so a capture takes it)."""
-    value = os.environ.get("V41GRAPH_PDL") or "1"
+    """Whether to launch with programmatic dependent launch on `device`: sm90+ with
+    $V41GRAPH_PDL=1 (the A/B switch of scripts/bench.py's v41graph-pdl; read at every launch, so
+    a capture takes it). Off by default until a GPU run has timed it: the waits are compiled in
+    either way, and without the launch attribute they return at once."""
+    value = os.environ.get("V41GRAPH_PDL") or "0"
     if value not in ("0", "1"):
         raise ValueError(f"V41GRAPH_PDL must be '0' or '1', got {value!r}")
     return value == "1" and _pdl_capable(torch.device(device))
