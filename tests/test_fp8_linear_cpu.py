@@ -28,7 +28,8 @@ _SCRIPT = """
     # (kernel, config): BM or BT, BN, BK, split-K, warps, stages[, TMA]
     configs = [("tiles", (16, 32, 64, 1, 4, 3)), ("tiles", (16, 64, 128, 2, 4, 3)),
                ("skinny", (16, 64, 128, 1, 4, 3, False)), ("skinny", (16, 32, 64, 2, 4, 3, False)),
-               ("blocks", (8, 64, 128, 1, 4, 3, False)), ("blocks", (16, 32, 64, 4, 4, 3, False))]
+               ("blocks", (8, 64, 128, 1, 4, 3, False)), ("blocks", (16, 32, 64, 4, 4, 3, False)),
+               ("tiles", None)]      # the launch rule's config (20 rows: 64 x 64 tiles, split 2)
     for m in (1, 5, 20):
         for dtype in (torch.bfloat16, torch.float32):
             x = (torch.randn(m, k, generator=g) * 2).to(dtype)
@@ -36,7 +37,7 @@ _SCRIPT = """
             for kernel, config in configs:
                 got = quant_gemm.fp8_linear(x, w, s, dtype, config=config, kernel=kernel)
                 rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                print(kernel, m, str(dtype), config[3], rel)
+                print(kernel, m, str(dtype), config[3] if config else "rule", rel)
     # the split kernels share one count buffer (zeroed once) and leave it zeroed
     from v41graph.custom_ops.triton import common
     [counts] = [held for key, held in common._ZEROED.items() if key[0] == "tile_counts"]
@@ -57,7 +58,7 @@ _SCRIPT = """
 
 def test_fp8_linear_kernels_match_the_reference_in_triton_interpreter(tmp_path):
     rows = [line.split() for line in run_interpreted(_SCRIPT, tmp_path)]
-    assert len(rows) == 38, rows
+    assert len(rows) == 44, rows
     _, _, _, calls, rel = rows.pop()
     # the split calls ran on one buffer and left every tile count at zero (a count left
     # behind would also leave a later call's tiles unwritten: the rel checks below)
