@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e2m1_bytes_to_bf16, _e2m1_decode, _e4m3_pairs_to_bf16,
-                     _e8m0_to_bf16, _num_sms, _pow2, _wait_for_inputs, pdl)
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e2m1_bytes_to_bf16, _e2m1_decode, _e4m3_pairs_to_bf16, _e8m0_to_bf16,
+                     _num_sms, _pow2, _wait_for_inputs, pdl)
 
 
 # =============================================================================== sparse attention

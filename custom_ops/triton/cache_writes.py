@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (_FLOAT_DTYPES, _TL_DTYPE, _ceil_log2, _e2m1_decode, _e2m1_encode, _exp2i,
-                     _pow2, _program_rows, _rows, _wait_for_inputs, pdl)
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _ceil_log2, _e2m1_decode, _e2m1_encode, _exp2i, _pow2, _program_rows,
+                     _rows, _wait_for_inputs, pdl)
 
 
 # =============================================================================== cache writes

@@ -54,8 +54,8 @@ import triton
 import triton.language as tl
 
 from ..reference import pairs_by_expert
-from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_scales, _e8m0_to_fp32, _exp2i, _fp4_block_e4m3,
-                     _fp4_weight_tile, _next_k, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs, _wait_for_inputs, pdl)
+from .common import (_FLOAT_DTYPES, _TL_DTYPE, _e8m0_scales, _e8m0_to_fp32, _exp2i, _fp4_block_e4m3, _fp4_weight_tile,
+                     _next_k, _qdq_fp8_blocks, _quant_fp8_blocks, _split_pairs, _wait_for_inputs, pdl)
 from .quant_gemm import _block_k, fp8_capable, quantize_rows, quantize_rows_codes, tile_counts
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _FLOAT_DTYPES, _num_sms, _rows, zeroed_workspace, _wait_for_inputs, pdl
+from .common import _FLOAT_DTYPES, _num_sms, _rows, _wait_for_inputs, pdl, zeroed_workspace
 
 
 # =============================================================================== fused_wkv_rmsnorm

@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .common import (_FLOAT_DTYPES, _bf16_column_halves, _capability_at_least, _e4m3_pairs_to_bf16,
-                     _e8m0_scales, _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_weight_tile, _next_k, _num_sms,
-                     _qdq_fp8_blocks, _quant_fp8_blocks, _rows, _split_pairs, zeroed_workspace, _wait_for_inputs, pdl)
+from .common import (_FLOAT_DTYPES, _bf16_column_halves, _capability_at_least, _e4m3_pairs_to_bf16, _e8m0_scales,
+                     _e8m0_to_bf16, _e8m0_to_fp32, _exp2i, _fp8_weight_tile, _next_k, _num_sms, _qdq_fp8_blocks,
+                     _quant_fp8_blocks, _rows, _split_pairs, _wait_for_inputs, pdl, zeroed_workspace)
 
 _WARNED: set = set()
 
