@@ -214,8 +214,8 @@ def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_pe
     if n:
         _mhc_sinkhorn_kernel[(triton.cdiv(n, rows_per_program),)](
             m, scale.contiguous(), base.contiguous(), pre, post, comb, n, iters, eps,
-            HC=hc, BR=rows_per_program, num_warps=num_warps,
-            enable_fp_fusion=False, launch_pdl=pdl(m.device))   # m*s + b rounded twice, as the reference's two ops
+            HC=hc, BR=rows_per_program, num_warps=num_warps, launch_pdl=pdl(m.device),
+            enable_fp_fusion=False)   # m*s + b rounded twice, as the reference's two ops
     return pre, post, comb
 
 
@@ -396,6 +396,6 @@ def mhc_post(out, streams, post, comb, *, block: int = 512):
     if n:
         _mhc_expand_kernel[(n, triton.cdiv(d, block))](
             out.contiguous(), streams.contiguous(), post.contiguous(), comb.contiguous(), y, d, BD=block,
-            num_warps=4,
-            launch_pdl=pdl(out.device), enable_fp_fusion=False)   # products rounded before the adds, as the reference
+            num_warps=4, launch_pdl=pdl(out.device),
+            enable_fp_fusion=False)   # products rounded before the adds, as the reference
     return y

@@ -452,7 +452,7 @@ def combine_pairs(pairs: torch.Tensor, ids: torch.Tensor, n_experts: int, topk: 
     y = torch.empty((n, d), device=pairs.device, dtype=torch.float32)
     bd = 1024
     _combine_kernel[(n, triton.cdiv(d, bd))](pairs, ids, y, d, n_experts, K=topk, BD=bd, num_warps=4,
-    launch_pdl=pdl(pairs.device))
+                                             launch_pdl=pdl(pairs.device))
     return y
 
 
