@@ -105,7 +105,7 @@ KERNELS = {
     "sparse_attn_combine": ("attention", "_sparse_attn_combine_kernel",
                             {"ws_acc_ptr": "*fp32", "ws_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*i32",
                              "H": "i32", "n_split": "i32"},
-                            {"D": 512, "D2": 256, "BH": 8, "BD": 256, "NS": 2, "DTYPE": "bfloat16", "IS16": True},
+                            {"D": 512, "D2": 256, "BD": 256, "NS": 2, "DTYPE": "bfloat16", "IS16": True},
                             None, _TOKEN_KERNEL),
     # the MoE gate's partial dot products (16-bit inputs on the tensor cores)
     "moe_gate_partials": ("moe_gate", "_gate_partials_kernel",

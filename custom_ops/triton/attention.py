@@ -308,42 +308,43 @@ def _finish(acc_e, acc_o, m, l, n, sp, heads, hmask, hrow, sink_ptr, out_ptr, ws
 
 @triton.jit
 def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_split,
-                                D: tl.constexpr, D2: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-                                NS: tl.constexpr, DTYPE: tl.constexpr, IS16: tl.constexpr):
-    """The split partials of BH heads x BD (even, odd) column pairs of one token, NS splits
-    loaded at once (one memory round trip per NS splits, not one per split: at B = 1 the
-    per-split loop took ~29 us on the H100), rescaled to the largest m, summed, the sink term
-    added to the denominator."""
+                                D: tl.constexpr, D2: tl.constexpr, BD: tl.constexpr, NS: tl.constexpr,
+                                DTYPE: tl.constexpr, IS16: tl.constexpr):
+    """The split partials of one head of one token, BD (even, odd) column pairs: rescaled to the
+    largest m, added in split order, the sink term added to the denominator. One head per
+    program, so its (m, l) are scalars and every thread adds its own columns' shares: no
+    reduction or layout change across threads. (With 8 heads per program the splits' sums and
+    the per-head weights crossed threads: 72-192 shuffles and 12-17 block barriers a program in
+    the offline sm90 SASS, and the division ran 64 times a thread on replicated results.) The
+    splits are unrolled NS at a time, so a step's loads leave together: one memory round trip
+    per NS splits (a loop of one split per round trip took ~29 us at B = 1 on the H100)."""
     _wait_for_inputs()
-    n = tl.program_id(0)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    hmask = heads < H
-    mx = tl.full((BH,), -1e30, tl.float32)          # a split that saw no row: m = -inf, weight 0
+    n, h = tl.program_id(0), tl.program_id(1)
+    row0 = n.to(tl.int64) * n_split * H + h         # split 0's partial row; split s: + s * H
+    mx = tl.full((), -1e30, tl.float32)             # a split that saw no row: m = -inf, weight 0
     for s0 in range(0, n_split, NS):
-        sp = s0 + tl.arange(0, NS)
-        mask = (sp < n_split)[:, None] & hmask[None, :]                     # [NS, BH]
-        prow = (n.to(tl.int64) * n_split + sp[:, None]) * H + heads[None, :]
-        mx = tl.maximum(mx, tl.max(tl.load(ws_ml_ptr + prow * 2, mask=mask, other=-1e30), axis=0))
+        for j in tl.static_range(NS):
+            m_s = tl.load(ws_ml_ptr + (row0 + (s0 + j) * H) * 2, mask=s0 + j < n_split, other=-1e30)
+            mx = tl.maximum(mx, m_s)
     i = tl.program_id(2) * BD + tl.arange(0, BD)
-    l = tl.zeros((BH,), tl.float32)
-    acc_e = tl.zeros((BH, BD), tl.float32)
-    acc_o = tl.zeros((BH, BD), tl.float32)
+    l = tl.zeros((), tl.float32)
+    acc_e = tl.zeros((BD,), tl.float32)
+    acc_o = tl.zeros((BD,), tl.float32)
     for s0 in range(0, n_split, NS):
-        sp = s0 + tl.arange(0, NS)
-        mask = (sp < n_split)[:, None] & hmask[None, :]
-        prow = (n.to(tl.int64) * n_split + sp[:, None]) * H + heads[None, :]
-        wgt = tl.exp(tl.load(ws_ml_ptr + prow * 2, mask=mask, other=-1e30) - mx[None, :])
-        l += tl.sum(tl.load(ws_ml_ptr + prow * 2 + 1, mask=mask, other=0.0) * wgt, axis=0)
-        pa = ws_acc_ptr + prow[:, :, None] * D + i[None, None, :]
-        acc_e += tl.sum(tl.load(pa, mask=mask[:, :, None], other=0.0) * wgt[:, :, None], axis=0)
-        acc_o += tl.sum(tl.load(pa + D2, mask=mask[:, :, None], other=0.0) * wgt[:, :, None], axis=0)
-    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
-    l = l + tl.exp(sink - mx)
-    lb = tl.broadcast_to(l[:, None], [BH, BD])
-    oe = tl.math.div_rn(acc_e, lb)
-    oo = tl.math.div_rn(acc_o, lb)
-    hrow = n.to(tl.int64) * H + heads
-    _store_pairs(out_ptr, hrow * D + 2 * tl.program_id(2) * BD, hmask, oe, oo, BD, DTYPE, IS16)
+        for j in tl.static_range(NS):
+            live = s0 + j < n_split
+            prow = row0 + (s0 + j) * H
+            wgt = tl.exp(tl.load(ws_ml_ptr + prow * 2, mask=live, other=-1e30) - mx)
+            l += tl.load(ws_ml_ptr + prow * 2 + 1, mask=live, other=0.0) * wgt
+            pa = ws_acc_ptr + prow * D + i
+            acc_e += tl.load(pa, mask=live, other=0.0) * wgt
+            acc_o += tl.load(pa + D2, mask=live, other=0.0) * wgt
+    l += tl.exp(tl.load(sink_ptr + h).to(tl.float32) - mx)
+    oe = tl.math.div_rn(acc_e, l)
+    oo = tl.math.div_rn(acc_o, l)
+    # _store_pairs takes a [rows] offset vector and [rows, pairs] halves: here one row
+    row = tl.zeros((1,), tl.int64) + (n.to(tl.int64) * H + h) * D + 2 * tl.program_id(2) * BD
+    _store_pairs(out_ptr, row, row >= 0, oe[None, :], oo[None, :], BD, DTYPE, IS16)
 
 
 @triton.jit
@@ -603,19 +604,19 @@ def _split_workspace(out, n, n_split, h, d):
             torch.empty((n, n_split, h, 2), dtype=torch.float32, device=out.device))
 
 
-# The combine's program: 8 heads x 32 (even, odd) column pairs for a few tokens (B = 1, 64 heads,
-# D = 512: 64 programs), all D/2 pairs above COMBINE_NARROW_TOKENS tokens (B = 64: 512 programs);
-# splits x pairs loaded at once up to COMBINE_TILE per head (16 splits x 32 pairs, 2 x 256: 167
-# registers offline for sm90, no spill; 16 x 256 spills). Not yet timed on a GPU (twenty-sixth
-# session).
-COMBINE_HEADS, COMBINE_PAIRS, COMBINE_TILE, COMBINE_NARROW_TOKENS = 8, 32, 512, 8
+# The combine's program: one head of one token, 64 (even, odd) column pairs at a few tokens (B = 1,
+# 64 heads, D = 512: 256 programs), all D/2 pairs above COMBINE_NARROW_TOKENS tokens (B = 64:
+# 4096 programs), a warp per 64 pairs; up to COMBINE_SPLITS splits unrolled a step. Offline for
+# sm90 (thirty-second session): no shuffle or barrier, far fewer instructions and registers than the
+# 8-head program it replaced (docs/BENCHMARKS.md). Not yet timed on a GPU.
+COMBINE_PAIRS, COMBINE_SPLITS, COMBINE_NARROW_TOKENS = 64, 16, 8
 
 
 def _combine_splits(ws_acc, ws_ml, sink, out, n, h, d, n_split, dtl, is16):
     if n_split == 1:
         return
     bd = min(COMBINE_PAIRS, d // 2) if n <= COMBINE_NARROW_TOKENS else d // 2
-    _sparse_attn_combine_kernel[(n, triton.cdiv(h, COMBINE_HEADS), d // 2 // bd)](
-        ws_acc, ws_ml, sink, out, h, n_split, D=d, D2=d // 2, BH=COMBINE_HEADS, BD=bd,
-        NS=min(triton.next_power_of_2(n_split), max(1, COMBINE_TILE // bd)), DTYPE=dtl, IS16=is16, num_warps=4,
-        launch_pdl=pdl(ws_acc.device))
+    _sparse_attn_combine_kernel[(n, h, d // 2 // bd)](
+        ws_acc, ws_ml, sink, out, h, n_split, D=d, D2=d // 2, BD=bd,
+        NS=min(triton.next_power_of_2(n_split), COMBINE_SPLITS), DTYPE=dtl, IS16=is16,
+        num_warps=max(1, min(4, bd // 64)), launch_pdl=pdl(ws_acc.device))
