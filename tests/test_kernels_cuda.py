@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.cuda,
 triton = pytest.importorskip("triton")
 
 import v41graph.custom_ops  # noqa: E402,F401  (registers the ops and the CUDA kernels)
+from cuda_graphs import capture  # noqa: E402
 from v41graph.custom_ops import codecs, reference as ref  # noqa: E402
 from v41graph.custom_ops.triton import attention, cache_writes, engram, indexer, norms, rope  # noqa: E402
 
@@ -188,14 +189,7 @@ def test_fused_wkv_rmsnorm_cuda_graph_replay():
     w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16().to(DEV)
     nw = (torch.rand(n, generator=g) + 0.5).to(DEV)
     x = torch.randn(m, k, generator=g).bfloat16().to(DEV)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ops.fused_wkv_rmsnorm(x, w, nw, 1e-20)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.fused_wkv_rmsnorm(x, w, nw, 1e-20)
+    graph, out = capture(lambda: ops.fused_wkv_rmsnorm(x, w, nw, 1e-20))
     for i in range(3):
         x.copy_(torch.randn(m, k, generator=g).bfloat16())
         graph.replay()

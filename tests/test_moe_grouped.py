@@ -23,6 +23,7 @@ import torch
 
 import v41graph
 from compile_harness import PassHarness
+from cuda_graphs import capture
 from v41graph.model.layers import default_dtype
 from v41graph.model.model import V41Model, init_random_, init_random_weights_
 from v41graph.model.moe import MoE, grouped_mm_emulated, pack_moe_experts_, set_moe_impl
@@ -362,15 +363,8 @@ def test_cuda_graph_capture_and_replay():
     m.pack_experts_()
     n = 8
     x = torch.zeros(n, 64, device="cuda", dtype=torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(s):
-        for _ in range(2):
-            m(x)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        out, chosen = m(x)
+    with torch.no_grad():
+        graph, (out, chosen) = capture(lambda: m(x), warmups=2)
     for seed, bias in ((40, None), (41, None), (42, [50.0, -50.0, -50.0, 50.0])):
         if bias is not None:
             with torch.no_grad():

@@ -70,6 +70,7 @@ def test_captured_chain_with_pdl_equals_the_chain_without(monkeypatch):
     PDL (where the GPU has it) and replayed 20 times, against eager launches without PDL. A
     kernel reading before its producer finished would show as different bits."""
     pytest.importorskip("triton")
+    from cuda_graphs import capture
     from v41graph.custom_ops.triton import norms, quant_gemm, swiglu
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(8, 2048, device="cuda", generator=g).bfloat16()
@@ -87,14 +88,7 @@ def test_captured_chain_with_pdl_equals_the_chain_without(monkeypatch):
     monkeypatch.setenv("V41GRAPH_PDL", "0")
     want = chain()
     monkeypatch.setenv("V41GRAPH_PDL", "1")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()                                            # compile the PDL launches off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = chain()
+    graph, got = capture(chain)
     for _ in range(20):
         graph.replay()
         torch.cuda.synchronize()

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.cuda,
 triton = pytest.importorskip("triton")
 
 import v41graph.custom_ops  # noqa: E402,F401  (registers the ops and the CUDA kernels)
+from cuda_graphs import capture  # noqa: E402
 from v41graph.custom_ops import reference as ref  # noqa: E402
 from v41graph.custom_ops.triton import moe_fp4, quant_gemm  # noqa: E402
 
@@ -341,14 +342,7 @@ def test_released_ops_capture_replay_bit_identical():
         return ops.fp8_linear(x, w, s, torch.bfloat16), ops.mxfp4_moe(xm, weights, chosen, w13, s13, w2, s2, 10.0)
 
     eager = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()                                            # warm-up (Triton JIT) off the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture(step)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
