@@ -241,9 +241,9 @@ def bench_writes(tk, bw, quick):
 
 # =============================================================================== sparse attention
 def bench_attention(tk, bw, quick, tile_rows=(16, 32, 64), tile_stages=(1, 2, 3), batches=()):
+    import triton.language as tl
     from v41graph import custom_ops  # noqa: F401
     from v41graph.custom_ops import codecs
-    import triton.language as tl
     from v41graph.custom_ops import reference as ref
     h, d, w, kg = 64, 512, 128, 512
     scale = d ** -0.5

@@ -35,8 +35,8 @@ import collections
 import re
 import subprocess
 import sys
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
