@@ -16,6 +16,7 @@ if [ "${SKIP_TESTS:-0}" = "0" ]; then
     python3 -m pytest -m cuda -v -p no:cacheprovider -p no:logging --tb=short \
         tests/test_compiler_cuda.py tests/test_fake_quant.py tests/test_mhc_sinkhorn.py \
         tests/test_moe_grouped.py tests/test_decode_metadata.py tests/test_ratio2_kernel.py tests/test_kernels_cuda.py \
+        tests/test_quant_gemm_cuda.py tests/test_pdl.py \
         > "$OUT/cuda_tests.log" 2>&1
     tail -25 "$OUT/cuda_tests.log"
 fi
