@@ -312,12 +312,10 @@ def _sparse_attn_combine_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, out_ptr, H, n_s
                                 DTYPE: tl.constexpr, IS16: tl.constexpr):
     """The split partials of one head of one token, BD (even, odd) column pairs: rescaled to the
     largest m, added in split order, the sink term added to the denominator. One head per
-    program, so its (m, l) are scalars and every thread adds its own columns' shares: no
-    reduction or layout change across threads. (With 8 heads per program the splits' sums and
-    the per-head weights crossed threads: 72-192 shuffles and 12-17 block barriers a program in
-    the offline sm90 SASS, and the division ran 64 times a thread on replicated results.) The
-    splits are unrolled NS at a time, so a step's loads leave together: one memory round trip
-    per NS splits (a loop of one split per round trip took ~29 us at B = 1 on the H100)."""
+    program, so its (m, l) are scalars and every thread adds its own columns' shares: nothing
+    crosses threads (several heads per program took block barriers and shuffles; see
+    docs/BENCHMARKS.md, thirty-second session). The splits are unrolled NS at a time, so a
+    step's loads leave together: one round trip per NS splits, not per split."""
     _wait_for_inputs()
     n, h = tl.program_id(0), tl.program_id(1)
     row0 = n.to(tl.int64) * n_split * H + h         # split 0's partial row; split s: + s * H

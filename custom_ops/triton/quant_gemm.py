@@ -336,7 +336,7 @@ def _fp8_linear_prefill(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     bk = _block_k(k, 128)
     dense = torch.empty((n, k), device=x2.device, dtype=torch.bfloat16)
     _fp8_dequant_kernel[(triton.cdiv(n, 64), k // bk)](weight, scale, dense, n, k, BN=64, BK=bk, num_warps=4,
-    launch_pdl=pdl(weight.device))
+                                                       launch_pdl=pdl(weight.device))
     return torch.nn.functional.linear(quantize_rows(x2), dense)
 
 
