@@ -12,7 +12,7 @@ the next capture.
 
 Registered: fused_wkv_rmsnorm, rms_norm, rope, window_kv_write, global_kv_write, index_k_write,
 sparse_attention, engram_gather, mhc_sinkhorn, mhc_pre and mhc_post (the mHC residual's two sides),
-fake_quant, moe_gate (the router), swiglu (the shared expert's activation), fp8_linear and
+mhc_predict and mhc_collapse (mhc_pre in two, for the P9 side stream), fake_quant, moe_gate (the router), swiglu (the shared expert's activation), fp8_linear and
 mxfp4_moe (the released weight formats, dequantized in registers), fused_ratio2_compressor(_update)
 (cuBLAS projections + one Triton kernel for pooling, RMSNorm and the state-ring write); indexer_topk and
 indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place
@@ -104,6 +104,10 @@ def _mhc_pre_torch(streams, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_e
 
 
 _register_triton_first("mhc_pre", "mhc", 6, _mhc_pre_torch)
+_register_triton_first("mhc_predict", "mhc", 5, lambda streams, fn, scale, base, hc, iters, hc_eps, norm_eps:
+                       torch.ops.v41graph.mhc_sinkhorn(ref.mhc_mixes(streams, fn, norm_eps), scale, base, hc,
+                                                       iters, hc_eps))
+_register_triton_first("mhc_collapse", "mhc", 2, ref.mhc_collapse)
 _register_triton_first("mhc_post", "mhc", 4, ref.mhc_post)
 _register_triton_first("fake_quant", "cache_writes", 3, fake_quant_reference)
 _register_triton_first("fp8_linear", "quant_gemm", 3, ref.fp8_linear)

@@ -375,14 +375,20 @@ def _(mixes, scale, base, hc, iters, eps):
             mixes.new_empty((*lead, hc, hc)))
 
 
-def _check_mhc_pre(streams, pre_prev, fn, hc) -> None:
+def _check_mhc_predictor(op, streams, fn, hc) -> None:
+    if streams.dim() < 2 or streams.shape[-2] != hc:
+        raise ValueError(f"{op}: streams must be [..., hc={hc}, d], got {tuple(streams.shape)}")
     d = streams.shape[-1]
-    if streams.dim() < 2 or streams.shape[-2] != hc or tuple(pre_prev.shape) != tuple(streams.shape[:-1]):
+    if tuple(fn.shape) != ((2 + hc) * hc, hc * d):
+        raise ValueError(f"{op}: fn shape {tuple(fn.shape)} != ({(2 + hc) * hc}, {hc * d}) "
+                         f"((2 + hc) * hc mixes over hc * d = the flattened streams)")
+
+
+def _check_mhc_pre(streams, pre_prev, fn, hc) -> None:
+    _check_mhc_predictor("mhc_pre", streams, fn, hc)
+    if tuple(pre_prev.shape) != tuple(streams.shape[:-1]):
         raise ValueError(f"mhc_pre: streams must be [..., hc={hc}, d] and pre_prev [..., {hc}], got "
                          f"{tuple(streams.shape)} and {tuple(pre_prev.shape)}")
-    if tuple(fn.shape) != ((2 + hc) * hc, hc * d):
-        raise ValueError(f"mhc_pre: fn shape {tuple(fn.shape)} != ({(2 + hc) * hc}, {hc * d}) "
-                         f"((2 + hc) * hc mixes over hc * d = the flattened streams)")
 
 
 @custom_op(f"{_NS}::mhc_pre", mutates_args=())
@@ -403,6 +409,44 @@ def _(streams, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps):
     f32 = torch.float32
     return (streams.new_empty((*lead, streams.shape[-1])), streams.new_empty((*lead, hc), dtype=f32),
             streams.new_empty((*lead, hc), dtype=f32), streams.new_empty((*lead, hc, hc), dtype=f32))
+
+
+def _check_mhc_collapse(streams, pre) -> None:
+    if streams.dim() < 2 or tuple(pre.shape) != tuple(streams.shape[:-1]):
+        raise ValueError(f"mhc_collapse: streams must be [..., hc, d] and pre [..., hc], got "
+                         f"{tuple(streams.shape)} and {tuple(pre.shape)}")
+
+
+@custom_op(f"{_NS}::mhc_collapse", mutates_args=())
+def mhc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """mhc_pre's first output alone: the streams collapsed with pre, in their dtype
+    (reference.mhc_collapse). With mhc_predict it is what passes/mhc_side_stream.py splits
+    mhc_pre into; on CUDA one launch with the arithmetic of mhc_pre's kernel, so the same bits."""
+    _check_mhc_collapse(streams, pre)
+    return ref.mhc_collapse(streams, pre)
+
+
+@mhc_collapse.register_fake
+def _(streams, pre):
+    _check_mhc_collapse(streams, pre)
+    return streams.new_empty((*streams.shape[:-2], streams.shape[-1]))
+
+
+@custom_op(f"{_NS}::mhc_predict", mutates_args=())
+def mhc_predict(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mhc_pre's (pre, post, comb) alone, the sub-layer's own predictor (reference.mhc_predict);
+    on CUDA mhc_pre's two launches without the collapse, so the same bits."""
+    _check_mhc_predictor("mhc_predict", streams, fn, hc)
+    return ref.mhc_predict(streams, fn, scale, base, hc, iters, hc_eps, norm_eps)
+
+
+@mhc_predict.register_fake
+def _(streams, fn, scale, base, hc, iters, hc_eps, norm_eps):
+    _check_mhc_predictor("mhc_predict", streams, fn, hc)
+    lead, f32 = streams.shape[:-2], torch.float32
+    return (streams.new_empty((*lead, hc), dtype=f32), streams.new_empty((*lead, hc), dtype=f32),
+            streams.new_empty((*lead, hc, hc), dtype=f32))
 
 
 def _check_mhc_post(out, streams, post, comb) -> None:

@@ -498,8 +498,14 @@ def mhc_pre(streams: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, sca
     """A sub-layer's mHC input side (MODEL.md §3): its input, the collapse of the streams
     [..., hc, d] with the previous predictor's pre_prev [..., hc], and its own predictor's
     (pre, post, comb): mhc_sinkhorn of mhc_mixes."""
-    return (mhc_collapse(streams, pre_prev), *mhc_sinkhorn(mhc_mixes(streams, fn, norm_eps), scale, base, hc,
-                                                           iters, hc_eps))
+    return (mhc_collapse(streams, pre_prev), *mhc_predict(streams, fn, scale, base, hc, iters, hc_eps, norm_eps))
+
+
+def mhc_predict(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                iters: int, hc_eps: float, norm_eps: float):
+    """A sub-layer's own predictor alone (pre, post, comb): mhc_pre without the collapse. It
+    does not read pre_prev, so it can run beside the sub-layer (passes/mhc_side_stream.py)."""
+    return mhc_sinkhorn(mhc_mixes(streams, fn, norm_eps), scale, base, hc, iters, hc_eps)
 
 
 def mhc_mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:

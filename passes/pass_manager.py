@@ -2,8 +2,9 @@
 logs and dumps what each did.
 
 Order: cleanup -> fusions (P1, then the remaining RMSNorms) -> defunctionalize -> P1's state-write
-fold (it needs the in-place write) -> stream passes (P4, P6) -> P8 collective overlap -> stream
-check. Fusions run before the stream passes so that no fusion can straddle a stream boundary;
+fold (it needs the in-place write) -> stream passes (P4, P6, and P9 when asked for) -> P8
+collective overlap -> stream check. P9 (`mhc_side_stream`) is opt-in (OPT_IN): it runs only when
+named in `passes`, e.g. `passes=(*DEFAULT_PASSES, "P9")`, until a GPU run has timed it. Fusions run before the stream passes so that no fusion can straddle a stream boundary;
 P8 only reorders inside the stretches between cache writes and stream / event ops, so it runs
 after P4 / P6 and sees their final regions; the stream check runs last and rejects a graph with
 unjoined side work.
@@ -30,19 +31,23 @@ from .fuse_ratio2_state_write import FuseRatio2StateWrite
 from .fuse_rmsnorm import FuseRMSNorm
 from .fuse_wkv_rmsnorm import FuseWkvRMSNorm
 from .hoist_engram import HoistEngram
+from .mhc_side_stream import MhcSideStream
 from .overlap_collectives import OverlapCollectives
 from .stream_check import StreamCheck
 
 PASS_CLASSES = {cls.name: cls for cls in
                 (Cleanup, FuseWkvRMSNorm, FusePoolRMSNorm, FuseRMSNorm, Defunctionalize,
-                 FuseRatio2StateWrite, HoistEngram, DualStream, OverlapCollectives, StreamCheck)}
-DEFAULT_PASSES = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize",
-                  "fuse_ratio2_state_write", "hoist_engram", "dual_stream", "overlap_collectives",
-                  "stream_check")
+                 FuseRatio2StateWrite, HoistEngram, DualStream, MhcSideStream, OverlapCollectives, StreamCheck)}
+PASS_ORDER = ("cleanup", "fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm", "defunctionalize",
+              "fuse_ratio2_state_write", "hoist_engram", "dual_stream", "mhc_side_stream", "overlap_collectives",
+              "stream_check")
+OPT_IN = ("mhc_side_stream",)
+DEFAULT_PASSES = tuple(n for n in PASS_ORDER if n not in OPT_IN)
 
 
 def resolve_passes(passes=None, disable=()) -> list[str]:
-    """The ordered pass names to run, after validating every name the user gave."""
+    """The ordered pass names to run, after validating every name the user gave: `passes` (the
+    defaults when None; `(*DEFAULT_PASSES, "P9")` adds the opt-in P9) minus `disable`."""
     names = expand_aliases(DEFAULT_PASSES if passes is None else passes)
     disable = expand_aliases(disable)
     for n in names + disable:
@@ -51,7 +56,7 @@ def resolve_passes(passes=None, disable=()) -> list[str]:
                              f"(aliases {alias_text()})")
     if "stream_check" in disable:
         raise ValueError("stream_check only validates the graph and cannot be switched off")
-    ordered = [n for n in DEFAULT_PASSES if n in names and n not in disable]
+    ordered = [n for n in PASS_ORDER if n in names and n not in disable]
     if "stream_check" not in ordered:
         ordered.append("stream_check")
     return ordered

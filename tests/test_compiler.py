@@ -195,6 +195,49 @@ def test_mhc_one_op_per_side(tiny, traced):
                     and n.args[0].meta["val"].shape[-1] == width]
 
 
+def test_p9_puts_every_mhc_predictor_on_the_mhc_side_stream(tiny, traced):
+    """The opt-in P9 splits each of the 20 mhc_pre nodes into mhc_collapse on the main stream and
+    mhc_predict on side stream "mhc", one fork/join per sub-layer, joined before the sub-layer's
+    mhc_post (the first reader of post and comb); the stream check accepts the graph."""
+    vb, *_ = traced
+    with_p9 = (*ALL, "mhc_side_stream")
+    assert resolve_passes(with_p9) == [*ALL[:-2], "mhc_side_stream", *ALL[-2:]]
+    assert "mhc_side_stream" not in resolve_passes() and resolve_passes((*ALL, "P9")) == resolve_passes(with_p9)
+    sides = 2 * len(tiny.layers)
+    for idx in (0, 1):
+        g = vb.passed(idx, with_p9)
+        assert count_ops(g, ops.mhc_pre.default) == 0
+        assert count_ops(g, ops.mhc_collapse.default) == count_ops(g, ops.mhc_predict.default) == sides == 20
+        nodes = list(g.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        for n in nodes:
+            if n.target is ops.mhc_collapse.default:
+                assert n.meta[STREAM_KEY] == "main"
+            elif n.target is ops.mhc_predict.default:
+                assert n.meta[STREAM_KEY] == "aux:mhc"
+                tag = n.meta["side_tag"]
+                readers = [u for item in n.users for u in item.users]
+                assert readers and all(r.meta.get(STREAM_KEY, "main") == "main" for r in readers)
+                join = next(w for w in nodes if w.target is ops.event_wait.default and w.args[0] == f"join:{tag}")
+                post = next(r for r in readers if r.target is ops.mhc_post.default)
+                assert order[join] < min(order[r] for r in readers) and order[join] < order[post]
+        forks = [n for n in nodes if n.target is ops.event_record.default and str(n.args[0]).startswith("fork:mhc.")]
+        assert len(forks) == sides
+
+
+def test_p9_changes_no_value(tiny, traced):
+    """P9 moves work between streams and changes no arithmetic: prefill + 16 decode steps give
+    the same logits bit for bit with and without it (on the CPU the stream ops are no-ops, so
+    this checks the rewiring: a swapped pre / post / comb or collapse input would show)."""
+    vb, fn, prompt = traced
+    with vb.using(ALL):
+        plain = [b for _, b in _run(tiny, fn, prompt, steps=8)]
+    with vb.using((*ALL, "mhc_side_stream")):
+        split = [b for _, b in _run(tiny, fn, prompt, steps=8)]
+    assert {k[0] for k in vb.variants if "mhc_side_stream" in k[1]} == {0, 1}     # both graphs ran split
+    assert all(torch.equal(a, b) for a, b in zip(plain, split))
+
+
 def test_shared_expert_activation_is_one_op(tiny, traced):
     """Each layer's shared expert runs its clamped SwiGLU as one swiglu node (not its seven
     casts, clamps, silu and product); the routed experts on this CPU path (the loop, each

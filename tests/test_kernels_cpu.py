@@ -365,6 +365,12 @@ _MHC_PRE_POST_SCRIPT = """
                                   config=dict(BM=16, BK=32, split=split))
                 coef = max(float((a - b).abs().max()) for a, b in zip(got[1:], want[1:]))
                 print("pre", str(dtype), n, split, bool(torch.equal(got[0], want[0])), coef)
+                # mhc_pre split in two (the P9 side stream): the same bits as mhc_pre's kernels
+                predicted = mhc.mhc_predict(streams, fn, scale, base, hc, 20, 1e-6, 1e-6,
+                                            config=dict(BM=16, BK=32, split=split))
+                collapsed = mhc.mhc_collapse(streams, pre_prev, block=64)
+                same = torch.equal(collapsed, got[0]) and all(torch.equal(a, b) for a, b in zip(predicted, got[1:]))
+                print("split", str(dtype), n, split, bool(same), 0.0)
             out = torch.randn(n, d, generator=g).to(dtype)
             post, comb = torch.rand(n, hc, generator=g) * 2, torch.rand(n, hc, hc, generator=g)
             for block in (32, 128):
@@ -390,9 +396,12 @@ def test_mhc_pre_and_post_kernels_in_triton_interpreter(tmp_path):
     and the expand bit for bit (the same fp32 products and sums in the same order), pre, post
     and comb within 1e-5 (the dot products sum in another order); bf16 and fp32 streams, one
     slice and four, two row blocks with a tail, column blocks narrower than d; 5 and 40 slices
-    of a wider d (the finish's one chunk, masked, and two chunks of 32, the second masked)."""
+    of a wider d (the finish's one chunk, masked, and two chunks of 32, the second masked). And
+    mhc_pre split in two, mhc_collapse + mhc_predict (passes/mhc_side_stream.py), bit for bit
+    against mhc_pre's kernels."""
     rows = [line.split() for line in run_interpreted(_MHC_PRE_POST_SCRIPT, tmp_path)]
-    assert len(rows) == 27, rows
+    assert len(rows) == 39, rows
+    assert sum(r[0] == "split" for r in rows) == 12, rows
     assert all(r[4] == "True" and float(r[5]) < 1e-5 for r in rows), rows
 
 

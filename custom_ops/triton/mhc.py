@@ -8,6 +8,10 @@
                       read of the streams, K-sliced partials, then a finish that runs the
                       Sinkhorn of its tokens in the same program: two launches instead of ~13
                       torch kernels.
+  mhc_predict         mhc_pre without the collapse, and
+  mhc_collapse        the collapse alone (one launch): what passes/mhc_side_stream.py splits
+                      mhc_pre into, the predictor on a side stream; the same arithmetic, so the
+                      same bits.
   mhc_post            the expand (post * out + comb^T . streams): one launch instead of five.
 
 It uses libdevice.exp (the accurate exp), which Triton's CPU interpreter cannot run.
@@ -221,14 +225,44 @@ def mhc_sinkhorn(mixes, scale, base, hc: int, iters: int, eps: float, *, rows_pe
 
 # =============================================================================== predictor + collapse
 @triton.jit
+def _collapse_step(collapsed, pre_ptr, rows, rmask, c: tl.constexpr, xc, HC: tl.constexpr):
+    """The collapse after stream c: pre[row, c] * x[row, c, :] (fp32, rounded before the add:
+    the kernels launch without FMA contraction) added to the streams before it, in stream
+    order. One place for mhc_pre's and mhc_collapse's arithmetic, so the two give the same bits."""
+    weighted = tl.load(pre_ptr + rows * HC + c, mask=rmask, other=0.0)[:, None] * xc
+    if c == 0:
+        return weighted
+    return collapsed + weighted
+
+
+@triton.jit
+def _mhc_collapse_kernel(x_ptr, pre_ptr, out_ptr, N, D: tl.constexpr, HC: tl.constexpr, BM: tl.constexpr,
+                         BK: tl.constexpr):
+    """Program (row block, column block): sum_c pre[row, c] * x[row, c, :] of BM tokens' BK
+    columns (_collapse_step), stored in x's dtype."""
+    _wait_for_inputs()
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < N
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = rmask[:, None] & (k < D)[None, :]
+    xrow = x_ptr + rows.to(tl.int64)[:, None] * (HC * D)
+    collapsed = tl.zeros((BM, BK), tl.float32)
+    for c in tl.static_range(HC):
+        xc = tl.load(xrow + c * D + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        collapsed = _collapse_step(collapsed, pre_ptr, rows, rmask, c, xc, HC)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + k[None, :], collapsed.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _mhc_partials_kernel(x_ptr, pre_ptr, fn_ptr, part_ptr, out_ptr, N, D: tl.constexpr, HC: tl.constexpr,
                          MIX: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                         BMIX: tl.constexpr):
+                         BMIX: tl.constexpr, COLLAPSE: tl.constexpr):
     """Program (row block, column slice s): columns s*COLS .. +COLS of every stream of BM tokens
     (streams x [N, HC, D]). The predictor's partial sums over them: the MIX dot products with
     fn [MIX, HC*D] (fp32 FMA dots) and the sum of squares, to part[s, row, :MIX] and
-    part[s, row, MIX]; and the collapse of these columns, sum_c pre[row, c] * x[row, c, :] in
-    fp32 added in stream order, stored in x's dtype."""
+    part[s, row, MIX]; and (COLLAPSE; mhc_predict has none) the collapse of these columns,
+    _collapse_step's."""
     _wait_for_inputs()
     pm, s = tl.program_id(0), tl.program_id(1)
     rows = pm * BM + tl.arange(0, BM)
@@ -246,13 +280,11 @@ def _mhc_partials_kernel(x_ptr, pre_ptr, fn_ptr, part_ptr, out_ptr, N, D: tl.con
             squares += xc * xc
             w = tl.load(fn_ptr + j[:, None] * (HC * D) + c * D + k[None, :], mask=jmask[:, None], other=0.0)
             acc = tl.dot(xc, tl.trans(w), acc, input_precision="ieee")
-            weighted = tl.load(pre_ptr + rows * HC + c, mask=rmask, other=0.0)[:, None] * xc
-            if c == 0:
-                collapsed = weighted
-            else:
-                collapsed = collapsed + weighted
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + k[None, :], collapsed.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None])
+            if COLLAPSE:
+                collapsed = _collapse_step(collapsed, pre_ptr, rows, rmask, c, xc, HC)
+        if COLLAPSE:
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + k[None, :],
+                     collapsed.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
     at = part_ptr + (s * N + rows)[:, None] * BMIX
     acc = tl.where(j[None, :] == MIX, tl.sum(squares, axis=1)[:, None], acc)
     tl.store(at + j[None, :], acc, mask=rmask[:, None] & (j[None, :] <= MIX))
@@ -316,13 +348,17 @@ def _mhc_expand_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, BD: tl.cons
         _expand_stream(post_ptr, comb_ptr, row, c, o, x0, x1, x2, x3, y_ptr, k, kmask, D)
 
 
-def mhc_pre_supported(streams, pre_prev, fn, scale, base, hc: int) -> bool:
+def mhc_predict_supported(streams, fn, scale, base, hc: int) -> bool:
     f32 = torch.float32
     return (streams.is_cuda and streams.dim() == 3 and streams.shape[1] == hc and streams.dtype in _TL_DTYPE
-            and pre_prev.dtype == f32 and pre_prev.shape == streams.shape[:2] and fn.dtype == f32
-            and fn.shape == ((2 + hc) * hc, hc * streams.shape[2]) and streams.shape[2] % 32 == 0
-            and scale.dtype == base.dtype == f32 and scale.is_cuda and base.is_cuda and hc == 4
-            and base.numel() == (2 + hc) * hc and scale.numel() >= 3)
+            and fn.dtype == f32 and fn.shape == ((2 + hc) * hc, hc * streams.shape[2])
+            and streams.shape[2] % 32 == 0 and scale.dtype == base.dtype == f32 and scale.is_cuda
+            and base.is_cuda and hc == 4 and base.numel() == (2 + hc) * hc and scale.numel() >= 3)
+
+
+def mhc_pre_supported(streams, pre_prev, fn, scale, base, hc: int) -> bool:
+    return (mhc_predict_supported(streams, fn, scale, base, hc) and pre_prev.dtype == torch.float32
+            and pre_prev.shape == streams.shape[:2])
 
 
 def pre_config(n: int, d: int, device) -> dict:
@@ -348,12 +384,44 @@ def finish_config(split: int, bmix: int, ch: int | None = None) -> dict:
     return dict(CH=ch, BR=br, num_warps=8 if ch * bmix * br > 4096 else 4)
 
 
+def mhc_collapse_supported(streams, pre) -> bool:
+    return (streams.is_cuda and streams.dim() == 3 and streams.dtype in _TL_DTYPE and pre.dtype == torch.float32
+            and pre.shape == streams.shape[:2] and pre.is_cuda)
+
+
 def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float,
             *, config: dict | None = None):
     """streams [N, hc, d], pre_prev [N, hc] fp32, fn [(2+hc)*hc, hc*d] fp32 -> (the collapse
     [N, d] in the streams' dtype, pre [N, hc], post [N, hc], comb [N, hc, hc]): two launches
     (partials + collapse, then finish + Sinkhorn). config: pre_config's keys (BM, BK, split),
     and optionally the finish's CH (slices per chunk; tests)."""
+    n, _, d = streams.shape
+    collapsed = torch.empty((n, d), dtype=streams.dtype, device=streams.device)
+    return (collapsed, *_predict(streams, pre_prev, collapsed, fn, scale, base, hc, iters, hc_eps, norm_eps, config))
+
+
+def mhc_predict(streams, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float,
+                *, config: dict | None = None):
+    """mhc_pre's (pre, post, comb) alone: its two launches without the collapse, same bits."""
+    return _predict(streams, None, None, fn, scale, base, hc, iters, hc_eps, norm_eps, config)
+
+
+def mhc_collapse(streams, pre, *, block: int = 512):
+    """streams [N, hc, d], pre [N, hc] fp32 -> sum_c pre[:, c] * streams[:, c] [N, d] in the
+    streams' dtype: one launch, mhc_pre's collapse arithmetic (_collapse_step)."""
+    n, hc, d = streams.shape
+    out = torch.empty((n, d), dtype=streams.dtype, device=streams.device)
+    if n:
+        bm = 1 if n < 16 else 4
+        _mhc_collapse_kernel[(triton.cdiv(n, bm), triton.cdiv(d, block))](
+            streams.contiguous(), pre.contiguous(), out, n, D=d, HC=hc, BM=bm, BK=block, num_warps=4,
+            launch_pdl=pdl(streams.device), enable_fp_fusion=False)     # products rounded, as the reference
+    return out
+
+
+def _predict(streams, pre_prev, collapsed, fn, scale, base, hc, iters, hc_eps, norm_eps, config):
+    """The predictor's two launches (partials, then finish + Sinkhorn) -> (pre, post, comb); the
+    partials kernel also writes the collapse with pre_prev into `collapsed` unless it is None."""
     n, _, d = streams.shape
     mix = (2 + hc) * hc
     cfg = dict(config or pre_config(n, d, streams.device))
@@ -362,22 +430,23 @@ def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: flo
         raise ValueError(f"mhc_pre: hidden size {d} is not {split} slices of whole {cfg['BK']}-column steps")
     x = streams.contiguous()
     f32 = dict(dtype=torch.float32, device=streams.device)
-    collapsed = torch.empty((n, d), dtype=streams.dtype, device=streams.device)
     mixes = torch.empty((n, mix), **f32)
     pre, post, comb = torch.empty((n, hc), **f32), torch.empty((n, hc), **f32), torch.empty((n, hc, hc), **f32)
     if n:
         bmix = triton.next_power_of_2(mix + 1)
         partials = torch.empty((split, n, bmix), dtype=torch.float32, device=streams.device)
+        with_collapse = collapsed is not None
         _mhc_partials_kernel[(triton.cdiv(n, cfg["BM"]), split)](
-            x, pre_prev.contiguous(), fn.contiguous(), partials, collapsed, n, D=d, HC=hc, MIX=mix,
-            COLS=d // split, BMIX=bmix, **cfg, num_warps=4, launch_pdl=pdl(x.device),
+            x, pre_prev.contiguous() if with_collapse else mixes, fn.contiguous(), partials,
+            collapsed if with_collapse else x, n, D=d, HC=hc, MIX=mix, COLS=d // split, BMIX=bmix,
+            COLLAPSE=with_collapse, **cfg, num_warps=4, launch_pdl=pdl(x.device),
             enable_fp_fusion=False)     # the collapse's products rounded before the adds, as the reference
         fin = finish_config(split, bmix, finish_ch)
         _mhc_finish_sinkhorn_kernel[(triton.cdiv(n, fin["BR"]),)](
             partials, mixes, scale.contiguous(), base.contiguous(), pre, post, comb, n, iters, norm_eps, hc_eps,
             S=split, MIX=mix, INV_K=1.0 / (hc * d), HC=hc, BMIX=bmix, **fin, launch_pdl=pdl(partials.device),
             enable_fp_fusion=False)     # m*s + b and mean*(1/K) + eps rounded twice, as the reference's ops
-    return collapsed, pre, post, comb
+    return pre, post, comb
 
 
 def mhc_post_supported(out, streams, post, comb) -> bool:

@@ -71,7 +71,7 @@ STAGE_NAME = re.compile(r"(?:\d\d_)?(.+?)(?:\.(before|after))?(?:\.txt)?")
 # Short names from the seed's opportunity points, for `disable=` / `--disable` and the reader
 # (which shows the first of an alias's passes that ran where it needs one stage).
 ALIASES = {"P1": ("fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_ratio2_state_write"), "P4": ("hoist_engram",),
-           "P6": ("dual_stream",), "P8": ("overlap_collectives",)}
+           "P6": ("dual_stream",), "P8": ("overlap_collectives",), "P9": ("mhc_side_stream",)}
 
 # SECONDS_KEY is kept in memory and in timings.json, never in passes.json.
 SECONDS_KEY = "seconds"
