@@ -52,13 +52,14 @@ from v41graph.compiler.compiled_model import CompiledModel
 from v41graph.model.layer_plan import build_layer_plan
 from v41graph.model.layers import default_dtype
 from v41graph.model.model import V41Model, init_random_weights_
+from v41graph.passes.pass_manager import DEFAULT_PASSES
 from v41graph.tools.profiling import profile_steps
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "v41graph", "v41graph-noP1", "v41graph-noP4",
             "v41graph-noP6", "v41graph-noRMS", "v41graph-inductor", "v41graph-bf16cache",
             "v41graph-engram-host", "v41graph-sorttopk", "v41graph-headsattn",
             "v41graph-tilesfp8", "v41graph-blocksfp8", "v41graph-torchrouting", "v41graph-moesplit",
-            "v41graph-torchgate", "v41graph-torchmhc", "v41graph-torchswiglu", "v41graph-pdl")
+            "v41graph-torchgate", "v41graph-torchmhc", "v41graph-torchswiglu", "v41graph-pdl", "v41graph-P9")
 # variant -> the environment it runs under (read by the CUDA ops at every call, so a capture
 # takes it): one kernel's share of the whole step, before / after in one run. sorttopk: the
 # indexer's top-k as the torch reference; headsattn: sparse attention by the head-tile kernel
@@ -81,12 +82,14 @@ VARIANT_ENV = {"v41graph-sorttopk": {"V41GRAPH_DISABLE_TRITON": "topk_ascending"
                "v41graph-pdl": {"V41GRAPH_PDL": "1"}}
 DISABLE = {"v41graph-noP1": ("P1",), "v41graph-noP4": ("P4",), "v41graph-noP6": ("P6",),
            "v41graph-noRMS": ("fuse_rmsnorm",)}
+# variant -> its pass list when not the default: P9, the opt-in mHC predictor side stream
+PASSES = {"v41graph-P9": (*DEFAULT_PASSES, "P9")}
 # v41graph with its stream-free segments compiled by Inductor (compile(inductor_segments=True))
 INDUCTOR_SEGMENT_VARIANTS = ("v41graph-inductor",)
 # One trace, pass lists (and the Inductor-segment lowering) switched by make_runner. In VARIANTS
 # they come before the variants after which main() calls torch._dynamo.reset() (that would make
 # the shared model trace again).
-SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE, *INDUCTOR_SEGMENT_VARIANTS, *VARIANT_ENV)
+SHARED_TRACE_VARIANTS = ("v41graph", *DISABLE, *PASSES, *INDUCTOR_SEGMENT_VARIANTS, *VARIANT_ENV)
 BLOCK = 128
 SHARE_DECODE_GRAPH = "all"    # the default; --bucket-1-static: True; --no-shared-decode-graph: False
 
@@ -243,11 +246,12 @@ def make_runner(model: V41Model, variant: str, batches: list[int]):
         compiled = _PASS_ABLATIONS.get("model")
         if compiled is None:
             compiled = _PASS_ABLATIONS["model"] = v41graph.compile(
-                model, backend="auto", disable=DISABLE.get(variant, ()), batch_sizes=batches,
+                model, backend="auto", passes=PASSES.get(variant), disable=DISABLE.get(variant, ()),
+                batch_sizes=batches,
                 share_decode_graph=SHARE_DECODE_GRAPH, inductor_segments=inductor_segments)
             return compiled, False
         compiled.inductor_segments = inductor_segments     # read when set_passes lowers again
-        compiled.set_passes(disable=DISABLE.get(variant, ()))
+        compiled.set_passes(passes=PASSES.get(variant), disable=DISABLE.get(variant, ()))
         return compiled, True
     if variant == "eager":
         return model, False

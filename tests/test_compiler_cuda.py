@@ -143,6 +143,14 @@ def test_side_streams_change_no_bits(model):
     _assert_bit_identical_decodes(model, {}, {"disable": ("hoist_engram", "dual_stream")})
 
 
+def test_p9_side_stream_changes_no_bits(model):
+    """Race check for the opt-in P9: the captured decode with every mHC predictor on its side
+    stream must give bit-identical logits to the default compile, step after step (the split
+    ops are mhc_pre's arithmetic, so only a missing fork or join could change a bit)."""
+    from v41graph.passes.pass_manager import DEFAULT_PASSES
+    _assert_bit_identical_decodes(model, {"passes": (*DEFAULT_PASSES, "P9")}, {})
+
+
 def test_capture_changes_no_bits(model):
     """Race check, second half: the captured decode (all passes, side streams) must be
     bit-identical to the same bucketed graph run without capture (capture=False keeps the

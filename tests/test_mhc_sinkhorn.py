@@ -133,7 +133,8 @@ def test_cuda_fast_division_is_ieee_division_in_its_range():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1, 8, 64, 300])
 def test_cuda_pre_and_post_kernels_match_reference(n, dtype):
-    """mhc_pre (the collapse + the predictor, two launches) and mhc_post (the expand, one) at
+    """mhc_pre (the collapse + the predictor, two launches), mhc_post (the expand, one) and
+    mhc_collapse + mhc_predict (mhc_pre split for P9, bit for bit against mhc_pre) at
     the released width d = 5120 against the reference on the same GPU: the collapse and the
     expand within one rounding of the output dtype (the same products; torch may add its four
     in another order) and equal in >= 99 % of entries, pre / post / comb within 2e-5 (the
@@ -160,3 +161,8 @@ def test_cuda_pre_and_post_kernels_match_reference(n, dtype):
     y, y_ref = ops.mhc_post(out, streams, post, comb), ref.mhc_post(out, streams, post, comb)
     assert torch.allclose(y.float(), y_ref.float(), rtol=ulp, atol=64 * ulp ** 2)
     assert torch.eq(y, y_ref).float().mean().item() >= 0.99
+    # mhc_pre split in two (P9: the predictor on a side stream): mhc_pre's bits exactly
+    assert tk.mhc_predict_supported(streams, fn, scale, base, HC) and tk.mhc_collapse_supported(streams, pre_prev)
+    split = (ops.mhc_collapse(streams, pre_prev), *ops.mhc_predict(streams, fn, scale, base, HC, ITERS, EPS, 1e-6))
+    for name, a, b in zip(("collapse", "pre", "post", "comb"), split, got):
+        assert torch.equal(a, b), name
