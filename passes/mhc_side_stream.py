@@ -35,8 +35,10 @@ class MhcSideStream(GraphPass):
         graph = gm.graph
         count = 0
         for node in [n for n in graph.nodes if is_call(n, ops.mhc_pre.default)]:
-            if any(not (u.op == "call_function" and u.target is operator.getitem) for u in node.users):
-                continue    # a use of the whole tuple: nothing to rewire it to
+            if node.kwargs or len(node.args) != 9 or any(
+                    not (u.op == "call_function" and u.target is operator.getitem) for u in node.users):
+                self.refused += 1   # not the positional schema, or a use of the whole tuple: left alone
+                continue
             streams, pre_prev, fn, scale, base, *rest = node.args
             with graph.inserting_before(node):
                 collapse = graph.call_function(ops.mhc_collapse.default, (streams, pre_prev))
