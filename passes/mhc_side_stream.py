@@ -33,7 +33,7 @@ class MhcSideStream(GraphPass):
 
     def run(self, gm: fx.GraphModule) -> int:
         graph = gm.graph
-        count = 0
+        count = self.refused = 0
         for node in [n for n in graph.nodes if is_call(n, ops.mhc_pre.default)]:
             if node.kwargs or len(node.args) != 9 or any(
                     not (u.op == "call_function" and u.target is operator.getitem) for u in node.users):
