@@ -327,8 +327,16 @@ def test_console_script_runs_inspect(dumps):
 
 
 def test_cli_dump_rejects_an_unknown_pass(tmp_path, capsys):
-    assert cli.main(["dump", "--out", str(tmp_path / "d"), "--disable", "P9"]) == 1
-    assert "unknown pass 'P9'" in capsys.readouterr().err
+    assert cli.main(["dump", "--out", str(tmp_path / "d"), "--disable", "P99"]) == 1
+    assert "unknown pass 'P99'" in capsys.readouterr().err
+    assert cli.main(["dump", "--out", str(tmp_path / "e"), "--enable", "P99"]) == 1
+    assert "unknown pass 'P99'" in capsys.readouterr().err
+
+
+def test_cli_dump_enable_adds_an_opt_in_pass_to_the_defaults():
+    from v41graph.passes.pass_manager import DEFAULT_PASSES, resolve_passes
+    assert cli._pass_list(()) is None
+    assert resolve_passes(cli._pass_list(["P9"])) == resolve_passes()[:-2] + ["mhc_side_stream", *DEFAULT_PASSES[-2:]]
 
 
 # ---------------------------------------------------------------------------- bad dumps

@@ -29,7 +29,7 @@ STAGE_HELP = ("A stage is an index into the graph's stage list (0 = input, k = a
 
 _log = logging.getLogger("v41graph.tools.cli")
 # MODEL_FILE: what `v41graph dump` built, so `inspect --profile` can build it again
-MODEL_SCHEMA = Entry({"config": str, "seed": int, "disable": [str], "prompt_len": int})
+MODEL_SCHEMA = Entry({"config": str, "seed": int, "disable": [str], "prompt_len": int}, {"enable": [str]})
 
 
 def _progress(msg: str) -> None:
@@ -48,8 +48,14 @@ def _random_model(config: str, seed: int):
     return init_random_(V41Model(getattr(V41Config, config)()), seed=seed).eval().requires_grad_(False)
 
 
+def _pass_list(enable):
+    """compile()'s `passes` for the default passes plus the opt-in ones named in `enable`."""
+    from v41graph.passes.pass_manager import DEFAULT_PASSES
+    return (*DEFAULT_PASSES, *enable) if enable else None
+
+
 def run_dump(out, config: str = "tiny", disable=(), seed: int = 0, prompt_len: int = 12,
-             progress=_progress):
+             progress=_progress, enable=()):
     """Build `config` with random weights, compile it with dump_dir=out, run one prefill (graph
     0) and one decode step (graph 1) so both graphs are dumped. Returns the compiled model.
     The dump traces the two on their own (share_decode_graph=True: bucket 1 static), not as
@@ -62,8 +68,8 @@ def run_dump(out, config: str = "tiny", disable=(), seed: int = 0, prompt_len: i
 
     model = _random_model(config, seed)
     cfg = model.config
-    compiled = v41compile(model, backend="cpu", disable=tuple(disable), batch_sizes=(1,), dump_dir=str(out),
-                          share_decode_graph=True)
+    compiled = v41compile(model, backend="cpu", passes=_pass_list(enable), disable=tuple(disable),
+                          batch_sizes=(1,), dump_dir=str(out), share_decode_graph=True)
     session = Session(compiled, max_batch_size=1, max_seq_len=prompt_len + 2, block_size=16)
     prompt = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     t0 = time.perf_counter()
@@ -73,7 +79,8 @@ def run_dump(out, config: str = "tiny", disable=(), seed: int = 0, prompt_len: i
     t0 = time.perf_counter()
     session.decode(logits.argmax(-1, keepdim=True))
     (Path(out) / MODEL_FILE).write_text(json.dumps(
-        {"config": config, "seed": seed, "disable": list(disable), "prompt_len": prompt_len}, indent=1) + "\n")
+        {"config": config, "seed": seed, "disable": list(disable), "enable": list(enable), "prompt_len": prompt_len},
+        indent=1) + "\n")
     progress(f"  done in {time.perf_counter() - t0:.1f} s; dump written to {out}")
     return compiled
 
@@ -103,8 +110,8 @@ def run_profile(dump_dir, out, device: str | None = None, steps: int = 3) -> dic
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available here")
     model = place_model(_random_model(meta["config"], meta["seed"]), device, engram_device=device)
-    compiled = v41compile(model, backend="auto", disable=tuple(meta["disable"]), batch_sizes=(1,),
-                          compile_prefill=False)
+    compiled = v41compile(model, backend="auto", passes=_pass_list(meta.get("enable", ())),
+                          disable=tuple(meta["disable"]), batch_sizes=(1,), compile_prefill=False)
     prompt_len = meta["prompt_len"]
     session = Session(compiled, max_batch_size=1, max_seq_len=prompt_len + steps + 4, block_size=16)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
@@ -133,6 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, metavar="DIR", help="dump directory to write (created if needed)")
     d.add_argument("--disable", nargs="+", default=[], metavar="PASS",
                    help=f"passes to switch off, by name or alias ({', '.join(ALIASES)}), e.g. --disable P1 P6")
+    d.add_argument("--enable", nargs="+", default=[], metavar="PASS",
+                   help="opt-in passes to add to the defaults, e.g. --enable P9 (the mHC predictor's side stream)")
     d.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt (default 0)")
     d.add_argument("--prompt-len", type=int, default=12, help="prefill prompt length (default 12)")
     d.add_argument("--quiet", action="store_true", help="no progress lines or bars (errors still print)")
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)    # the tiny model's ops are far too small to gain from threads
             try:
-                run_dump(args.out, args.config, args.disable, args.seed, args.prompt_len)
+                run_dump(args.out, args.config, args.disable, args.seed, args.prompt_len, enable=args.enable)
             finally:
                 torch.set_num_threads(threads)
             return 0
