@@ -21,6 +21,8 @@ Needs a CUDA GPU and Triton. Everything is measured side by side in one process:
   - lightning indexer, decode: a Reindex layer (the P = 16384 listed candidates) vs a Full layer
     (all C positions) at contexts 64K..512K; the Reindex time must not grow with C.
   - the MoE gate (--only gate): the two-launch router kernels vs the torch form, 384 experts;
+  - mHC's input side (--only mhc): mhc_pre over its column-slice table vs the torch ops, and P9's
+    mhc_collapse / mhc_predict alone;
   - indexer top-k (--only topk): the one-launch top-512 select vs torch's sorts, N = 1..64,
     C = 2048..16384.
 Each fast result is checked against its baseline before it is timed. Prints a short table last;
@@ -651,6 +653,8 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
                 note=f"{100 * torch.eq(got_s, want).float().mean().item():.1f} % of outputs bit-equal to the reference")
         sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),
                  (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3),
+                 # deeper pipelines of the default tile: more weight bytes in flight per program
+                 (16, 64, 128, 128, 4, 4), (16, 64, 128, 128, 4, 5), (16, 64, 256, 256, 4, 2),
                  # the weight rows as the MMA's M side on FP8 dots, one per 32-wide K block
                  (16, 64, 128, 128, 4, 3, "blocks"), (16, 128, 128, 128, 4, 3, "blocks"),
                  (16, 128, 128, 128, 8, 3, "blocks"), (16, 128, 128, 128, 4, 4, "blocks"),
@@ -704,6 +708,52 @@ def bench_gate(bw, quick):
             err=rel(got_w, want_w), bw=bw, note="same ids" if same else "IDS DIFFER")
 
 
+# =============================================================================== mHC
+def bench_mhc(quick):
+    """mHC's input side at the released width (4 streams x 5120, fp32 fn [24, 20480]), 1 / 64
+    tokens (+ 8 without --quick): mhc_pre (partials + finish with the Sinkhorn) vs the torch ops
+    (reference.mhc_pre), over its column-slice table (pre_config's split and BK; the profile puts
+    the two launches at ~22 / ~35 µs a call at B = 1 / 64, far above their ~2 MB of reads), and
+    P9's split form: mhc_collapse alone (what stays on the main stream) and mhc_predict. Each
+    variant's outputs are checked against mhc_pre's default first (same bits, or the rel err of
+    pre / post / comb where the slicing changes the sum order). Cold L2 per call (cbench)."""
+    from v41graph.custom_ops import reference as ref
+    from v41graph.custom_ops.triton import mhc as tk
+    g = torch.Generator(device="cuda").manual_seed(3)
+    hc, d, iters = 4, 5120, 20
+    fn = torch.randn((2 + hc) * hc, hc * d, device="cuda", generator=g) / 64
+    scale = torch.rand(3, device="cuda", generator=g) + 0.5
+    base = torch.randn((2 + hc) * hc, device="cuda", generator=g)
+    for n in ((1, 64) if quick else (1, 8, 64)):
+        streams = torch.randn(n, hc, d, device="cuda", generator=g).to(torch.bfloat16)
+        pre_prev = torch.rand(n, hc, device="cuda", generator=g)
+        args = (fn, scale, base, hc, iters, 1e-6, 1e-6)
+        shape = f"mhc_pre N={n} 4x{d}"
+        nbytes = streams.numel() * 2 + fn.numel() * 4
+        want = tk.mhc_pre(streams, pre_prev, *args)
+        t_ref = cbench(lambda: ref.mhc_pre(streams, pre_prev, *args))
+        row("mhc_pre", shape, "torch ops (reference.mhc_pre)", t_ref, nbytes, bw=None)
+        default = tk.pre_config(n, d, streams.device)
+        table = [(32, default["split"]), (32, 80), (32, 40), (32, 20), (64, 40), (128, 20), (128, 10), (256, 10)]
+        for bk, split in dict.fromkeys(table):
+            cfg = dict(BM=default["BM"], BK=bk, split=split)
+            got = tk.mhc_pre(streams, pre_prev, *args, config=dict(cfg))
+            same = all(torch.equal(a, b) for a, b in zip(got, want))
+            err = max(rel(a, b) for a, b in zip(got[1:], want[1:]))
+            name = "default " if (bk, split) == (32, default["split"]) else ""
+            row("mhc_pre", shape, f"{name}triton BK={bk} split={split}",
+                cbench(lambda cfg=cfg: tk.mhc_pre(streams, pre_prev, *args, config=dict(cfg))), nbytes,
+                base_us=t_ref, err=err, note="same bits as the default" if same else "sum order differs")
+        collapsed = tk.mhc_collapse(streams, pre_prev)
+        predicted = tk.mhc_predict(streams, *args)
+        same = torch.equal(collapsed, want[0]) and all(torch.equal(a, b) for a, b in zip(predicted, want[1:]))
+        note = "same bits as mhc_pre" if same else "DIFFERS from mhc_pre"
+        row("mhc_pre", shape, "P9 main stream: mhc_collapse alone", cbench(lambda: tk.mhc_collapse(streams, pre_prev)),
+            streams.numel() * 2, base_us=t_ref, note=note)
+        row("mhc_pre", shape, "P9 side stream: mhc_predict alone", cbench(lambda: tk.mhc_predict(streams, *args)),
+            nbytes, base_us=t_ref, note=note)
+
+
 # =============================================================================== indexer top-k
 def bench_topk(indexer, quick):
     """The lightning indexer's top-512 selection over [N, C] scores: the one-launch Triton select
@@ -741,7 +791,7 @@ def main():
     ap.add_argument("--moe-kernels", default="", help="mxfp4: the kernel families swept (tokens,rows,blocks; default all)")
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="how cold-L2 timings evict L2 (see _flush_l2); write: every run before the 16th session")
-    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,topk,ratio2,fp8,gate,mxfp4 "
+    ap.add_argument("--only", default="", help="comma list of sections: wkv,writes,attn,engram,indexer,topk,ratio2,fp8,gate,mhc,mxfp4 "
                          "(quant = fp8,mxfp4)")
     args = ap.parse_args()
     FP8_SWEEP_KERNELS = tuple(filter(None, args.fp8_sweep.split(",")))
@@ -780,6 +830,7 @@ def main():
                 ("ratio2", lambda: bench_ratio2(compressor, d2d, args.quick)),
                 ("fp8", lambda: bench_fp8_linear(d2d, args.quick, FP8_ROWS)),
                 ("gate", lambda: bench_gate(d2d, args.quick)),
+                ("mhc", lambda: bench_mhc(args.quick)),
                 ("mxfp4", lambda: bench_mxfp4_moe(d2d, args.quick, _ints(args.moe_tokens),
                                                   tuple(filter(None, args.moe_kernels.split(",")))))]
     for name, fn in sections:
