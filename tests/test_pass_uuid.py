@@ -13,7 +13,7 @@ import v41graph.passes.patterns as patterns
 from v41graph.passes.pass_manager import PASS_CLASSES, PassManager
 
 RMSNORM_FUSIONS = {"fuse_wkv_rmsnorm", "fuse_pool_rmsnorm", "fuse_rmsnorm"}
-STREAM_PASSES = {"hoist_engram", "dual_stream",       # through side_stream.py
+STREAM_PASSES = {"hoist_engram", "dual_stream", "mhc_side_stream",      # through side_stream.py
                  "overlap_collectives"}                # its barriers
 
 
