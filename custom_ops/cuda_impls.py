@@ -14,10 +14,11 @@ Registered: fused_wkv_rmsnorm, rms_norm, rope, window_kv_write, global_kv_write,
 sparse_attention, engram_gather, mhc_sinkhorn, mhc_pre and mhc_post (the mHC residual's two sides),
 mhc_predict and mhc_collapse (mhc_pre in two, for the P9 side stream), fake_quant, moe_gate (the
 router), swiglu (the shared expert's activation), fp8_linear and mxfp4_moe (the released weight
-formats, dequantized in registers), fused_ratio2_compressor(_update) (cuBLAS projections + one Triton kernel for pooling, RMSNorm and the state-ring write); indexer_topk and
-indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place
-(bit-identical to the reference on the H200, fp32 and bf16) and select with a one-launch Triton
-top-k (the reference's ids). (engram_hash and fused_pool_rmsnorm keep the reference on CUDA.)
+formats, dequantized in registers), fused_ratio2_compressor(_update) (cuBLAS projections + one
+Triton kernel for pooling, RMSNorm and the state-ring write); indexer_topk and
+indexer_topk_candidates score with a Triton kernel that reads the FP4 keys in place (bit-identical
+to the reference on the H200, fp32 and bf16) and select with a one-launch Triton top-k (the
+reference's ids). (engram_hash and fused_pool_rmsnorm keep the reference on CUDA.)
 """
 from __future__ import annotations
 
