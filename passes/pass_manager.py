@@ -1,14 +1,14 @@
 """The pass manager: owns the order of the passes and runs them; `v41graph.compiler.dump` records,
 logs and dumps what each did.
 
-Order: cleanup -> fusions (P1, then the remaining RMSNorms) -> defunctionalize -> P1's state-
-write fold (it needs the in-place write) -> stream passes (P4, P6, and P9 when asked for) -> P8
-collective overlap -> stream check. P9 (`mhc_side_stream`) is opt-in (OPT_IN): it runs only when
-named in `passes`, e.g. `passes=(*DEFAULT_PASSES, "P9")`, until a GPU run has timed it. Fusions
-run before the stream passes so that no fusion can straddle a stream boundary; P8 only reorders
-inside the stretches between cache writes and stream / event ops, so it runs after P4 / P6 and
-sees their final regions; the stream check runs last and rejects a graph with unjoined side
-work.
+Order: cleanup -> fusions (P1, then the remaining RMSNorms) -> defunctionalize -> P1's
+state-write fold (it needs the in-place write) -> stream passes (P4, P6, and P9 when asked for)
+-> P8 collective overlap -> stream check. P9 (`mhc_side_stream`) is opt-in (OPT_IN): it runs
+only when named in `passes`, e.g. `passes=(*DEFAULT_PASSES, "P9")`, until a GPU run has timed
+it. Fusions run before the stream passes so that no fusion can straddle a stream boundary; P8
+only reorders inside the stretches between cache writes and stream / event ops, so it runs after
+P4 / P6 and sees their final regions; the stream check runs last and rejects a graph with
+unjoined side work.
 
 Every pass can be switched off by name or by its P-number alias (`dump.ALIASES`), except the
 stream check, which only validates. With a dump directory each compiled graph gets a folder
