@@ -238,6 +238,21 @@ def test_p9_changes_no_value(tiny, traced):
     assert all(torch.equal(a, b) for a, b in zip(plain, split))
 
 
+def test_p9_leaves_a_whole_tuple_use_alone():
+    """A near miss is refused, not rewritten: an mhc_pre whose tuple is used whole (here, the
+    graph's output) has nothing to rewire its users to, so P9 counts it as refused and leaves it."""
+    import torch.fx as fx
+    from v41graph.passes.mhc_side_stream import MhcSideStream
+    graph = fx.Graph()
+    streams, pre_prev, fn, scale, base = (graph.placeholder(n) for n in ("streams", "pre_prev", "fn", "scale", "base"))
+    node = graph.call_function(ops.mhc_pre.default, (streams, pre_prev, fn, scale, base, 4, 20, 1e-6, 1e-6))
+    graph.output((node,))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    p9 = MhcSideStream()
+    assert p9(gm) == 0 and p9.refused == 1
+    assert count_ops(gm, ops.mhc_pre.default) == 1 and count_ops(gm, ops.mhc_predict.default) == 0
+
+
 def test_shared_expert_activation_is_one_op(tiny, traced):
     """Each layer's shared expert runs its clamped SwiGLU as one swiglu node (not its seven
     casts, clamps, silu and product); the routed experts on this CPU path (the loop, each
