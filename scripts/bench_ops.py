@@ -653,8 +653,10 @@ def bench_mxfp4_moe(bw, quick, token_counts=(), kernels=()):
                 note=f"{100 * torch.eq(got_s, want).float().mean().item():.1f} % of outputs bit-equal to the reference")
         sweep = [(16, 64, 128, 128, 4, 3), (16, 128, 128, 128, 4, 3), (16, 64, 256, 256, 4, 3),
                  (16, 32, 128, 128, 4, 4), (16, 64, 128, 128, 8, 3),
-                 # deeper pipelines of the default tile: more weight bytes in flight per program
+                 # deeper pipelines of the default tile: more weight bytes in flight per program;
+                 # and its registers capped at 128 (moe_fp4.maxnreg_of): 4 programs per SM, not 3
                  (16, 64, 128, 128, 4, 4), (16, 64, 128, 128, 4, 5), (16, 64, 256, 256, 4, 2),
+                 (16, 64, 128, 128, 4, 3, "tokens", 128), (16, 64, 128, 128, 4, 4, "tokens", 128),
                  # the weight rows as the MMA's M side on FP8 dots, one per 32-wide K block
                  (16, 64, 128, 128, 4, 3, "blocks"), (16, 128, 128, 128, 4, 3, "blocks"),
                  (16, 128, 128, 128, 8, 3, "blocks"), (16, 128, 128, 128, 4, 4, "blocks"),

@@ -38,7 +38,8 @@ _KERNELS_SCRIPT = """
     w13, s13 = stack(2 * i, d)
     w2, s2 = stack(d, i)
     configs = [(16, 64, 128, 128, 4, 3, "tokens"), (16, 32, 64, 32, 4, 3, "tokens"),
-               (16, 64, 128, 128, 4, 3, "blocks"), (16, 32, 256, 32, 4, 3, "blocks")]
+               (16, 64, 128, 128, 4, 3, "blocks"), (16, 32, 256, 32, 4, 3, "blocks"),
+               (16, 64, 128, 128, 4, 4, "tokens", 128)]     # a register cap (a launch option)
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randn(n, d, generator=g) * 3).to(dtype)
         scores = torch.rand(n, e, generator=g)
@@ -70,7 +71,7 @@ _KERNELS_SCRIPT = """
 
 def test_every_kernel_pair_matches_the_reference_in_triton_interpreter(tmp_path):
     rows = [line.split() for line in run_interpreted(_KERNELS_SCRIPT, tmp_path)]
-    assert len(rows) == 14, rows
+    assert len(rows) == 16, rows
     for kernel, dtype, equal, rel in rows:
         # blocks: the reference's own arithmetic (one partial per 32-wide K block, both scales,
         # block order), bit for bit where the dot sums in fp32 as the interpreter's does (Hopper's
@@ -199,8 +200,10 @@ def test_split_pairs_codes_in_triton_interpreter(tmp_path):
     ((16, 64, 128, 128, 4, 3, "columns"), r"config kernel 'columns' is not one of \('tokens', 'blocks'\)"),
     ((16, 48, 128, 128, 4, 3, "blocks"), r"config BN must be a multiple of 32 .* got 48"),
     ((8, 64, 128, 128, 4, 3, "blocks"), r"the blocks kernels' token tile BM must be >= 16 .* got 8"),
-    ((16, 64, 128, 128), r"config must be \(BM, BN, BK_gate_up, BK_down, num_warps, num_stages\[, kernel\]\), "
-                         r"got \(16, 64, 128, 128\)"),
+    ((16, 64, 128, 128), r"config must be \(BM, BN, BK_gate_up, BK_down, num_warps, num_stages\[, kernel"
+                         r"\[, maxnreg\]\]\), got \(16, 64, 128, 128\)"),
+    ((16, 64, 128, 128, 4, 3, "tokens", 16), r"config maxnreg must be None or an integer in \[24, 255\] .* got 16"),
+    ((16, 64, 128, 128, 4, 3, "tokens", 128.0), r"config maxnreg must be None .* got 128.0"),
 ])
 def test_bad_config_is_refused_before_any_work(config, message):
     e, d, i = 4, 64, 32          # CPU tensors: the check comes before routing, buffers and launches

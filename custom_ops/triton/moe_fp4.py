@@ -496,6 +496,14 @@ def kernel_of(config) -> str:
     return config[6] if len(config) > 6 else "tokens"
 
 
+def maxnreg_of(config) -> int | None:
+    """The register cap per thread a config asks for (its eighth field; None: the compiler's
+    choice). The tokens gate_up compiles to 168 registers at the decode tile, 3 programs of 4
+    warps per SM; capped at 128 (offline sm90 SASS: 747 loop instructions against 744, a 16-byte
+    stack, no spill in the loop) 4 fit: a launch option to sweep (bench_ops --only mxfp4)."""
+    return config[7] if len(config) > 7 else None
+
+
 def _scale_words(scales: torch.Tensor, k: int, bk: int) -> bool:
     """Whether the blocks kernels may read these E8M0 scales as int32 words (_scale_words_at)."""
     return bk % 128 == 0 and k % 128 == 0 and scales.data_ptr() % 4 == 0
@@ -543,16 +551,21 @@ def _expert_slots(n_experts: int, pairs: int) -> int:
 
 
 def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=None):
-    """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, kernel]) overrides the
-    table; kernel is one of KERNELS ("tokens" when left out). `split`: the tokens gate_up's K
+    """`config` (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, kernel[, maxnreg]])
+    overrides the table; kernel is one of KERNELS ("tokens" when left out), maxnreg caps both
+    kernels' registers per thread (maxnreg_of). `split`: the tokens gate_up's K
     slices (_split_k when None; 1 = the unsplit kernel)."""
     n, k = chosen.shape
     e, two_i, _ = w13.shape
     i, d = two_i // 2, x.shape[1]
     config = config or _config(n * k / e)
-    if len(config) not in (6, 7):
-        raise ValueError(f"mxfp4_moe: config must be (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, kernel]), "
-                         f"got {config!r}")
+    if len(config) not in (6, 7, 8):
+        raise ValueError(f"mxfp4_moe: config must be (BM, BN, BK_gate_up, BK_down, num_warps, num_stages[, kernel"
+                         f"[, maxnreg]]), got {config!r}")
+    maxnreg = maxnreg_of(config)
+    if maxnreg is not None and (not isinstance(maxnreg, int) or isinstance(maxnreg, bool) or not 24 <= maxnreg <= 255):
+        raise ValueError(f"mxfp4_moe: config maxnreg must be None or an integer in [24, 255] (registers per "
+                         f"thread), got {maxnreg!r}")
     kernel = kernel_of(config)
     bm, bn, bk1, bk2, warps, stages = config[:6]
     if kernel not in KERNELS:
@@ -571,7 +584,8 @@ def mxfp4_moe(x, weights, chosen, w13, s13, w2, s2, limit, config=None, split=No
     tok, pw, dest, ids, offs = route_pairs(weights, chosen, e, routing_kernels)
     bk1, bk2 = _block_k(d, bk1), _block_k(i, bk2)
     pairs = torch.empty((n * k, d), device=x.device, dtype=x.dtype)   # rows of held-elsewhere pairs: unread
-    launch = dict(num_warps=warps, num_stages=stages, launch_pdl=pdl(x.device))
+    launch = dict(num_warps=warps, num_stages=stages, launch_pdl=pdl(x.device),
+                  **({"maxnreg": maxnreg} if maxnreg is not None else {}))
     slots, be = _expert_slots(e, n * k), triton.next_power_of_2(e)
     grid_up, grid_down = (triton.cdiv(i, bn), slots), (triton.cdiv(d, bn), slots)
     if kernel == "blocks":  # codes + scales in, codes + scales between the two kernels
