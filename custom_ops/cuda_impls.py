@@ -97,17 +97,19 @@ _register_triton_first("sparse_attention", "attention", 9, ref.sparse_attention_
 _register_triton_first("mhc_sinkhorn", "mhc", 4, ref.mhc_sinkhorn)
 
 
+def _mhc_predict_torch(streams, fn, scale, base, hc, iters, hc_eps, norm_eps):
+    """mhc_predict's fallback: the reference's torch ops with the Sinkhorn by its own op (its kernel)."""
+    return torch.ops.v41graph.mhc_sinkhorn(ref.mhc_mixes(streams, fn, norm_eps), scale, base, hc, iters, hc_eps)
+
+
 def _mhc_pre_torch(streams, pre_prev, fn, scale, base, hc, iters, hc_eps, norm_eps):
-    """mhc_pre's fallback: the reference's torch ops with the Sinkhorn by its own op (its kernel)."""
-    mixes = ref.mhc_mixes(streams, fn, norm_eps)
+    """mhc_pre's fallback: the collapse and mhc_predict's fallback."""
     return (ref.mhc_collapse(streams, pre_prev),
-            *torch.ops.v41graph.mhc_sinkhorn(mixes, scale, base, hc, iters, hc_eps))
+            *_mhc_predict_torch(streams, fn, scale, base, hc, iters, hc_eps, norm_eps))
 
 
 _register_triton_first("mhc_pre", "mhc", 6, _mhc_pre_torch)
-_register_triton_first("mhc_predict", "mhc", 5, lambda streams, fn, scale, base, hc, iters, hc_eps, norm_eps:
-                       torch.ops.v41graph.mhc_sinkhorn(ref.mhc_mixes(streams, fn, norm_eps), scale, base, hc,
-                                                       iters, hc_eps))
+_register_triton_first("mhc_predict", "mhc", 5, _mhc_predict_torch)
 _register_triton_first("mhc_collapse", "mhc", 2, ref.mhc_collapse)
 _register_triton_first("mhc_post", "mhc", 4, ref.mhc_post)
 _register_triton_first("fake_quant", "cache_writes", 3, fake_quant_reference)

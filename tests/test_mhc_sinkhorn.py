@@ -46,6 +46,20 @@ def test_op_rejects_wrong_mixes_width():
         ops.mhc_sinkhorn(torch.zeros(2, 20), torch.ones(3), torch.zeros(24), HC, ITERS, EPS)
 
 
+def test_mhc_input_side_ops_reject_mismatched_shapes():
+    """mhc_pre and its P9 halves (mhc_collapse, mhc_predict) name the op and the rule broken."""
+    streams, pre, fn = torch.randn(3, HC, 8), torch.rand(3, HC), torch.randn((2 + HC) * HC, HC * 8)
+    scale, base = torch.ones(3), torch.zeros((2 + HC) * HC)
+    with pytest.raises(ValueError, match=r"mhc_collapse: streams must be \[..., hc, d\] and pre \[..., hc\]"):
+        ops.mhc_collapse(streams, pre[:, :2])
+    with pytest.raises(ValueError, match=r"mhc_predict: fn shape \(24, 16\) != \(24, 32\)"):
+        ops.mhc_predict(streams, fn[:, :16], scale, base, HC, ITERS, EPS, 1e-6)
+    with pytest.raises(ValueError, match=r"mhc_predict: streams must be \[..., hc=4, d\], got \(3, 2, 8\)"):
+        ops.mhc_predict(streams[:, :2], fn, scale, base, HC, ITERS, EPS, 1e-6)
+    with pytest.raises(ValueError, match=r"mhc_pre: streams must be \[..., hc=4, d\] and pre_prev \[..., 4\]"):
+        ops.mhc_pre(streams, pre[:2], fn, scale, base, HC, ITERS, EPS, 1e-6)
+
+
 def test_comb_is_doubly_stochastic_after_sinkhorn():
     # Counted property of the spec: after the final column normalisation every column sums to
     # 1 (up to eps), and the row sums move towards 1 with more rounds.

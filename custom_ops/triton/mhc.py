@@ -397,13 +397,14 @@ def mhc_pre(streams, pre_prev, fn, scale, base, hc: int, iters: int, hc_eps: flo
     and optionally the finish's CH (slices per chunk; tests)."""
     n, _, d = streams.shape
     collapsed = torch.empty((n, d), dtype=streams.dtype, device=streams.device)
-    return (collapsed, *_predict(streams, pre_prev, collapsed, fn, scale, base, hc, iters, hc_eps, norm_eps, config))
+    return (collapsed, *_predict("mhc_pre", streams, pre_prev, collapsed, fn, scale, base, hc, iters, hc_eps,
+                                 norm_eps, config))
 
 
 def mhc_predict(streams, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float,
                 *, config: dict | None = None):
     """mhc_pre's (pre, post, comb) alone: its two launches without the collapse, same bits."""
-    return _predict(streams, None, None, fn, scale, base, hc, iters, hc_eps, norm_eps, config)
+    return _predict("mhc_predict", streams, None, None, fn, scale, base, hc, iters, hc_eps, norm_eps, config)
 
 
 def mhc_collapse(streams, pre, *, block: int = 512):
@@ -419,7 +420,7 @@ def mhc_collapse(streams, pre, *, block: int = 512):
     return out
 
 
-def _predict(streams, pre_prev, collapsed, fn, scale, base, hc, iters, hc_eps, norm_eps, config):
+def _predict(op, streams, pre_prev, collapsed, fn, scale, base, hc, iters, hc_eps, norm_eps, config):
     """The predictor's two launches (partials, then finish + Sinkhorn) -> (pre, post, comb); the
     partials kernel also writes the collapse with pre_prev into `collapsed` unless it is None."""
     n, _, d = streams.shape
@@ -427,7 +428,7 @@ def _predict(streams, pre_prev, collapsed, fn, scale, base, hc, iters, hc_eps, n
     cfg = dict(config or pre_config(n, d, streams.device))
     split, finish_ch = cfg.pop("split"), cfg.pop("CH", None)
     if d % (split * cfg["BK"]):
-        raise ValueError(f"mhc_pre: hidden size {d} is not {split} slices of whole {cfg['BK']}-column steps")
+        raise ValueError(f"{op}: hidden size {d} is not {split} slices of whole {cfg['BK']}-column steps")
     x = streams.contiguous()
     f32 = dict(dtype=torch.float32, device=streams.device)
     mixes = torch.empty((n, mix), **f32)
@@ -435,7 +436,7 @@ def _predict(streams, pre_prev, collapsed, fn, scale, base, hc, iters, hc_eps, n
     if n:
         bmix = triton.next_power_of_2(mix + 1)
         partials = torch.empty((split, n, bmix), dtype=torch.float32, device=streams.device)
-        with_collapse = collapsed is not None
+        with_collapse = collapsed is not None      # without: pre_ptr / out_ptr are never read (any tensor)
         _mhc_partials_kernel[(triton.cdiv(n, cfg["BM"]), split)](
             x, pre_prev.contiguous() if with_collapse else mixes, fn.contiguous(), partials,
             collapsed if with_collapse else x, n, D=d, HC=hc, MIX=mix, COLS=d // split, BMIX=bmix,
